@@ -1,0 +1,18 @@
+//! kvplane's routing service over the local state: Route, Explain, ReportUsage and Status.
+//!
+//! The decision itself ([`decide`]) is a pure function of a [`kvplane_state::View`], the
+//! prompt and the [`CostModel`]; the gRPC services wrap it with tokenization, metrics and
+//! the bookkeeping of requests in flight.
+
+mod admin;
+mod cost;
+mod decide;
+mod metrics;
+mod router;
+mod usage;
+
+pub use admin::{AdminService, IngestStatus, NodeInfo};
+pub use cost::CostModel;
+pub use decide::{Candidate, Decision, RejectKind, RouteInput, decide};
+pub use metrics::ApiMetrics;
+pub use router::{Prompted, RouterService};

@@ -1,0 +1,247 @@
+//! The `kvplane.v1.Router` gRPC service.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvplane_proto::v1::{
+    self as pb, CandidateExplanation, Endpoint, ExplainResponse, RejectCode, Rejection,
+    RouteRequest, RouteResponse, UsageAck, UsageReport, route_response,
+};
+use kvplane_state::StateHandle;
+use kvplane_tokenize::{PromptSource, prompt_from_body};
+use tonic::{Request, Response, Status};
+
+use crate::decide::{Candidate, Decision, RejectKind};
+use crate::usage::{Routed, UsageBook};
+use crate::{ApiMetrics, CostModel, RouteInput, decide};
+
+/// A request's prompt as the service resolved it.
+#[derive(Debug, Clone)]
+pub struct Prompted {
+    pub tokens: Vec<u32>,
+    pub source: PromptSource,
+    pub model: String,
+}
+
+/// Serves Route, Explain and ReportUsage from the local state.
+#[derive(Debug, Clone)]
+pub struct RouterService {
+    state: StateHandle,
+    cost: CostModel,
+    metrics: Arc<ApiMetrics>,
+    usage: Arc<UsageBook>,
+}
+
+impl RouterService {
+    pub fn new(state: StateHandle, cost: CostModel, metrics: Arc<ApiMetrics>) -> Self {
+        Self {
+            state,
+            cost,
+            metrics,
+            usage: Arc::new(UsageBook::new(100_000, Duration::from_secs(600))),
+        }
+    }
+
+    /// Resolves the prompt: token ids from the request, else the body tokenized.
+    pub fn prompt(req: &RouteRequest) -> Result<Prompted, String> {
+        if !req.token_ids.is_empty() {
+            let model = if req.model.is_empty() {
+                body_model(&req.body).unwrap_or_default()
+            } else {
+                req.model.clone()
+            };
+            return Ok(Prompted {
+                tokens: req.token_ids.clone(),
+                source: PromptSource::TokenIds,
+                model,
+            });
+        }
+        if req.body.is_empty() {
+            return Err("request has neither token_ids nor a body".into());
+        }
+        let p = prompt_from_body(&req.body).map_err(|e| e.to_string())?;
+        let model = if req.model.is_empty() {
+            p.model.unwrap_or_default()
+        } else {
+            req.model.clone()
+        };
+        Ok(Prompted {
+            tokens: p.tokens,
+            source: p.source,
+            model,
+        })
+    }
+
+    /// Runs the decision for a request (no side effects).
+    pub fn evaluate(&self, req: &RouteRequest) -> Result<(Prompted, Decision), Status> {
+        let view = self.state.load();
+        if view.applied_index < req.min_applied_index {
+            return Err(Status::failed_precondition(format!(
+                "state is at index {}, request needs at least {}",
+                view.applied_index, req.min_applied_index
+            )));
+        }
+        let prompted = match Self::prompt(req) {
+            Ok(p) => p,
+            Err(reason) => {
+                return Ok((
+                    Prompted {
+                        tokens: Vec::new(),
+                        source: PromptSource::TokenIds,
+                        model: req.model.clone(),
+                    },
+                    Decision {
+                        applied_index: view.applied_index,
+                        candidates: Vec::new(),
+                        outcome: Err((RejectKind::InvalidRequest, reason)),
+                        steps: Vec::new(),
+                    },
+                ));
+            }
+        };
+        let decision = decide(
+            &view,
+            RouteInput {
+                request_id: &req.request_id,
+                model: &prompted.model,
+                tokens: &prompted.tokens,
+                lora_name: None,
+            },
+            &self.cost,
+        );
+        Ok((prompted, decision))
+    }
+}
+
+fn body_model(body: &[u8]) -> Option<String> {
+    kvplane_tokenize::prompt_from_body(body).ok().and_then(|p| p.model)
+}
+
+fn endpoint(c: &Candidate) -> Endpoint {
+    Endpoint {
+        address: c.address.clone().unwrap_or_default(),
+        worker_id: c.worker.clone(),
+        pool: c.pool.clone(),
+        dp_rank: c.dp_rank,
+    }
+}
+
+fn reject_code(kind: RejectKind) -> RejectCode {
+    match kind {
+        RejectKind::UnknownModel => RejectCode::UnknownModel,
+        RejectKind::NoCapacity => RejectCode::NoCapacity,
+        RejectKind::InvalidRequest => RejectCode::InvalidRequest,
+    }
+}
+
+pub(crate) fn outcome_label(d: &Decision) -> &'static str {
+    match &d.outcome {
+        Ok(_) => "routed",
+        Err((RejectKind::UnknownModel, _)) => "unknown_model",
+        Err((RejectKind::NoCapacity, _)) => "no_capacity",
+        Err((RejectKind::InvalidRequest, _)) => "invalid_request",
+    }
+}
+
+fn response(p: &Prompted, d: &Decision) -> RouteResponse {
+    let mut out = RouteResponse {
+        applied_index: d.applied_index,
+        prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
+        ..Default::default()
+    };
+    match &d.outcome {
+        Ok(i) => {
+            let c = &d.candidates[*i];
+            out.decision = Some(route_response::Decision::Endpoint(endpoint(c)));
+            out.predicted_ttft_ms = c.cost;
+            out.matched_blocks = c.overlap_blocks;
+            out.prompt_blocks = c.prompt_blocks;
+        }
+        Err((kind, reason)) => {
+            out.decision = Some(route_response::Decision::Rejection(Rejection {
+                code: reject_code(*kind).into(),
+                reason: reason.clone(),
+                retry_after_ms: 0,
+            }));
+            out.prompt_blocks = d.candidates.first().map_or(0, |c| c.prompt_blocks);
+        }
+    }
+    out
+}
+
+#[tonic::async_trait]
+impl pb::router_server::Router for RouterService {
+    async fn route(&self, request: Request<RouteRequest>) -> Result<Response<RouteResponse>, Status> {
+        let started = Instant::now();
+        let req = request.into_inner();
+        let (prompted, decision) = self.evaluate(&req)?;
+        if let Some(c) = decision.chosen() {
+            self.usage.insert(
+                &req.request_id,
+                Routed {
+                    worker_id: c.worker_id,
+                    predicted_ttft_ms: c.cost,
+                    at: Instant::now(),
+                },
+            );
+        }
+        let resp = response(&prompted, &decision);
+        self.metrics
+            .decision(outcome_label(&decision), started.elapsed().as_secs_f64());
+        Ok(Response::new(resp))
+    }
+
+    async fn report_usage(
+        &self,
+        request: Request<UsageReport>,
+    ) -> Result<Response<UsageAck>, Status> {
+        let report = request.into_inner();
+        let routed = self.usage.take(&report.request_id);
+        self.metrics.usage(routed.is_some());
+        if let Some(r) = &routed {
+            tracing::debug!(
+                request_id = report.request_id,
+                worker_id = r.worker_id,
+                predicted_ttft_ms = r.predicted_ttft_ms,
+                observed_ttft_ms = report.observed_ttft_ms,
+                "usage reported"
+            );
+        }
+        Ok(Response::new(UsageAck {
+            known: routed.is_some(),
+            applied_index: self.state.load().applied_index,
+        }))
+    }
+
+    async fn explain(
+        &self,
+        request: Request<RouteRequest>,
+    ) -> Result<Response<ExplainResponse>, Status> {
+        let req = request.into_inner();
+        let (prompted, decision) = self.evaluate(&req)?;
+        let candidates = decision
+            .candidates
+            .iter()
+            .map(|c| CandidateExplanation {
+                endpoint: Some(endpoint(c)),
+                overlap_blocks: c.overlap_blocks,
+                uncached_blocks: c.prompt_blocks.saturating_sub(c.overlap_blocks),
+                running: c.running,
+                waiting: c.waiting,
+                kv_cache_usage: c.kv_cache_usage,
+                prefill_cost: c.prefill_ms,
+                load_cost: c.load_ms,
+                cost: c.cost,
+                predicted_ttft_ms: c.cost,
+                filtered_reason: c.filtered.clone().unwrap_or_default(),
+                chosen: c.chosen,
+            })
+            .collect();
+        Ok(Response::new(ExplainResponse {
+            decision: Some(response(&prompted, &decision)),
+            candidates,
+            prompt_source: prompted.source.as_str().to_owned(),
+            steps: decision.steps.clone(),
+        }))
+    }
+}

@@ -1,0 +1,285 @@
+//! The JetStream consumer: reads the ingest stream in order from the recorded position,
+//! turns messages into [`IngestItem`]s, and proposes them in batches.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::OrderedConfig, stream};
+use futures::StreamExt;
+use kvplane_state::{Command, IngestBatch, IngestItem, IngestPayload, Proposer, WorkerMetrics};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::message::WorkerStatus;
+use crate::subject::{MessageKind, STREAM_SUBJECTS, Subject};
+use crate::vllm::decode_batch;
+use crate::{IngestError, IngestMetrics, MetricsMessage, RejectReason, WorkerMessage};
+
+/// How the consumer batches and what it accepts.
+#[derive(Debug, Clone)]
+pub struct IngestConfig {
+    /// JetStream stream name.
+    pub stream: String,
+    /// At most this many messages per log entry.
+    pub max_batch_messages: usize,
+    /// A batch closes this long after its first message at the latest.
+    pub max_batch_delay: Duration,
+    /// Larger payloads are rejected (`oversized`).
+    pub max_message_bytes: usize,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            stream: "KVPLANE".into(),
+            max_batch_messages: 512,
+            max_batch_delay: Duration::from_millis(5),
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Gets the ingest stream, creating it (file storage, subjects `kvplane.>`) when missing.
+pub async fn ensure_stream(
+    js: &jetstream::Context,
+    name: &str,
+) -> Result<stream::Stream, IngestError> {
+    js.get_or_create_stream(stream::Config {
+        name: name.to_owned(),
+        subjects: vec![STREAM_SUBJECTS.to_owned()],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| IngestError::Stream {
+        stream: name.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Consumes the stream and proposes what it reads.
+pub struct Ingestor<P> {
+    js: jetstream::Context,
+    cfg: IngestConfig,
+    proposer: P,
+    metrics: Arc<IngestMetrics>,
+}
+
+impl<P: Proposer> Ingestor<P> {
+    pub fn new(
+        js: jetstream::Context,
+        cfg: IngestConfig,
+        proposer: P,
+        metrics: Arc<IngestMetrics>,
+    ) -> Self {
+        Self {
+            js,
+            cfg,
+            proposer,
+            metrics,
+        }
+    }
+
+    /// Runs until `shutdown` turns true. `resume_after` gives the last applied stream sequence;
+    /// consumption (re)starts right after it, so nothing is skipped and nothing applied twice.
+    pub async fn run(
+        &self,
+        resume_after: impl Fn() -> u64,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<(), IngestError> {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+            let start = resume_after() + 1;
+            let attempt = async {
+                let stream = ensure_stream(&self.js, &self.cfg.stream).await?;
+                backoff = Duration::from_millis(100);
+                self.consume_from(&stream, start, &mut shutdown).await
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(IngestError::Propose(e)) => return Err(IngestError::Propose(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, start, "ingest consumer failed; restarting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = shutdown.changed() => return Ok(()),
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn consume_from(
+        &self,
+        stream: &stream::Stream,
+        start_sequence: u64,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<(), IngestError> {
+        let consumer = stream
+            .create_consumer(OrderedConfig {
+                deliver_policy: DeliverPolicy::ByStartSequence { start_sequence },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| IngestError::Consumer(e.to_string()))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| IngestError::Consumer(e.to_string()))?;
+        tracing::info!(start_sequence, "ingest consuming");
+        let mut expected = start_sequence;
+        loop {
+            let first = tokio::select! {
+                m = messages.next() => m,
+                _ = shutdown.changed() => return Ok(()),
+            };
+            let Some(first) = first else {
+                return Err(IngestError::Consumer("message stream ended".into()));
+            };
+            let first = first.map_err(|e| IngestError::Consumer(e.to_string()))?;
+            let deadline = Instant::now() + self.cfg.max_batch_delay;
+            let mut batch = Batch::default();
+            self.add(&mut batch, &first)?;
+            while batch.len < self.cfg.max_batch_messages {
+                match tokio::time::timeout_at(deadline, messages.next()).await {
+                    Ok(Some(Ok(m))) => self.add(&mut batch, &m)?,
+                    Ok(Some(Err(e))) => {
+                        // Propose what we have; the restart resumes after it.
+                        self.propose(batch, &mut expected).await?;
+                        return Err(IngestError::Consumer(e.to_string()));
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            self.propose(batch, &mut expected).await?;
+        }
+    }
+
+    async fn propose(&self, batch: Batch, expected: &mut u64) -> Result<(), IngestError> {
+        let (Some(first_seq), Some(last_seq)) = (batch.first_seq, batch.last_seq) else {
+            return Ok(());
+        };
+        if first_seq != *expected {
+            tracing::warn!(
+                expected = *expected,
+                got = first_seq,
+                "stream sequence gap (messages removed from the stream before they were consumed)"
+            );
+        }
+        *expected = last_seq + 1;
+        self.proposer
+            .propose(Command::Ingest(IngestBatch {
+                first_seq,
+                last_seq,
+                items: batch.items,
+            }))
+            .await?;
+        self.metrics.batch(last_seq, batch.pending);
+        Ok(())
+    }
+
+    fn add(&self, batch: &mut Batch, msg: &jetstream::Message) -> Result<(), IngestError> {
+        let info = msg
+            .info()
+            .map_err(|e| IngestError::Consumer(format!("message without stream info: {e}")))?;
+        let seq = info.stream_sequence;
+        batch.first_seq.get_or_insert(seq);
+        batch.last_seq = Some(seq);
+        batch.pending = info.pending;
+        batch.len += 1;
+        if let Some(item) = self.convert(seq, msg.subject.as_str(), &msg.payload) {
+            batch.items.push(item);
+        }
+        Ok(())
+    }
+
+    /// One message to an item; `None` when rejected (counted).
+    fn convert(&self, seq: u64, subject: &str, payload: &[u8]) -> Option<IngestItem> {
+        let Some(s) = Subject::parse(subject) else {
+            return self.reject(RejectReason::UnknownSubject, seq, subject, "bad subject");
+        };
+        if payload.len() > self.cfg.max_message_bytes {
+            return self.reject(RejectReason::Oversized, seq, subject, "payload too large");
+        }
+        let payload = match s.kind {
+            MessageKind::Kv => {
+                self.metrics.message("kv");
+                match decode_batch(payload) {
+                    Ok(d) => {
+                        for skipped in &d.skipped {
+                            self.metrics.skipped(skipped.reason());
+                            tracing::debug!(seq, subject, ?skipped, "vllm event skipped");
+                        }
+                        IngestPayload::Kv(d.batch)
+                    }
+                    Err(e) => {
+                        return self.reject(RejectReason::Undecodable, seq, subject, &e.to_string());
+                    }
+                }
+            }
+            MessageKind::Metrics => {
+                self.metrics.message("metrics");
+                match serde_json::from_slice::<MetricsMessage>(payload)
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| m.check().map(|()| m))
+                {
+                    Ok(m) => IngestPayload::Metrics(WorkerMetrics {
+                        running: m.num_requests_running,
+                        waiting: m.num_requests_waiting,
+                        kv_cache_usage: m.kv_cache_usage_perc,
+                        prefix_cache_hit_rate: m.prefix_cache_hit_rate,
+                    }),
+                    Err(e) => return self.reject(RejectReason::BadMetrics, seq, subject, &e),
+                }
+            }
+            MessageKind::Worker => {
+                self.metrics.message("worker");
+                match serde_json::from_slice::<WorkerMessage>(payload) {
+                    Ok(w) => IngestPayload::Worker {
+                        up: w.status == WorkerStatus::Up,
+                        address: w.address,
+                    },
+                    Err(e) => {
+                        return self.reject(
+                            RejectReason::BadWorkerMessage,
+                            seq,
+                            subject,
+                            &e.to_string(),
+                        );
+                    }
+                }
+            }
+        };
+        Some(IngestItem {
+            seq,
+            pool: s.pool.to_owned(),
+            worker: s.worker.to_owned(),
+            payload,
+        })
+    }
+
+    fn reject(
+        &self,
+        reason: RejectReason,
+        seq: u64,
+        subject: &str,
+        detail: &str,
+    ) -> Option<IngestItem> {
+        self.metrics.reject(reason);
+        tracing::debug!(seq, subject, reason = reason.as_str(), detail, "ingest message rejected");
+        None
+    }
+}
+
+#[derive(Default)]
+struct Batch {
+    first_seq: Option<u64>,
+    last_seq: Option<u64>,
+    pending: u64,
+    len: usize,
+    items: Vec<IngestItem>,
+}

@@ -1,0 +1,15 @@
+//! How engine messages reach the state: vLLM KV-event decoding, the NATS subject scheme,
+//! and the JetStream consumer that batches messages into log entries.
+
+mod consumer;
+mod error;
+mod message;
+mod metrics;
+mod subject;
+pub mod vllm;
+
+pub use consumer::{IngestConfig, Ingestor, ensure_stream};
+pub use error::{DecodeError, IngestError};
+pub use message::{MetricsMessage, WorkerMessage};
+pub use metrics::{IngestMetrics, RejectReason};
+pub use subject::{MessageKind, STREAM_SUBJECTS, Subject, kv_subject, metrics_subject, worker_subject};

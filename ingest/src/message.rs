@@ -1,0 +1,50 @@
+//! JSON messages next to the KV events: engine metrics and worker announcements.
+
+use serde::{Deserialize, Serialize};
+
+/// An engine's load, as a bridge scraped it from vLLM's `/metrics`.
+/// Field names are vLLM's metric names without the `vllm:` prefix. Unknown fields are ignored
+/// so that newer bridges can add fields.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct MetricsMessage {
+    pub num_requests_running: u32,
+    pub num_requests_waiting: u32,
+    /// 0..=1.
+    pub kv_cache_usage_perc: f64,
+    /// 0..=1 (hits / queries over the engine's lifetime); absent when the engine had no queries.
+    #[serde(default)]
+    pub prefix_cache_hit_rate: f64,
+}
+
+impl MetricsMessage {
+    /// Range checks; a message that fails them is rejected.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("kv_cache_usage_perc", self.kv_cache_usage_perc),
+            ("prefix_cache_hit_rate", self.prefix_cache_hit_rate),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{name} must be within 0..=1, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A worker announcing itself or leaving.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerMessage {
+    /// `"up"` or `"down"`.
+    pub status: WorkerStatus,
+    /// Where gateways send its requests, e.g. `http://10.0.0.7:8000`.
+    #[serde(default)]
+    pub address: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerStatus {
+    Up,
+    Down,
+}

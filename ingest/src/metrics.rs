@@ -1,0 +1,159 @@
+//! Ingest counters, exported in Prometheus text by the node.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Why a stream message was rejected before it reached the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// A subject outside the scheme.
+    UnknownSubject,
+    /// A payload above `max_message_bytes`.
+    Oversized,
+    /// A KV batch that is not decodable msgpack of the right shape.
+    Undecodable,
+    /// A metrics message that is not the expected JSON or is out of range.
+    BadMetrics,
+    /// A worker message that is not the expected JSON.
+    BadWorkerMessage,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 5] = [
+        Self::UnknownSubject,
+        Self::Oversized,
+        Self::Undecodable,
+        Self::BadMetrics,
+        Self::BadWorkerMessage,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UnknownSubject => "unknown_subject",
+            Self::Oversized => "oversized",
+            Self::Undecodable => "undecodable",
+            Self::BadMetrics => "bad_metrics",
+            Self::BadWorkerMessage => "bad_worker_message",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+/// Counters of one node's ingest.
+#[derive(Debug, Default)]
+pub struct IngestMetrics {
+    messages: Family<KindLabel, Counter>,
+    rejected: Family<ReasonLabel, Counter>,
+    skipped_events: Family<ReasonLabel, Counter>,
+    batches: Counter,
+    pending: Gauge,
+    last_sequence: Gauge,
+}
+
+impl IngestMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "kvplane_ingest_messages",
+            "Stream messages consumed, by kind",
+            self.messages.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_rejected_messages",
+            "Stream messages rejected before the log, by reason",
+            self.rejected.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_skipped_events",
+            "vLLM events skipped inside accepted batches, by reason",
+            self.skipped_events.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_batches",
+            "Log entries proposed by ingest",
+            self.batches.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_pending_messages",
+            "Stream messages not yet consumed, as the server last reported",
+            self.pending.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_last_consumed_sequence",
+            "Stream sequence of the last consumed message",
+            self.last_sequence.clone(),
+        );
+    }
+
+    pub(crate) fn message(&self, kind: &'static str) {
+        self.messages.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    pub(crate) fn reject(&self, reason: RejectReason) {
+        self.rejected
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn skipped(&self, reason: &'static str) {
+        self.skipped_events
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    pub(crate) fn batch(&self, last_seq: u64, pending: u64) {
+        self.batches.inc();
+        self.last_sequence
+            .set(i64::try_from(last_seq).unwrap_or(i64::MAX));
+        self.pending.set(i64::try_from(pending).unwrap_or(i64::MAX));
+    }
+
+    /// Rejections so far, by reason (all reasons, zeros included).
+    pub fn rejected(&self) -> Vec<(&'static str, u64)> {
+        RejectReason::ALL
+            .iter()
+            .map(|r| {
+                (
+                    r.as_str(),
+                    self.rejected
+                        .get_or_create(&ReasonLabel { reason: r.as_str() })
+                        .get(),
+                )
+            })
+            .collect()
+    }
+
+    /// Events skipped so far, by reason.
+    pub fn skipped_events(&self) -> Vec<(&'static str, u64)> {
+        ["unknown_event_type", "malformed_event", "non_primary_group"]
+            .iter()
+            .map(|r| {
+                (
+                    *r,
+                    self.skipped_events
+                        .get_or_create(&ReasonLabel { reason: r })
+                        .get(),
+                )
+            })
+            .collect()
+    }
+
+    /// Last consumed stream sequence plus the server's pending count: the stream's end as
+    /// last seen.
+    pub fn stream_end(&self) -> u64 {
+        u64::try_from(self.last_sequence.get() + self.pending.get()).unwrap_or(0)
+    }
+}

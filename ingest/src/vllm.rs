@@ -1,0 +1,355 @@
+//! vLLM's KV-event wire format (README, "vLLM KV events"; ../shared/reference/vllm-kv-events.md).
+//!
+//! A batch is msgpack `[ts, events, data_parallel_rank]` (or a map with those keys). Events are
+//! maps with a `"type"` key (vLLM >= 0.24) or positional arrays whose first element is the type
+//! name (vLLM <= 0.22). Hashes are u64, negative i64 (reinterpreted bit for bit) or 32-byte
+//! digests (reduced to their low 64 bits, big-endian, as vLLM does for its integer form).
+//! Unknown fields are ignored; unknown event types and malformed events are skipped and
+//! reported, never fatal to the rest of the batch.
+
+use kvplane_state::{KvBatch, KvEvent, Tier};
+use rmpv::Value;
+
+use crate::DecodeError;
+
+/// Why one event of a batch was skipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SkippedEvent {
+    /// The event type is not one this decoder knows.
+    UnknownType(String),
+    /// A known event whose fields have the wrong shape.
+    Malformed(String),
+    /// A KV-cache group that is not full attention (sliding window, mamba...): not a prefix cache.
+    NonPrimaryGroup,
+}
+
+impl SkippedEvent {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::UnknownType(_) => "unknown_event_type",
+            Self::Malformed(_) => "malformed_event",
+            Self::NonPrimaryGroup => "non_primary_group",
+        }
+    }
+}
+
+/// A decoded batch plus what was skipped in it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decoded {
+    /// The engine's timestamp (seconds); informational only, never read by the state machine.
+    pub ts: f64,
+    pub batch: KvBatch,
+    pub skipped: Vec<SkippedEvent>,
+}
+
+/// Decodes one vLLM KV-event batch.
+pub fn decode_batch(payload: &[u8]) -> Result<Decoded, DecodeError> {
+    let mut rd = payload;
+    let root = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    if !rd.is_empty() {
+        return Err(DecodeError::TrailingBytes(rd.len()));
+    }
+    let (ts, events, dp) = match &root {
+        Value::Array(items) => (items.first(), items.get(1), items.get(2)),
+        Value::Map(_) => (
+            map_get(&root, "ts"),
+            map_get(&root, "events"),
+            map_get(&root, "data_parallel_rank"),
+        ),
+        other => return Err(DecodeError::BatchShape(kind_name(other))),
+    };
+    let ts = ts.and_then(Value::as_f64).unwrap_or(0.0);
+    let dp_rank = match dp {
+        None | Some(Value::Nil) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| DecodeError::BatchField {
+                field: "data_parallel_rank",
+                reason: "must be a non-negative integer or nil".into(),
+            })?,
+    };
+    let Some(Value::Array(raw_events)) = events else {
+        return Err(DecodeError::BatchField {
+            field: "events",
+            reason: "must be an array".into(),
+        });
+    };
+    let mut out = Vec::with_capacity(raw_events.len());
+    let mut skipped = Vec::new();
+    for ev in raw_events {
+        match decode_event(ev) {
+            Ok(Some(e)) => out.push(e),
+            Ok(None) => skipped.push(SkippedEvent::NonPrimaryGroup),
+            Err(s) => skipped.push(s),
+        }
+    }
+    Ok(Decoded {
+        ts,
+        batch: KvBatch {
+            dp_rank,
+            events: out,
+        },
+        skipped,
+    })
+}
+
+/// Field access for both event shapes.
+struct Fields<'a> {
+    map: Option<&'a Value>,
+    positional: &'a [Value],
+    order: &'static [&'static str],
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        if let Some(m) = self.map {
+            return map_get(m, name);
+        }
+        let pos = self.order.iter().position(|f| *f == name)?;
+        self.positional.get(pos + 1)
+    }
+
+    fn present(&self, name: &str) -> Option<&'a Value> {
+        self.get(name).filter(|v| !v.is_nil())
+    }
+}
+
+const STORED_ORDER: &[&str] = &[
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+];
+const REMOVED_ORDER: &[&str] = &["block_hashes", "medium", "group_idx", "locality", "ownership"];
+
+fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
+    let (ty, map, positional) = match ev {
+        Value::Map(_) => (
+            map_get(ev, "type").and_then(Value::as_str),
+            Some(ev),
+            &[][..],
+        ),
+        Value::Array(items) => (items.first().and_then(Value::as_str), None, &items[..]),
+        other => {
+            return Err(SkippedEvent::Malformed(format!(
+                "event must be a map or an array, got {}",
+                kind_name(other)
+            )));
+        }
+    };
+    let ty = ty.ok_or_else(|| SkippedEvent::Malformed("event has no type".into()))?;
+    let order = match ty {
+        "BlockStored" => STORED_ORDER,
+        "BlockRemoved" => REMOVED_ORDER,
+        "AllBlocksCleared" => return Ok(Some(KvEvent::Cleared)),
+        other => return Err(SkippedEvent::UnknownType(other.to_owned())),
+    };
+    let f = Fields {
+        map,
+        positional,
+        order,
+    };
+    if !primary_group(&f) {
+        return Ok(None);
+    }
+    let tier = tier(&f)?;
+    let block_hashes = hashes(f.get("block_hashes"), "block_hashes")?;
+    if ty == "BlockRemoved" {
+        return Ok(Some(KvEvent::Removed { block_hashes, tier }));
+    }
+    let parent_hash = match f.present("parent_block_hash") {
+        None => None,
+        Some(v) => Some(hash(v).ok_or_else(|| malformed("parent_block_hash", "not a hash"))?),
+    };
+    let token_ids = match f.get("token_ids") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| malformed("token_ids", "must be u32 integers"))?,
+        _ => return Err(malformed("token_ids", "must be an array")),
+    };
+    let block_size = f
+        .get("block_size")
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
+        .filter(|n| *n > 0)
+        .ok_or_else(|| malformed("block_size", "must be a positive integer"))?;
+    let lora_name = match f.present("lora_name") {
+        None => None,
+        Some(Value::String(s)) => s.as_str().map(str::to_owned),
+        Some(_) => return Err(malformed("lora_name", "must be a string or nil")),
+    };
+    Ok(Some(KvEvent::Stored {
+        block_hashes,
+        parent_hash,
+        token_ids,
+        block_size,
+        lora_name,
+        tier,
+    }))
+}
+
+/// Full-attention groups (or unspecified) describe the prefix cache; others do not.
+fn primary_group(f: &Fields<'_>) -> bool {
+    match f.present("kv_cache_spec_kind").and_then(Value::as_str) {
+        None => true,
+        Some(kind) => !(kind.contains("sliding") || kind.contains("mamba") || kind.contains("local")),
+    }
+}
+
+fn tier(f: &Fields<'_>) -> Result<Tier, SkippedEvent> {
+    if let Some(loc) = f.present("locality") {
+        match loc.as_str() {
+            Some("REMOTE") => return Ok(Tier::Remote),
+            Some("LOCAL") => {}
+            _ => return Err(malformed("locality", "must be LOCAL, REMOTE or nil")),
+        }
+    }
+    match f.present("medium") {
+        None => Ok(Tier::Gpu),
+        Some(m) => match m.as_str() {
+            Some("GPU") => Ok(Tier::Gpu),
+            Some("CPU") => Ok(Tier::Cpu),
+            Some("STORAGE" | "DISK") => Ok(Tier::Storage),
+            _ => Err(malformed("medium", "must be GPU, CPU, STORAGE or nil")),
+        },
+    }
+}
+
+fn hashes(v: Option<&Value>, field: &'static str) -> Result<Vec<u64>, SkippedEvent> {
+    match v {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(hash)
+            .collect::<Option<Vec<u64>>>()
+            .ok_or_else(|| malformed(field, "every hash must be an integer or 32 bytes")),
+        _ => Err(malformed(field, "must be an array")),
+    }
+}
+
+/// A block hash in any of vLLM's encodings, as 64 bits.
+pub fn hash(v: &Value) -> Option<u64> {
+    match v {
+        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|n| n as u64)),
+        Value::Binary(b) if b.len() == 32 => {
+            let low: [u8; 8] = b[24..32].try_into().ok()?;
+            Some(u64::from_be_bytes(low))
+        }
+        _ => None,
+    }
+}
+
+fn malformed(field: &str, reason: &str) -> SkippedEvent {
+    SkippedEvent::Malformed(format!("{field}: {reason}"))
+}
+
+fn map_get<'a>(map: &'a Value, key: &str) -> Option<&'a Value> {
+    match map {
+        Value::Map(entries) => entries
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+fn kind_name(v: &Value) -> &'static str {
+    match v {
+        Value::Nil => "nil",
+        Value::Boolean(_) => "a boolean",
+        Value::Integer(_) => "an integer",
+        Value::F32(_) | Value::F64(_) => "a float",
+        Value::String(_) => "a string",
+        Value::Binary(_) => "binary",
+        Value::Array(_) => "an array",
+        Value::Map(_) => "a map",
+        Value::Ext(..) => "an extension",
+    }
+}
+
+/// Encodes events in vLLM's current wire format (array batch, map-shaped events, u64 hashes,
+/// defaults omitted): what vLLM >= 0.24 sends. Used by the engine simulator and tests.
+pub fn encode_batch(ts: f64, batch: &KvBatch) -> Vec<u8> {
+    let events = batch.events.iter().map(encode_event).collect();
+    let root = Value::Array(vec![
+        Value::F64(ts),
+        Value::Array(events),
+        Value::from(batch.dp_rank),
+    ]);
+    let mut out = Vec::new();
+    // Writing into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut out, &root);
+    out
+}
+
+fn medium(tier: Tier) -> Value {
+    match tier {
+        Tier::Gpu | Tier::Remote => Value::from("GPU"),
+        Tier::Cpu => Value::from("CPU"),
+        Tier::Storage => Value::from("STORAGE"),
+    }
+}
+
+fn encode_event(ev: &KvEvent) -> Value {
+    let s = |k: &str| Value::from(k);
+    let hashes = |h: &[u64]| Value::Array(h.iter().map(|x| Value::from(*x)).collect());
+    match ev {
+        KvEvent::Stored {
+            block_hashes,
+            parent_hash,
+            token_ids,
+            block_size,
+            lora_name,
+            tier,
+        } => {
+            let mut m = vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), hashes(block_hashes)),
+                (
+                    s("parent_block_hash"),
+                    parent_hash.map_or(Value::Nil, Value::from),
+                ),
+                (
+                    s("token_ids"),
+                    Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
+                ),
+                (s("block_size"), Value::from(*block_size)),
+                (s("lora_id"), Value::Nil),
+                (s("medium"), medium(*tier)),
+                (
+                    s("lora_name"),
+                    lora_name.as_deref().map_or(Value::Nil, Value::from),
+                ),
+            ];
+            if *tier == Tier::Remote {
+                m.push((s("locality"), s("REMOTE")));
+            }
+            Value::Map(m)
+        }
+        KvEvent::Removed { block_hashes, tier } => {
+            let mut m = vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), hashes(block_hashes)),
+                (s("medium"), medium(*tier)),
+            ];
+            if *tier == Tier::Remote {
+                m.push((s("locality"), s("REMOTE")));
+            }
+            Value::Map(m)
+        }
+        KvEvent::Cleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
+    }
+}

@@ -1,0 +1,89 @@
+//! The `kvplane` command line.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{Config, Overrides};
+use crate::route_cmd::{self, RouteArgs, StatusArgs};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvplane", version, about = "A Raft-replicated control plane for vLLM fleets")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run a kvplane node.
+    Serve(Overrides),
+    /// Ask a node where one request should go.
+    Route(RouteArgs),
+    /// Show every candidate a node considered for a request, and why it won or lost.
+    Explain(RouteArgs),
+    /// Show a node's state: applied index, digest, workers, ingest position.
+    Status(StatusArgs),
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvplane: cannot start the async runtime: {e}");
+            return ExitCode::from(70);
+        }
+    };
+    let result = match cli.command {
+        Cmd::Serve(o) => match Config::load(&o) {
+            Ok(cfg) => rt.block_on(serve(cfg)),
+            Err(e) => {
+                eprintln!("kvplane: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        Cmd::Route(a) => rt.block_on(route_cmd::route(a, false)),
+        Cmd::Explain(a) => rt.block_on(route_cmd::route(a, true)),
+        Cmd::Status(a) => rt.block_on(route_cmd::status(a)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvplane: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    crate::telemetry::init(cfg.log_format);
+    let (grpc, http) = crate::serve::bind(&cfg).await?;
+    crate::serve::run(cfg, grpc, http, shutdown_signal(), |b| {
+        // One machine-readable line on stdout; logs go to stderr.
+        println!("kvplane ready grpc={} http={}", b.grpc, b.http);
+    })
+    .await
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

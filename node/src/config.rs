@@ -1,0 +1,303 @@
+//! Node configuration: a TOML file, overridden by `KVPLANE_*` environment variables and flags,
+//! validated once at start with every problem reported together.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use kvplane_api::CostModel;
+use serde::Deserialize;
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid configuration:\n  - {}", .0.join("\n  - "))]
+    Invalid(Vec<String>),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Everything `kvplane serve` needs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This node's name, unique in the cluster; never reused for a wiped node.
+    pub node_id: String,
+    /// Where snapshots (and later the Raft log) live.
+    pub data_dir: PathBuf,
+    /// gRPC API address (`Router`, `Admin`, health, reflection). Port 0 picks a free port.
+    pub grpc_listen: String,
+    /// HTTP address for `/metrics`, `/healthz` and `/readyz`. Port 0 picks a free port.
+    pub http_listen: String,
+    pub nats_url: String,
+    pub log_format: LogFormat,
+    pub ingest: IngestSection,
+    pub snapshot: SnapshotSection,
+    pub cost: CostModel,
+    /// The pools this node declares in the state at start (replacing any others).
+    pub pools: Vec<PoolSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IngestSection {
+    pub stream: String,
+    pub max_batch_messages: usize,
+    pub max_batch_delay_ms: u64,
+    pub max_message_bytes: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SnapshotSection {
+    /// Take a snapshot after this many applied entries...
+    pub every_entries: u64,
+    /// ...or this many seconds after the previous one, whichever comes first (if anything changed).
+    pub every_secs: u64,
+    /// Snapshots kept on disk.
+    pub keep: usize,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    pub name: String,
+    pub block_size: u32,
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node_id: "kvplane-0".into(),
+            data_dir: PathBuf::from("./kvplane-data"),
+            grpc_listen: "127.0.0.1:7070".into(),
+            http_listen: "127.0.0.1:7071".into(),
+            nats_url: "nats://127.0.0.1:4222".into(),
+            log_format: LogFormat::Text,
+            ingest: IngestSection::default(),
+            snapshot: SnapshotSection::default(),
+            cost: CostModel::default(),
+            pools: vec![PoolSection {
+                name: "default".into(),
+                block_size: 16,
+                models: Vec::new(),
+            }],
+        }
+    }
+}
+
+impl Default for IngestSection {
+    fn default() -> Self {
+        Self {
+            stream: "KVPLANE".into(),
+            max_batch_messages: 512,
+            max_batch_delay_ms: 5,
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+impl Default for SnapshotSection {
+    fn default() -> Self {
+        Self {
+            every_entries: 10_000,
+            every_secs: 30,
+            keep: 2,
+        }
+    }
+}
+
+/// Values given on the command line or in `KVPLANE_*` variables; they win over the file.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Overrides {
+    /// TOML config file.
+    #[arg(long, short = 'c', env = "KVPLANE_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[arg(long, env = "KVPLANE_NODE_ID")]
+    pub node_id: Option<String>,
+    #[arg(long, env = "KVPLANE_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    #[arg(long, env = "KVPLANE_GRPC_LISTEN")]
+    pub grpc_listen: Option<String>,
+    #[arg(long, env = "KVPLANE_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
+    #[arg(long, env = "KVPLANE_NATS_URL")]
+    pub nats_url: Option<String>,
+    #[arg(long, env = "KVPLANE_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+impl Config {
+    /// The file (if any), then the overrides, then validation.
+    pub fn load(o: &Overrides) -> Result<Self, ConfigError> {
+        let mut cfg = match &o.config {
+            Some(path) => Self::from_file(path)?,
+            None => Self::default(),
+        };
+        if let Some(v) = &o.node_id {
+            cfg.node_id.clone_from(v);
+        }
+        if let Some(v) = &o.data_dir {
+            cfg.data_dir.clone_from(v);
+        }
+        if let Some(v) = &o.grpc_listen {
+            cfg.grpc_listen.clone_from(v);
+        }
+        if let Some(v) = &o.http_listen {
+            cfg.http_listen.clone_from(v);
+        }
+        if let Some(v) = &o.nats_url {
+            cfg.nats_url.clone_from(v);
+        }
+        if let Some(v) = o.log_format {
+            cfg.log_format = v;
+        }
+        let problems = cfg.problems();
+        if problems.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Every problem with this configuration.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if !valid_name(&self.node_id) {
+            p.push(format!(
+                "node_id {:?} must be 1-63 characters of [a-z0-9-_]",
+                self.node_id
+            ));
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            p.push("data_dir must not be empty".into());
+        }
+        for (name, v) in [("grpc_listen", &self.grpc_listen), ("http_listen", &self.http_listen)] {
+            if v.parse::<SocketAddr>().is_err() {
+                p.push(format!("{name} {v:?} is not an ip:port address"));
+            }
+        }
+        if !["nats://", "tls://", "ws://", "wss://"]
+            .iter()
+            .any(|s| self.nats_url.starts_with(s))
+        {
+            p.push(format!(
+                "nats_url {:?} must start with nats://, tls://, ws:// or wss://",
+                self.nats_url
+            ));
+        }
+        if self.ingest.stream.is_empty()
+            || !self
+                .ingest
+                .stream
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            p.push(format!(
+                "ingest.stream {:?} must be letters, digits, - or _",
+                self.ingest.stream
+            ));
+        }
+        if self.ingest.max_batch_messages == 0 {
+            p.push("ingest.max_batch_messages must be at least 1".into());
+        }
+        if self.ingest.max_message_bytes < 1024 {
+            p.push("ingest.max_message_bytes must be at least 1024".into());
+        }
+        if self.snapshot.every_entries == 0 {
+            p.push("snapshot.every_entries must be at least 1".into());
+        }
+        if self.snapshot.keep == 0 {
+            p.push("snapshot.keep must be at least 1".into());
+        }
+        p.extend(self.cost.problems());
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            if !valid_name(&pool.name) {
+                p.push(format!(
+                    "pools[{i}].name {:?} must be 1-63 characters of [a-z0-9-_]",
+                    pool.name
+                ));
+            }
+            if !seen.insert(pool.name.as_str()) {
+                p.push(format!("pools[{i}].name {:?} is declared twice", pool.name));
+            }
+            if pool.block_size == 0 || pool.block_size > kvplane_state::PoolConfig::MAX_BLOCK_SIZE {
+                p.push(format!(
+                    "pools[{i}].block_size must be in 1..={}",
+                    kvplane_state::PoolConfig::MAX_BLOCK_SIZE
+                ));
+            }
+        }
+        p
+    }
+}
+
+fn valid_name(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert!(Config::default().problems().is_empty());
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let cfg: Config = toml::from_str(
+            r#"
+            node_id = "Bad Id"
+            grpc_listen = "nowhere"
+            nats_url = "http://x"
+            [ingest]
+            max_batch_messages = 0
+            [[pools]]
+            name = "a"
+            block_size = 0
+            [[pools]]
+            name = "a"
+            block_size = 16
+            "#,
+        )
+        .unwrap();
+        let p = cfg.problems();
+        assert_eq!(p.len(), 6, "{p:#?}");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = toml::from_str::<Config>("node_idd = \"x\"").unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+    }
+}

@@ -1,0 +1,263 @@
+//! `kvplane route`, `kvplane explain` and `kvplane status`: gRPC clients for people.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use kvplane_proto::v1::admin_client::AdminClient;
+use kvplane_proto::v1::router_client::RouterClient;
+use kvplane_proto::v1::{
+    RejectCode, RouteRequest, RouteResponse, StatusRequest, route_response::Decision,
+};
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct RouteArgs {
+    /// A kvplane node's gRPC address.
+    #[arg(long, env = "KVPLANE_ADDR", default_value = "http://127.0.0.1:7070")]
+    pub addr: String,
+    #[arg(long, default_value = "")]
+    pub model: String,
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    #[arg(long, default_value = "")]
+    pub request_id: String,
+    /// Prompt text (sent as a /v1/completions body).
+    #[arg(long, conflicts_with_all = ["body", "tokens"])]
+    pub prompt: Option<String>,
+    /// A JSON request body file (/v1/completions or /v1/chat/completions).
+    #[arg(long, conflicts_with = "tokens")]
+    pub body: Option<PathBuf>,
+    /// Prompt token ids, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 0)]
+    pub max_tokens: u32,
+    /// Refuse an answer from a state older than this index.
+    #[arg(long, default_value_t = 0)]
+    pub min_index: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusArgs {
+    #[arg(long, env = "KVPLANE_ADDR", default_value = "http://127.0.0.1:7070")]
+    pub addr: String,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn request(a: &RouteArgs) -> anyhow::Result<RouteRequest> {
+    let body = match (&a.prompt, &a.body) {
+        (Some(p), _) => serde_json::to_vec(&json!({"model": a.model, "prompt": p}))?,
+        (None, Some(path)) => {
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?
+        }
+        (None, None) => Vec::new(),
+    };
+    Ok(RouteRequest {
+        request_id: a.request_id.clone(),
+        tenant: a.tenant.clone(),
+        model: a.model.clone(),
+        body,
+        token_ids: a.tokens.clone().unwrap_or_default(),
+        max_output_tokens: a.max_tokens,
+        min_applied_index: a.min_index,
+        ..Default::default()
+    })
+}
+
+pub(crate) fn decision_json(r: &RouteResponse) -> Value {
+    let decision = match &r.decision {
+        Some(Decision::Endpoint(e)) => json!({
+            "endpoint": {"address": e.address, "worker_id": e.worker_id, "pool": e.pool, "dp_rank": e.dp_rank}
+        }),
+        Some(Decision::Rejection(x)) => json!({
+            "rejection": {
+                "code": RejectCode::try_from(x.code).map(|c| c.as_str_name()).unwrap_or("UNKNOWN"),
+                "reason": x.reason,
+                "retry_after_ms": x.retry_after_ms,
+            }
+        }),
+        None => json!({}),
+    };
+    let mut v = decision;
+    v["predicted_ttft_ms"] = json!(r.predicted_ttft_ms);
+    v["matched_blocks"] = json!(r.matched_blocks);
+    v["prompt_blocks"] = json!(r.prompt_blocks);
+    v["prompt_tokens"] = json!(r.prompt_tokens);
+    v["applied_index"] = json!(r.applied_index);
+    v["body_rewritten"] = json!(r.rewritten_body.is_some());
+    v
+}
+
+fn print_decision(r: &RouteResponse) {
+    match &r.decision {
+        Some(Decision::Endpoint(e)) => {
+            println!("decision     routed");
+            println!(
+                "endpoint     {}/{}{}",
+                e.pool,
+                e.worker_id,
+                if e.address.is_empty() {
+                    String::new()
+                } else {
+                    format!("  {}", e.address)
+                }
+            );
+            println!("matched      {} of {} blocks", r.matched_blocks, r.prompt_blocks);
+            println!("predicted    {:.1} ms to first token", r.predicted_ttft_ms);
+        }
+        Some(Decision::Rejection(x)) => {
+            let code = RejectCode::try_from(x.code)
+                .map(|c| c.as_str_name())
+                .unwrap_or("UNKNOWN");
+            println!("decision     rejected ({code})");
+            println!("reason       {}", x.reason);
+        }
+        None => println!("decision     none"),
+    }
+    println!("prompt       {} tokens", r.prompt_tokens);
+    println!("state index  {}", r.applied_index);
+}
+
+pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
+    let req = request(&a)?;
+    let mut client = RouterClient::connect(a.addr.clone())
+        .await
+        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    if !explain {
+        let r = client.route(req).await?.into_inner();
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&decision_json(&r))?);
+        } else {
+            print_decision(&r);
+        }
+        return Ok(());
+    }
+    let x = client.explain(req).await?.into_inner();
+    if a.json {
+        let candidates: Vec<Value> = x
+            .candidates
+            .iter()
+            .map(|c| {
+                let e = c.endpoint.clone().unwrap_or_default();
+                json!({
+                    "pool": e.pool, "worker_id": e.worker_id, "address": e.address,
+                    "overlap_blocks": c.overlap_blocks, "uncached_blocks": c.uncached_blocks,
+                    "running": c.running, "waiting": c.waiting, "kv_cache_usage": c.kv_cache_usage,
+                    "prefill_cost": c.prefill_cost, "load_cost": c.load_cost, "cost": c.cost,
+                    "filtered_reason": c.filtered_reason, "chosen": c.chosen,
+                })
+            })
+            .collect();
+        let out = json!({
+            "decision": x.decision.as_ref().map(decision_json),
+            "prompt_source": x.prompt_source,
+            "candidates": candidates,
+            "steps": x.steps,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    if let Some(d) = &x.decision {
+        print_decision(d);
+    }
+    println!("prompt from  {}", x.prompt_source);
+    println!();
+    println!(
+        "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10} {:>10} {:>10}  filtered",
+        "", "pool/worker", "overlap", "uncached", "run", "wait", "prefill_ms", "load_ms", "cost_ms"
+    );
+    for c in &x.candidates {
+        let e = c.endpoint.clone().unwrap_or_default();
+        println!(
+            "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1}  {}",
+            if c.chosen { "->" } else { "" },
+            format!("{}/{}", e.pool, e.worker_id),
+            c.overlap_blocks,
+            c.uncached_blocks,
+            c.running,
+            c.waiting,
+            c.prefill_cost,
+            c.load_cost,
+            c.cost,
+            c.filtered_reason
+        );
+    }
+    println!();
+    for s in &x.steps {
+        println!("- {s}");
+    }
+    Ok(())
+}
+
+pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let mut client = AdminClient::connect(a.addr.clone())
+        .await
+        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    let s = client.status(StatusRequest {}).await?.into_inner();
+    let ingest = s.ingest.clone().unwrap_or_default();
+    if a.json {
+        let workers: Vec<Value> = s
+            .workers
+            .iter()
+            .map(|w| {
+                json!({
+                    "pool": w.pool, "worker_id": w.worker_id, "address": w.address, "up": w.up,
+                    "indexed_blocks": w.indexed_blocks, "running": w.running, "waiting": w.waiting,
+                    "kv_cache_usage": w.kv_cache_usage, "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
+                })
+            })
+            .collect();
+        let out = json!({
+            "node_id": s.node_id, "role": s.role, "applied_index": s.applied_index,
+            "state_digest": s.state_digest, "indexed_blocks": s.indexed_blocks,
+            "config_index": s.config_index, "workers": workers,
+            "ingest": {
+                "applied_stream_sequence": ingest.applied_stream_sequence,
+                "stream_last_sequence": ingest.stream_last_sequence,
+                "rejected": ingest.rejected, "dropped": ingest.dropped,
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("node         {} ({})", s.node_id, s.role);
+    println!("applied      index {}", s.applied_index);
+    println!("digest       {}", s.state_digest);
+    println!("blocks       {}", s.indexed_blocks);
+    println!(
+        "ingest       stream seq {} applied, {} seen",
+        ingest.applied_stream_sequence, ingest.stream_last_sequence
+    );
+    let mut rejected: Vec<_> = ingest.rejected.iter().filter(|(_, v)| **v > 0).collect();
+    rejected.sort();
+    if !rejected.is_empty() {
+        println!("rejected     {rejected:?}");
+    }
+    let mut dropped: Vec<_> = ingest.dropped.iter().collect();
+    dropped.sort();
+    if !dropped.is_empty() {
+        println!("dropped      {dropped:?}");
+    }
+    println!();
+    println!(
+        "{:<24} {:<4} {:>9} {:>5} {:>5} {:>7}  address",
+        "pool/worker", "up", "blocks", "run", "wait", "kv_use"
+    );
+    for w in &s.workers {
+        println!(
+            "{:<24} {:<4} {:>9} {:>5} {:>5} {:>6.0}%  {}",
+            format!("{}/{}", w.pool, w.worker_id),
+            if w.up { "yes" } else { "no" },
+            w.indexed_blocks,
+            w.running,
+            w.waiting,
+            w.kv_cache_usage * 100.0,
+            w.address
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,318 @@
+//! `kvplane serve`: one node, wired together.
+//!
+//! ```text
+//! NATS JetStream --(ordered consumer)--> Ingestor --propose--> LocalLog --apply--> StateMachine
+//!                                                                                    | publishes
+//!                          gRPC Router/Admin <--- reads (lock-free) ---- StateHandle <+
+//! ```
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvplane_api::{AdminService, ApiMetrics, IngestStatus, NodeInfo, RouterService};
+use kvplane_ingest::{IngestConfig, IngestMetrics, Ingestor};
+use kvplane_proto::v1::admin_server::AdminServer;
+use kvplane_proto::v1::router_server::RouterServer;
+use kvplane_state::{Applied, Command, POOL_KIND, PoolConfig, Proposer, StateHandle};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::local_log::{LocalLog, SnapshotPolicy};
+use crate::snapshot_store::SnapshotStore;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// State-machine metrics of this replica.
+#[derive(Debug, Default)]
+struct StateMetrics {
+    applied_index: Gauge,
+    indexed_blocks: Gauge,
+    kv_events: Counter,
+    dropped: Family<ReasonLabel, Counter>,
+}
+
+impl StateMetrics {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvplane_state_applied_index",
+            "Log index of the last applied entry",
+            self.applied_index.clone(),
+        );
+        r.register(
+            "kvplane_state_indexed_blocks",
+            "GPU blocks in the prefix index",
+            self.indexed_blocks.clone(),
+        );
+        r.register(
+            "kvplane_state_kv_events",
+            "vLLM KV events applied",
+            self.kv_events.clone(),
+        );
+        r.register(
+            "kvplane_state_dropped_events",
+            "Items the state machine dropped, by reason",
+            self.dropped.clone(),
+        );
+    }
+
+    fn observe(&self, a: &Applied, handle: &StateHandle) {
+        self.applied_index
+            .set(i64::try_from(a.index).unwrap_or(i64::MAX));
+        self.kv_events.inc_by(a.kv_events);
+        for (reason, n) in &a.dropped {
+            self.dropped
+                .get_or_create(&ReasonLabel {
+                    reason: reason.as_str(),
+                })
+                .inc_by(*n);
+        }
+        let blocks = handle.load().indexed_blocks;
+        self.indexed_blocks
+            .set(i64::try_from(blocks).unwrap_or(i64::MAX));
+    }
+}
+
+/// Addresses the node actually bound (useful with port 0).
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+}
+
+/// Binds the listeners named in `cfg`.
+pub async fn bind(cfg: &Config) -> anyhow::Result<(TcpListener, TcpListener)> {
+    let grpc = TcpListener::bind(&cfg.grpc_listen)
+        .await
+        .with_context(|| format!("cannot listen on grpc_listen {}", cfg.grpc_listen))?;
+    let http = TcpListener::bind(&cfg.http_listen)
+        .await
+        .with_context(|| format!("cannot listen on http_listen {}", cfg.http_listen))?;
+    Ok((grpc, http))
+}
+
+/// Runs a node until `shutdown` resolves, then stops ingest and the API and writes a final
+/// snapshot. `on_ready` is called once both listeners serve.
+pub async fn run(
+    cfg: Config,
+    grpc: TcpListener,
+    http: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    on_ready: impl FnOnce(Bound),
+) -> anyhow::Result<()> {
+    let bound = Bound {
+        grpc: grpc.local_addr()?,
+        http: http.local_addr()?,
+    };
+    let store = SnapshotStore::open(&cfg.data_dir, cfg.snapshot.keep)?;
+    let sm = {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || store.load_latest()).await??
+    };
+
+    let mut registry = Registry::default();
+    let ingest_metrics = Arc::new(IngestMetrics::default());
+    ingest_metrics.register(&mut registry);
+    let api_metrics = Arc::new(ApiMetrics::default());
+    api_metrics.register(&mut registry);
+    let state_metrics = Arc::new(StateMetrics::default());
+    state_metrics.register(&mut registry);
+    let registry = Arc::new(registry);
+
+    let handle_slot: Arc<std::sync::OnceLock<StateHandle>> = Arc::default();
+    let on_applied = {
+        let m = state_metrics.clone();
+        let slot = handle_slot.clone();
+        Arc::new(move |a: &Applied| {
+            if let Some(h) = slot.get() {
+                m.observe(a, h);
+            }
+        })
+    };
+    let (log, handle, applier) = LocalLog::start(
+        sm,
+        store,
+        SnapshotPolicy {
+            every_entries: cfg.snapshot.every_entries,
+            every: Duration::from_secs(cfg.snapshot.every_secs),
+        },
+        on_applied,
+    );
+    let _ = handle_slot.set(handle.clone());
+    reconcile_pools(&cfg, &log, &handle).await?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    // Ingest.
+    let ingest_task = {
+        let nats = async_nats::ConnectOptions::new()
+            .name(format!("kvplane-{}", cfg.node_id))
+            .retry_on_initial_connect()
+            .connect(cfg.nats_url.as_str())
+            .await
+            .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
+        let js = async_nats::jetstream::new(nats);
+        let ingestor = Ingestor::new(
+            js,
+            IngestConfig {
+                stream: cfg.ingest.stream.clone(),
+                max_batch_messages: cfg.ingest.max_batch_messages,
+                max_batch_delay: Duration::from_millis(cfg.ingest.max_batch_delay_ms),
+                max_message_bytes: cfg.ingest.max_message_bytes,
+            },
+            log.clone(),
+            ingest_metrics.clone(),
+        );
+        let h = handle.clone();
+        let rx = stop_rx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
+                tracing::error!(error = %e, "ingest stopped");
+            }
+        })
+    };
+
+    // gRPC.
+    let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone());
+    let node_info = NodeInfo {
+        node_id: cfg.node_id.clone(),
+        role: Arc::new(|| "standalone".to_owned()),
+        ingest: {
+            let m = ingest_metrics.clone();
+            Arc::new(move || IngestStatus {
+                stream_last_sequence: m.stream_end(),
+                rejected: m.rejected(),
+            })
+        },
+    };
+    let admin = AdminService::new(handle.clone(), node_info);
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<RouterServer<RouterService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvplane_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let grpc_task = {
+        let mut rx = stop_rx.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(RouterServer::new(router))
+                .add_service(AdminServer::new(admin))
+                .add_service(health_service)
+                .add_service(reflection)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    async move {
+                        let _ = rx.wait_for(|s| *s).await;
+                    },
+                ),
+        )
+    };
+
+    // HTTP: metrics and probes.
+    let http_task = {
+        let mut rx = stop_rx.clone();
+        let app = crate::serve::http_app(registry.clone());
+        tokio::spawn(async move {
+            axum::serve(http, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                })
+                .await
+        })
+    };
+
+    tracing::info!(
+        node_id = cfg.node_id,
+        grpc = %bound.grpc,
+        http = %bound.http,
+        applied_index = handle.load().applied_index,
+        "kvplane node serving"
+    );
+    on_ready(bound);
+    shutdown.await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    let _ = ingest_task.await;
+    if let Ok(Err(e)) = grpc_task.await {
+        tracing::warn!(error = %e, "grpc server ended with an error");
+    }
+    let _ = http_task.await;
+    drop(log);
+    tokio::task::spawn_blocking(move || applier.join()).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Makes the pools in the state match the configuration.
+async fn reconcile_pools(cfg: &Config, log: &LocalLog, handle: &StateHandle) -> anyhow::Result<()> {
+    let view = handle.load();
+    for p in &cfg.pools {
+        let want = PoolConfig {
+            block_size: p.block_size,
+            models: p.models.clone(),
+        };
+        if view.pools.get(&p.name).map(|v| &v.config) != Some(&want) {
+            log.propose(Command::ConfigPut {
+                kind: POOL_KIND.into(),
+                name: p.name.clone(),
+                value: want.to_json(),
+            })
+            .await?;
+        }
+    }
+    for name in view.pools.keys() {
+        if !cfg.pools.iter().any(|p| &p.name == name) {
+            log.propose(Command::ConfigDelete {
+                kind: POOL_KIND.into(),
+                name: name.clone(),
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+fn http_app(registry: Arc<Registry>) -> axum::Router {
+    use axum::http::{StatusCode, header};
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let registry = registry.clone();
+                async move {
+                    let mut body = String::new();
+                    match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                        Ok(()) => (
+                            StatusCode::OK,
+                            [(
+                                header::CONTENT_TYPE,
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            )],
+                            body,
+                        ),
+                        Err(_) => (
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            [(header::CONTENT_TYPE, "text/plain")],
+                            "metrics encoding failed".to_owned(),
+                        ),
+                    }
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ready" }))
+}

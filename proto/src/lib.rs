@@ -1,0 +1,12 @@
+//! kvplane's gRPC API (`kvplane.v1`): generated types, clients and server traits.
+//!
+//! This crate holds no I/O: it is what a gateway links to talk to kvplane.
+
+#![allow(clippy::all, missing_docs)]
+
+pub mod v1 {
+    tonic::include_proto!("kvplane.v1");
+}
+
+/// The encoded file descriptor set, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kvplane_descriptor");

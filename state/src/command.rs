@@ -1,0 +1,129 @@
+//! The commands of the replicated log. Everything that changes the state is one of these.
+
+use serde::{Deserialize, Serialize};
+
+/// One log entry: its position, the proposer's clock, and what to do.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Log index, strictly increasing from 1.
+    pub index: u64,
+    /// Milliseconds since the Unix epoch on the proposer when it proposed the entry.
+    /// The only clock the state machine ever reads.
+    pub timestamp_ms: u64,
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// Does nothing (a new leader's first entry, for instance).
+    Noop,
+    /// Messages consumed from the ingest stream, in stream order.
+    Ingest(IngestBatch),
+    /// Creates or replaces one configuration object (`value` is its JSON).
+    ConfigPut {
+        kind: String,
+        name: String,
+        value: Vec<u8>,
+    },
+    /// Removes one configuration object.
+    ConfigDelete { kind: String, name: String },
+}
+
+/// A run of consecutive stream messages. `first_seq..=last_seq` covers every message the
+/// proposer consumed, including those it rejected, so the recorded position moves past them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IngestBatch {
+    pub first_seq: u64,
+    pub last_seq: u64,
+    pub items: Vec<IngestItem>,
+}
+
+/// One accepted stream message, with the worker it came from (from its subject).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IngestItem {
+    pub seq: u64,
+    pub pool: String,
+    pub worker: String,
+    pub payload: IngestPayload,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum IngestPayload {
+    /// One vLLM KV-event batch, decoded.
+    Kv(KvBatch),
+    /// An engine metrics sample.
+    Metrics(WorkerMetrics),
+    /// The worker announced itself (with its serving address) or went away.
+    Worker { up: bool, address: Option<String> },
+}
+
+/// A decoded vLLM KV-event batch (one engine scheduler step).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvBatch {
+    pub dp_rank: u32,
+    pub events: Vec<KvEvent>,
+}
+
+/// Where a block lives. Only [`Tier::Gpu`] blocks are scored for prefix routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Tier {
+    /// GPU memory of this engine (`medium` GPU or nil, `locality` LOCAL or nil).
+    Gpu,
+    /// Host memory offload (`medium` CPU).
+    Cpu,
+    /// Disk or external storage offload (`medium` STORAGE).
+    Storage,
+    /// Held by another engine (`locality` REMOTE).
+    Remote,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 4] = [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Remote];
+
+    pub fn slot(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum KvEvent {
+    Stored {
+        /// vLLM's block hashes (reduced to 64 bits), one per block.
+        block_hashes: Vec<u64>,
+        parent_hash: Option<u64>,
+        /// The tokens of all blocks, `block_size` per block.
+        token_ids: Vec<u32>,
+        block_size: u32,
+        lora_name: Option<String>,
+        tier: Tier,
+    },
+    Removed {
+        block_hashes: Vec<u64>,
+        tier: Tier,
+    },
+    /// Every block of this worker rank is gone.
+    Cleared,
+}
+
+/// An engine's load as last reported (vLLM's gauges).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct WorkerMetrics {
+    pub running: u32,
+    pub waiting: u32,
+    /// GPU KV-cache usage, 0..=1.
+    pub kv_cache_usage: f64,
+    /// Prefix-cache hit rate over the engine's lifetime, 0..=1.
+    pub prefix_cache_hit_rate: f64,
+}
+
+impl Entry {
+    /// Encodes the entry for a log (MessagePack).
+    pub fn encode(&self) -> Vec<u8> {
+        // Serializing these plain types into a Vec cannot fail.
+        rmp_serde::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, rmp_serde::decode::Error> {
+        rmp_serde::from_slice(bytes)
+    }
+}

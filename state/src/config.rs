@@ -1,0 +1,71 @@
+//! Configuration objects held in the state. Until the policy kinds land, the one kind with
+//! meaning is `pool`: a group of workers that share a block size and serve some models.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ApplyError;
+
+/// The config kind of a [`PoolConfig`].
+pub const POOL_KIND: &str = "pool";
+
+/// A pool of workers that share routing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Tokens per KV block on every engine of the pool (vLLM's `--block-size`).
+    pub block_size: u32,
+    /// Model names this pool serves; a Route for one of them considers the pool.
+    /// An empty list serves any model.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl PoolConfig {
+    pub const MAX_BLOCK_SIZE: u32 = 1024;
+
+    /// Parses and checks a pool object.
+    pub fn parse(name: &str, value: &[u8]) -> Result<Self, ApplyError> {
+        let cfg: PoolConfig =
+            serde_json::from_slice(value).map_err(|e| ApplyError::InvalidConfig {
+                kind: POOL_KIND.into(),
+                name: name.into(),
+                reason: e.to_string(),
+            })?;
+        if cfg.block_size == 0 || cfg.block_size > Self::MAX_BLOCK_SIZE {
+            return Err(ApplyError::InvalidConfig {
+                kind: POOL_KIND.into(),
+                name: name.into(),
+                reason: format!(
+                    "block_size must be in 1..={}, got {}",
+                    Self::MAX_BLOCK_SIZE,
+                    cfg.block_size
+                ),
+            });
+        }
+        if !valid_name(name) {
+            return Err(ApplyError::InvalidConfig {
+                kind: POOL_KIND.into(),
+                name: name.into(),
+                reason: "pool names are 1-63 characters of [a-z0-9-_]".into(),
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// Whether a request for `model` may go to this pool.
+    pub fn serves(&self, model: &str) -> bool {
+        model.is_empty() || self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// Pool and worker names appear as NATS subject tokens: keep them to a safe alphabet.
+pub fn valid_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}

@@ -1,0 +1,32 @@
+//! Errors at the state machine's boundary.
+
+/// A command the state machine refused. The entry still counts as applied (the log moved on);
+/// the state is unchanged by the refused part, identically on every replica.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("invalid {kind} {name:?}: {reason}")]
+    InvalidConfig {
+        kind: String,
+        name: String,
+        reason: String,
+    },
+    #[error("entry index {got} does not follow applied index {applied}")]
+    OutOfOrder { applied: u64, got: u64 },
+}
+
+/// A snapshot that cannot be read back.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("snapshot is not a kvplane snapshot (bad magic)")]
+    BadMagic,
+    #[error("snapshot format version {0} is not supported")]
+    UnsupportedVersion(u32),
+    #[error("snapshot checksum mismatch: the file is damaged")]
+    Checksum,
+    #[error("snapshot payload cannot be decoded: {0}")]
+    Decode(String),
+    #[error("snapshot restored to digest {got}, but it recorded {want}")]
+    DigestMismatch { want: String, got: String },
+    #[error("prefix index rejected a snapshot event: {0}")]
+    Index(String),
+}

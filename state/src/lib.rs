@@ -1,0 +1,33 @@
+//! kvplane's replicated state machine.
+//!
+//! Every change to what kvplane knows is a [`Command`] in a log [`Entry`]; [`StateMachine::apply`]
+//! applies entries one at a time, deterministically: no wall clock (time comes from the entry),
+//! no randomness, no hash-map iteration order in anything that reaches the state or its digest.
+//! Replicas that apply the same entries hold the same state and report the same [`Digest`].
+//!
+//! Readers never block the applier: after each entry the machine publishes an immutable
+//! [`View`] (workers, metrics, pool configs) through a [`StateHandle`], and the prefix index
+//! (dynamo-kv-router's concurrent radix tree) is read concurrently with its writer.
+
+mod blocks;
+mod command;
+mod config;
+mod digest;
+mod error;
+mod index;
+mod log;
+mod machine;
+mod snapshot;
+mod view;
+
+pub use command::{
+    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Tier,
+    WorkerMetrics,
+};
+pub use config::{POOL_KIND, PoolConfig};
+pub use digest::Digest;
+pub use error::{ApplyError, SnapshotError};
+pub use index::{Overlap, PoolIndex};
+pub use log::{ProposeError, Proposer};
+pub use machine::{Applied, DropReason, StateMachine};
+pub use view::{PoolView, StateHandle, View, WorkerView};

@@ -1,0 +1,24 @@
+//! The one path by which anything changes the state: a proposer appends a command to the log,
+//! and the state machine applies it once it is committed. The in-process log (single node)
+//! and the Raft log implement the same trait, so nothing that proposes cares which it has.
+
+use std::future::Future;
+
+use crate::Command;
+
+/// Why a command did not make it into the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProposeError {
+    #[error("this node is not the leader{}", leader.as_ref().map(|l| format!(" (leader: {l})")).unwrap_or_default())]
+    NotLeader { leader: Option<String> },
+    #[error("the log is shut down")]
+    Closed,
+    #[error("log failure: {0}")]
+    Log(String),
+}
+
+/// Appends commands to the replicated log.
+pub trait Proposer: Send + Sync + 'static {
+    /// Resolves with the entry's index once it is committed and applied locally.
+    fn propose(&self, command: Command) -> impl Future<Output = Result<u64, ProposeError>> + Send;
+}

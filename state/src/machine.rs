@@ -1,0 +1,533 @@
+//! The deterministic state machine.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::blocks::{Change, RankBlocks};
+use crate::config::{POOL_KIND, PoolConfig};
+use crate::digest::{Digest, Hasher};
+use crate::view::{PoolView, StateHandle, View, WorkerView};
+use crate::{
+    ApplyError, Command, Entry, IngestBatch, IngestItem, IngestPayload, KvEvent, PoolIndex, Tier,
+    WorkerMetrics,
+};
+
+/// Why the state machine dropped part of an entry. Counted identically on every replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum DropReason {
+    /// A message for a pool that is not configured.
+    UnknownPool,
+    /// A message from a worker that announced it went down (until it comes back up).
+    WorkerDown,
+    /// A stored event whose block size differs from its pool's.
+    BlockSizeMismatch,
+    /// A stored event whose token count is not `blocks * block_size`.
+    MalformedEvent,
+    /// A stored event whose parent block this worker does not hold (lost or late events).
+    ParentMissing,
+    /// A removal of a block this worker does not hold.
+    RemoveUnknown,
+    /// A stream message at or below the recorded stream position (already applied).
+    Duplicate,
+}
+
+impl DropReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UnknownPool => "unknown_pool",
+            Self::WorkerDown => "worker_down",
+            Self::BlockSizeMismatch => "block_size_mismatch",
+            Self::MalformedEvent => "malformed_event",
+            Self::ParentMissing => "parent_missing",
+            Self::RemoveUnknown => "remove_unknown",
+            Self::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// What one entry did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub index: u64,
+    /// KV events applied to the index.
+    pub kv_events: u64,
+    /// Items or events dropped, by reason.
+    pub dropped: BTreeMap<DropReason, u64>,
+    /// A configuration command that was refused (state unchanged by it).
+    pub rejected: Option<ApplyError>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Pool {
+    pub(crate) config: PoolConfig,
+    pub(crate) index: Arc<PoolIndex>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Worker {
+    pub(crate) id: u64,
+    pub(crate) up: bool,
+    pub(crate) address: Option<String>,
+    pub(crate) metrics: WorkerMetrics,
+    pub(crate) metrics_index: u64,
+    pub(crate) metrics_at_ms: u64,
+}
+
+/// The state of one kvplane replica. Owned by one applier; read through [`StateMachine::handle`].
+#[derive(Debug)]
+pub struct StateMachine {
+    pub(crate) applied_index: u64,
+    pub(crate) config_index: u64,
+    pub(crate) last_seq: u64,
+    pub(crate) next_worker_id: u64,
+    pub(crate) next_event_id: u64,
+    pub(crate) config: BTreeMap<(String, String), Vec<u8>>,
+    pub(crate) pools: BTreeMap<String, Pool>,
+    /// Keyed by `(pool, worker name)`.
+    pub(crate) workers: BTreeMap<(String, String), Worker>,
+    /// Keyed by `(worker id, dp rank)`.
+    pub(crate) ranks: BTreeMap<(u64, u32), RankBlocks>,
+    pub(crate) blocks_digest: u128,
+    pub(crate) indexed_blocks: u64,
+    pub(crate) dropped: BTreeMap<DropReason, u64>,
+    pub(crate) handle: StateHandle,
+}
+
+impl Default for StateMachine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StateMachine {
+    pub fn new() -> Self {
+        let sm = Self {
+            applied_index: 0,
+            config_index: 0,
+            last_seq: 0,
+            next_worker_id: 1,
+            next_event_id: 0,
+            config: BTreeMap::new(),
+            pools: BTreeMap::new(),
+            workers: BTreeMap::new(),
+            ranks: BTreeMap::new(),
+            blocks_digest: 0,
+            indexed_blocks: 0,
+            dropped: BTreeMap::new(),
+            handle: StateHandle::new(View::empty()),
+        };
+        sm.publish();
+        sm
+    }
+
+    /// The handle readers use; it sees every entry once it is applied.
+    pub fn handle(&self) -> StateHandle {
+        self.handle.clone()
+    }
+
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
+    }
+
+    /// The last ingest-stream sequence applied.
+    pub fn last_stream_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// Blocks currently in the prefix indexes (GPU tier, all pools).
+    pub fn indexed_blocks(&self) -> u64 {
+        self.indexed_blocks
+    }
+
+    /// Applies one entry. Entries must come in increasing index order (gaps are allowed:
+    /// a log may hold entries that are not for the state machine).
+    pub fn apply(&mut self, entry: &Entry) -> Result<Applied, ApplyError> {
+        if entry.index <= self.applied_index {
+            return Err(ApplyError::OutOfOrder {
+                applied: self.applied_index,
+                got: entry.index,
+            });
+        }
+        let mut out = Applied {
+            index: entry.index,
+            ..Applied::default()
+        };
+        let mut touched = BTreeSet::new();
+        match &entry.command {
+            Command::Noop => {}
+            Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out, &mut touched),
+            Command::ConfigPut { kind, name, value } => {
+                if let Err(e) = self.config_put(entry.index, kind, name, value) {
+                    out.rejected = Some(e);
+                }
+            }
+            Command::ConfigDelete { kind, name } => self.config_delete(entry.index, kind, name),
+        }
+        for (reason, n) in &out.dropped {
+            *self.dropped.entry(*reason).or_default() += n;
+        }
+        for pool in touched {
+            if let Some(p) = self.pools.get(&pool) {
+                p.index.flush();
+            }
+        }
+        self.applied_index = entry.index;
+        self.publish();
+        Ok(out)
+    }
+
+    fn apply_ingest(
+        &mut self,
+        entry: &Entry,
+        batch: &IngestBatch,
+        out: &mut Applied,
+        touched: &mut BTreeSet<String>,
+    ) {
+        for item in &batch.items {
+            if item.seq <= self.last_seq {
+                *out.dropped.entry(DropReason::Duplicate).or_default() += 1;
+                continue;
+            }
+            self.apply_item(entry, item, out, touched);
+        }
+        self.last_seq = self.last_seq.max(batch.last_seq);
+    }
+
+    fn apply_item(
+        &mut self,
+        entry: &Entry,
+        item: &IngestItem,
+        out: &mut Applied,
+        touched: &mut BTreeSet<String>,
+    ) {
+        let Some(pool) = self.pools.get(&item.pool) else {
+            *out.dropped.entry(DropReason::UnknownPool).or_default() += 1;
+            return;
+        };
+        let index = pool.index.clone();
+        let key = (item.pool.clone(), item.worker.clone());
+        if !self.workers.contains_key(&key) {
+            if matches!(item.payload, IngestPayload::Worker { up: false, .. }) {
+                return;
+            }
+            let id = self.next_worker_id;
+            self.next_worker_id += 1;
+            self.workers.insert(
+                key.clone(),
+                Worker {
+                    id,
+                    up: true,
+                    address: None,
+                    metrics: WorkerMetrics::default(),
+                    metrics_index: 0,
+                    metrics_at_ms: 0,
+                },
+            );
+        }
+        let Some(worker) = self.workers.get_mut(&key) else {
+            return;
+        };
+        let wid = worker.id;
+        match &item.payload {
+            IngestPayload::Worker { up: true, address } => {
+                worker.up = true;
+                if address.is_some() {
+                    worker.address.clone_from(address);
+                }
+            }
+            IngestPayload::Worker { up: false, .. } => {
+                worker.up = false;
+                let ranks: Vec<u32> = self
+                    .ranks
+                    .range((wid, 0)..=(wid, u32::MAX))
+                    .map(|(&(_, r), _)| r)
+                    .collect();
+                for rank in ranks {
+                    let eid = self.event_id();
+                    self.clear_rank(&index, wid, rank, eid);
+                }
+                touched.insert(item.pool.clone());
+            }
+            _ if !worker.up => {
+                *out.dropped.entry(DropReason::WorkerDown).or_default() += 1;
+            }
+            IngestPayload::Metrics(m) => {
+                worker.metrics = *m;
+                worker.metrics_index = entry.index;
+                worker.metrics_at_ms = entry.timestamp_ms;
+            }
+            IngestPayload::Kv(batch) => {
+                touched.insert(item.pool.clone());
+                for ev in &batch.events {
+                    self.apply_kv(&index, wid, batch.dp_rank, ev, out);
+                }
+            }
+        }
+    }
+
+    fn event_id(&mut self) -> u64 {
+        self.next_event_id += 1;
+        self.next_event_id
+    }
+
+    fn apply_kv(
+        &mut self,
+        index: &PoolIndex,
+        wid: u64,
+        dp: u32,
+        ev: &KvEvent,
+        out: &mut Applied,
+    ) {
+        let drop = |out: &mut Applied, r: DropReason| {
+            *out.dropped.entry(r).or_default() += 1;
+        };
+        match ev {
+            KvEvent::Stored {
+                block_hashes,
+                parent_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                tier,
+            } => {
+                if *block_size != index.block_size() {
+                    return drop(out, DropReason::BlockSizeMismatch);
+                }
+                if token_ids.len() != block_hashes.len() * (*block_size as usize) {
+                    return drop(out, DropReason::MalformedEvent);
+                }
+                if *tier != Tier::Gpu {
+                    let rank = self.ranks.entry((wid, dp)).or_default();
+                    for &h in block_hashes {
+                        let (_, d, _) = rank.adjust(wid, dp, h, *tier, true);
+                        self.blocks_digest = self.blocks_digest.wrapping_add(d);
+                    }
+                    out.kv_events += 1;
+                    return;
+                }
+                if let Some(p) = parent_hash {
+                    let held = self
+                        .ranks
+                        .get(&(wid, dp))
+                        .is_some_and(|r| r.refs(*p)[Tier::Gpu.slot()] > 0);
+                    if !held {
+                        return drop(out, DropReason::ParentMissing);
+                    }
+                }
+                let locals = index.hash_tokens(token_ids, lora_name.as_deref());
+                let mut runs: Vec<(Option<u64>, Vec<_>)> = Vec::new();
+                let mut run_parent = *parent_hash;
+                let mut run = Vec::new();
+                let rank = self.ranks.entry((wid, dp)).or_default();
+                for (&h, &local) in block_hashes.iter().zip(locals.iter()) {
+                    let (change, d, g) = rank.adjust(wid, dp, h, Tier::Gpu, true);
+                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
+                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(g as i64);
+                    if change == Change::Appeared {
+                        run.push((h, local));
+                    } else {
+                        if !run.is_empty() {
+                            runs.push((run_parent, std::mem::take(&mut run)));
+                        }
+                        run_parent = Some(h);
+                    }
+                }
+                if !run.is_empty() {
+                    runs.push((run_parent, run));
+                }
+                for (parent, blocks) in runs {
+                    let eid = self.event_id();
+                    index.store(wid, dp, eid, parent, blocks);
+                }
+                out.kv_events += 1;
+            }
+            KvEvent::Removed { block_hashes, tier } => {
+                let rank = self.ranks.entry((wid, dp)).or_default();
+                let mut gone = Vec::new();
+                let mut unknown = 0;
+                for &h in block_hashes {
+                    let (change, d, g) = rank.adjust(wid, dp, h, *tier, false);
+                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
+                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(g as i64);
+                    match change {
+                        Change::Unknown => unknown += 1,
+                        Change::Disappeared if *tier == Tier::Gpu => gone.push(h),
+                        _ => {}
+                    }
+                }
+                if unknown > 0 {
+                    *out.dropped.entry(DropReason::RemoveUnknown).or_default() += unknown;
+                }
+                if !gone.is_empty() {
+                    let eid = self.event_id();
+                    index.remove(wid, dp, eid, gone);
+                }
+                out.kv_events += 1;
+            }
+            KvEvent::Cleared => {
+                let eid = self.event_id();
+                self.clear_rank(index, wid, dp, eid);
+                out.kv_events += 1;
+            }
+        }
+    }
+
+    fn clear_rank(&mut self, index: &PoolIndex, wid: u64, dp: u32, event_id: u64) {
+        if let Some(rank) = self.ranks.remove(&(wid, dp)) {
+            self.blocks_digest = self.blocks_digest.wrapping_sub(rank.digest);
+            self.indexed_blocks = self.indexed_blocks.saturating_sub(rank.gpu_blocks);
+        }
+        index.clear(wid, dp, event_id);
+    }
+
+    fn config_put(
+        &mut self,
+        index: u64,
+        kind: &str,
+        name: &str,
+        value: &[u8],
+    ) -> Result<(), ApplyError> {
+        if kind != POOL_KIND {
+            return Err(ApplyError::InvalidConfig {
+                kind: kind.into(),
+                name: name.into(),
+                reason: format!("unknown config kind (known: {POOL_KIND})"),
+            });
+        }
+        let cfg = PoolConfig::parse(name, value)?;
+        let replace_index = match self.pools.get(name) {
+            Some(p) => p.config.block_size != cfg.block_size,
+            None => true,
+        };
+        if replace_index {
+            self.drop_pool_blocks(name);
+        }
+        let index_arc = match self.pools.remove(name) {
+            Some(p) if !replace_index => p.index,
+            _ => Arc::new(PoolIndex::new(cfg.block_size)),
+        };
+        self.pools.insert(
+            name.to_owned(),
+            Pool {
+                config: cfg.clone(),
+                index: index_arc,
+            },
+        );
+        self.config
+            .insert((kind.to_owned(), name.to_owned()), cfg.to_json());
+        self.config_index = index;
+        Ok(())
+    }
+
+    fn config_delete(&mut self, index: u64, kind: &str, name: &str) {
+        if self
+            .config
+            .remove(&(kind.to_owned(), name.to_owned()))
+            .is_none()
+        {
+            return;
+        }
+        if kind == POOL_KIND {
+            self.drop_pool_blocks(name);
+            self.pools.remove(name);
+            self.workers.retain(|(pool, _), _| pool != name);
+        }
+        self.config_index = index;
+    }
+
+    /// Forgets every block of every worker in `pool` (its index is about to be replaced).
+    fn drop_pool_blocks(&mut self, pool: &str) {
+        let ids: Vec<u64> = self
+            .workers
+            .iter()
+            .filter(|((p, _), _)| p == pool)
+            .map(|(_, w)| w.id)
+            .collect();
+        for wid in ids {
+            let keys: Vec<(u64, u32)> = self
+                .ranks
+                .range((wid, 0)..=(wid, u32::MAX))
+                .map(|(k, _)| *k)
+                .collect();
+            for k in keys {
+                if let Some(rank) = self.ranks.remove(&k) {
+                    self.blocks_digest = self.blocks_digest.wrapping_sub(rank.digest);
+                    self.indexed_blocks = self.indexed_blocks.saturating_sub(rank.gpu_blocks);
+                }
+            }
+        }
+    }
+
+    /// The digest of the whole state (see [`crate::digest`] for what it covers).
+    pub fn digest(&self) -> Digest {
+        let mut h = Hasher::new();
+        h.u128(self.blocks_digest)
+            .u64(self.last_seq)
+            .u64(self.next_worker_id);
+        h.u64(self.config.len() as u64);
+        for ((kind, name), value) in &self.config {
+            h.str(kind).str(name).bytes(value);
+        }
+        h.u64(self.workers.len() as u64);
+        for ((pool, name), w) in &self.workers {
+            h.str(pool).str(name).u64(w.id).u64(u64::from(w.up));
+            h.str(w.address.as_deref().unwrap_or(""));
+            h.u64(u64::from(w.metrics.running))
+                .u64(u64::from(w.metrics.waiting))
+                .f64(w.metrics.kv_cache_usage)
+                .f64(w.metrics.prefix_cache_hit_rate);
+        }
+        h.finish()
+    }
+
+    /// Publishes the current state to readers.
+    pub(crate) fn publish(&self) {
+        let mut pools = BTreeMap::new();
+        for (name, pool) in &self.pools {
+            let workers = self
+                .workers
+                .range((name.clone(), String::new())..)
+                .take_while(|((p, _), _)| p == name)
+                .map(|((p, n), w)| WorkerView {
+                    pool: p.clone(),
+                    name: n.clone(),
+                    id: w.id,
+                    up: w.up,
+                    address: w.address.clone(),
+                    metrics: w.metrics,
+                    metrics_index: w.metrics_index,
+                    metrics_at_ms: w.metrics_at_ms,
+                    indexed_blocks: self
+                        .ranks
+                        .range((w.id, 0)..=(w.id, u32::MAX))
+                        .map(|(_, r)| r.gpu_blocks)
+                        .sum(),
+                })
+                .collect();
+            pools.insert(
+                name.clone(),
+                PoolView {
+                    name: name.clone(),
+                    config: pool.config.clone(),
+                    index: pool.index.clone(),
+                    workers,
+                },
+            );
+        }
+        self.handle.store(View {
+            applied_index: self.applied_index,
+            config_index: self.config_index,
+            last_stream_seq: self.last_seq,
+            digest: self.digest(),
+            indexed_blocks: self.indexed_blocks,
+            pools,
+            dropped: self
+                .dropped
+                .iter()
+                .map(|(r, n)| (r.as_str(), *n))
+                .collect(),
+        });
+    }
+}

@@ -1,0 +1,182 @@
+//! Snapshot out, restore in.
+//!
+//! Layout: `b"KVPSNAP\0"`, a little-endian u32 format version, the MessagePack payload, and a
+//! little-endian xxh3-64 checksum of everything before it. The payload holds the reference
+//! counts (sorted, so equal states give equal bytes), the workers, the config, and each pool's
+//! prefix tree as dynamo-kv-router events. A restored state is checked against the digest the
+//! snapshot recorded.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use dynamo_kv_router::protocols::RouterEvent;
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::blocks::{RankBlocks, Refs};
+use crate::config::{POOL_KIND, PoolConfig};
+use crate::machine::{DropReason, Pool, Worker};
+use crate::{PoolIndex, SnapshotError, StateMachine};
+
+const MAGIC: &[u8; 8] = b"KVPSNAP\0";
+const VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct Payload {
+    applied_index: u64,
+    config_index: u64,
+    last_seq: u64,
+    next_worker_id: u64,
+    next_event_id: u64,
+    config: Vec<(String, String, Vec<u8>)>,
+    workers: Vec<(String, String, Worker)>,
+    ranks: Vec<RankSnap>,
+    trees: Vec<(String, Vec<u8>)>,
+    dropped: Vec<(DropReason, u64)>,
+    digest: u128,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RankSnap {
+    worker: u64,
+    dp_rank: u32,
+    blocks: Vec<(u64, Refs)>,
+}
+
+impl StateMachine {
+    /// Serializes the whole state.
+    pub fn snapshot(&self) -> Vec<u8> {
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|(&(worker, dp_rank), r)| {
+                let mut blocks: Vec<(u64, Refs)> = r.blocks.iter().map(|(h, v)| (*h, *v)).collect();
+                blocks.sort_unstable_by_key(|(h, _)| *h);
+                RankSnap {
+                    worker,
+                    dp_rank,
+                    blocks,
+                }
+            })
+            .collect();
+        let trees = self
+            .pools
+            .iter()
+            .map(|(name, p)| {
+                let events = p.index.dump();
+                (
+                    name.clone(),
+                    rmp_serde::to_vec_named(&events).unwrap_or_default(),
+                )
+            })
+            .collect();
+        let payload = Payload {
+            applied_index: self.applied_index,
+            config_index: self.config_index,
+            last_seq: self.last_seq,
+            next_worker_id: self.next_worker_id,
+            next_event_id: self.next_event_id,
+            config: self
+                .config
+                .iter()
+                .map(|((k, n), v)| (k.clone(), n.clone(), v.clone()))
+                .collect(),
+            workers: self
+                .workers
+                .iter()
+                .map(|((p, n), w)| (p.clone(), n.clone(), w.clone()))
+                .collect(),
+            ranks,
+            trees,
+            dropped: self.dropped.iter().map(|(r, n)| (*r, *n)).collect(),
+            digest: self.digest().0,
+        };
+        let body = rmp_serde::to_vec(&payload).unwrap_or_default();
+        let mut out = Vec::with_capacity(body.len() + 20);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&body);
+        let sum = xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        out
+    }
+
+    /// Rebuilds a state from [`StateMachine::snapshot`] bytes.
+    pub fn restore(bytes: &[u8]) -> Result<Self, SnapshotError> {
+        if bytes.len() < 20 || &bytes[..8] != MAGIC {
+            return Err(SnapshotError::BadMagic);
+        }
+        let (head, tail) = bytes.split_at(bytes.len() - 8);
+        let sum = u64::from_le_bytes(tail.try_into().map_err(|_| SnapshotError::Checksum)?);
+        if xxh3_64(head) != sum {
+            return Err(SnapshotError::Checksum);
+        }
+        let version = u32::from_le_bytes(
+            head[8..12]
+                .try_into()
+                .map_err(|_| SnapshotError::BadMagic)?,
+        );
+        if version != VERSION {
+            return Err(SnapshotError::UnsupportedVersion(version));
+        }
+        let p: Payload =
+            rmp_serde::from_slice(&head[12..]).map_err(|e| SnapshotError::Decode(e.to_string()))?;
+
+        let mut sm = StateMachine::new();
+        sm.applied_index = p.applied_index;
+        sm.config_index = p.config_index;
+        sm.last_seq = p.last_seq;
+        sm.next_worker_id = p.next_worker_id;
+        sm.next_event_id = p.next_event_id;
+        let mut trees: BTreeMap<String, Vec<u8>> = p.trees.into_iter().collect();
+        for (kind, name, value) in p.config {
+            if kind == POOL_KIND {
+                let cfg = PoolConfig::parse(&name, &value)
+                    .map_err(|e| SnapshotError::Decode(e.to_string()))?;
+                let index = PoolIndex::new(cfg.block_size);
+                if let Some(tree) = trees.remove(&name) {
+                    let events: Vec<RouterEvent> = rmp_serde::from_slice(&tree)
+                        .map_err(|e| SnapshotError::Index(e.to_string()))?;
+                    for ev in events {
+                        index.apply_router_event(ev);
+                    }
+                    index.flush();
+                }
+                sm.pools.insert(
+                    name.clone(),
+                    Pool {
+                        config: cfg,
+                        index: Arc::new(index),
+                    },
+                );
+            }
+            sm.config.insert((kind, name), value);
+        }
+        sm.workers = p.workers.into_iter().map(|(p, n, w)| ((p, n), w)).collect();
+        for r in p.ranks {
+            let mut rank = RankBlocks::default();
+            rank.blocks.reserve(r.blocks.len());
+            for (h, refs) in r.blocks {
+                let fact = crate::digest::block_fact(r.worker, r.dp_rank, h, &refs);
+                rank.digest = rank.digest.wrapping_add(fact);
+                if refs[0] > 0 {
+                    rank.gpu_blocks += 1;
+                }
+                rank.blocks.insert(h, refs);
+            }
+            sm.blocks_digest = sm.blocks_digest.wrapping_add(rank.digest);
+            sm.indexed_blocks += rank.gpu_blocks;
+            sm.ranks.insert((r.worker, r.dp_rank), rank);
+        }
+        sm.dropped = p.dropped.into_iter().collect();
+        let got = sm.digest();
+        if got.0 != p.digest {
+            return Err(SnapshotError::DigestMismatch {
+                want: crate::Digest(p.digest).to_string(),
+                got: got.to_string(),
+            });
+        }
+        sm.publish();
+        Ok(sm)
+    }
+}

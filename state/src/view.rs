@@ -1,0 +1,83 @@
+//! What readers see: an immutable view of the state as of one applied index.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use crate::{Digest, PoolConfig, PoolIndex, WorkerMetrics};
+
+/// The state as of `applied_index`. The prefix index inside each pool is live: it may already
+/// hold events of the entry being applied, never fewer than those of `applied_index`.
+#[derive(Debug, Clone)]
+pub struct View {
+    pub applied_index: u64,
+    /// Index of the last configuration change.
+    pub config_index: u64,
+    pub last_stream_seq: u64,
+    pub digest: Digest,
+    pub indexed_blocks: u64,
+    pub pools: BTreeMap<String, PoolView>,
+    pub dropped: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolView {
+    pub name: String,
+    pub config: PoolConfig,
+    pub index: Arc<PoolIndex>,
+    /// Sorted by name.
+    pub workers: Vec<WorkerView>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerView {
+    pub pool: String,
+    pub name: String,
+    pub id: u64,
+    pub up: bool,
+    pub address: Option<String>,
+    pub metrics: WorkerMetrics,
+    /// Index of the entry that carried the last metrics (0: none yet).
+    pub metrics_index: u64,
+    /// Proposer time of that entry.
+    pub metrics_at_ms: u64,
+    pub indexed_blocks: u64,
+}
+
+impl View {
+    pub(crate) fn empty() -> Self {
+        Self {
+            applied_index: 0,
+            config_index: 0,
+            last_stream_seq: 0,
+            digest: Digest::default(),
+            indexed_blocks: 0,
+            pools: BTreeMap::new(),
+            dropped: BTreeMap::new(),
+        }
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = &WorkerView> {
+        self.pools.values().flat_map(|p| p.workers.iter())
+    }
+}
+
+/// Shared, lock-free access to the latest [`View`].
+#[derive(Debug, Clone)]
+pub struct StateHandle(Arc<ArcSwap<View>>);
+
+impl StateHandle {
+    pub(crate) fn new(view: View) -> Self {
+        Self(Arc::new(ArcSwap::from_pointee(view)))
+    }
+
+    pub(crate) fn store(&self, view: View) {
+        self.0.store(Arc::new(view));
+    }
+
+    /// The latest view.
+    pub fn load(&self) -> Arc<View> {
+        self.0.load_full()
+    }
+}

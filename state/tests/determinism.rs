@@ -1,0 +1,258 @@
+//! The state machine is deterministic: the same stream gives the same digest and the same
+//! answers, however it is cut into entries, and a snapshot restores both exactly.
+
+use std::collections::BTreeMap;
+
+use kvplane_state::{
+    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
+    PoolConfig, StateMachine, Tier, WorkerMetrics,
+};
+use proptest::prelude::*;
+
+const BS: u32 = 4;
+const CHAINS: usize = 4;
+const LEN: usize = 8;
+
+/// Chains 0 and 1 share their first two blocks, like prompts with one system prompt.
+fn chain_tokens(c: usize) -> Vec<u32> {
+    (0..LEN)
+        .flat_map(|i| {
+            let owner = if i < 2 && c < 2 { 0 } else { c };
+            (0..BS).map(move |t| (owner * 1000 + i * 10) as u32 + t)
+        })
+        .collect()
+}
+
+fn chain_hashes(c: usize) -> Vec<u64> {
+    let toks = chain_tokens(c);
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    toks.chunks(BS as usize)
+        .map(|block| {
+            for t in block {
+                h = (h ^ u64::from(*t)).wrapping_mul(0x100_0000_01b3);
+            }
+            h
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store { w: usize, c: usize, start: usize, len: usize, tier: Tier },
+    Remove { w: usize, c: usize, pos: usize },
+    Clear { w: usize },
+    Metrics { w: usize, running: u32, waiting: u32 },
+    Down { w: usize },
+    Up { w: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let w = 0..3usize;
+    let c = 0..CHAINS;
+    prop_oneof![
+        6 => (w.clone(), c.clone(), 0..LEN, 1..4usize, prop_oneof![4 => Just(Tier::Gpu), 1 => Just(Tier::Cpu)])
+            .prop_map(|(w, c, start, len, tier)| Op::Store { w, c, start, len, tier }),
+        3 => (w.clone(), c, 0..LEN).prop_map(|(w, c, pos)| Op::Remove { w, c, pos }),
+        1 => w.clone().prop_map(|w| Op::Clear { w }),
+        2 => (w.clone(), 0..10u32, 0..10u32).prop_map(|(w, running, waiting)| Op::Metrics { w, running, waiting }),
+        1 => w.clone().prop_map(|w| Op::Down { w }),
+        1 => w.prop_map(|w| Op::Up { w }),
+    ]
+}
+
+fn item(seq: u64, op: &Op) -> IngestItem {
+    let (w, payload) = match op {
+        Op::Store { w, c, start, len, tier } => {
+            let hashes = chain_hashes(*c);
+            let toks = chain_tokens(*c);
+            let end = (start + len).min(LEN);
+            let ev = KvEvent::Stored {
+                block_hashes: hashes[*start..end].to_vec(),
+                parent_hash: (*start > 0).then(|| hashes[start - 1]),
+                token_ids: toks[start * BS as usize..end * BS as usize].to_vec(),
+                block_size: BS,
+                lora_name: None,
+                tier: *tier,
+            };
+            (*w, IngestPayload::Kv(KvBatch { dp_rank: 0, events: vec![ev] }))
+        }
+        Op::Remove { w, c, pos } => (
+            *w,
+            IngestPayload::Kv(KvBatch {
+                dp_rank: 0,
+                events: vec![KvEvent::Removed { block_hashes: vec![chain_hashes(*c)[*pos]], tier: Tier::Gpu }],
+            }),
+        ),
+        Op::Clear { w } => (*w, IngestPayload::Kv(KvBatch { dp_rank: 0, events: vec![KvEvent::Cleared] })),
+        Op::Metrics { w, running, waiting } => (
+            *w,
+            IngestPayload::Metrics(WorkerMetrics {
+                running: *running,
+                waiting: *waiting,
+                kv_cache_usage: f64::from(*running) / 10.0,
+                prefix_cache_hit_rate: 0.5,
+            }),
+        ),
+        Op::Down { w } => (*w, IngestPayload::Worker { up: false, address: None }),
+        Op::Up { w } => (*w, IngestPayload::Worker { up: true, address: Some(format!("http://w{w}")) }),
+    };
+    IngestItem { seq, pool: "p".into(), worker: format!("w{w}"), payload }
+}
+
+/// Turns ops into entries, cutting a new entry wherever `cuts` says.
+fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
+    let mut out = vec![Entry {
+        index: first_index,
+        timestamp_ms: 1,
+        command: Command::ConfigPut {
+            kind: POOL_KIND.into(),
+            name: "p".into(),
+            value: PoolConfig { block_size: BS, models: vec![] }.to_json(),
+        },
+    }];
+    let mut items: Vec<IngestItem> = Vec::new();
+    let flush = |items: &mut Vec<IngestItem>, out: &mut Vec<Entry>| {
+        if items.is_empty() {
+            return;
+        }
+        let index = out.last().map_or(first_index, |e| e.index) + 1;
+        out.push(Entry {
+            index,
+            timestamp_ms: index * 7,
+            command: Command::Ingest(IngestBatch {
+                first_seq: items[0].seq,
+                last_seq: items[items.len() - 1].seq,
+                items: std::mem::take(items),
+            }),
+        });
+    };
+    for (i, op) in ops.iter().enumerate() {
+        items.push(item(i as u64 + 1, op));
+        if cuts.get(i).copied().unwrap_or(false) {
+            flush(&mut items, &mut out);
+        }
+    }
+    flush(&mut items, &mut out);
+    out
+}
+
+fn answers(sm: &StateMachine) -> Vec<BTreeMap<(u64, u32), u32>> {
+    let view = sm.handle().load();
+    let pool = &view.pools["p"];
+    (0..CHAINS).map(|c| pool.index.overlaps(&chain_tokens(c), None).matched).collect()
+}
+
+fn answers_if_pool(sm: &StateMachine) -> Vec<BTreeMap<(u64, u32), u32>> {
+    if sm.handle().load().pools.contains_key("p") { answers(sm) } else { Vec::new() }
+}
+
+fn run(entries: &[Entry]) -> StateMachine {
+    let mut sm = StateMachine::new();
+    for e in entries {
+        sm.apply(e).unwrap();
+    }
+    sm
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn same_entries_give_the_same_digest_and_answers(
+        ops in prop::collection::vec(op(), 1..120),
+        cuts in prop::collection::vec(any::<bool>(), 120),
+    ) {
+        let es = entries(&ops, &cuts, 1);
+        let mut a = StateMachine::new();
+        let mut b = StateMachine::new();
+        for e in &es {
+            a.apply(e).unwrap();
+            b.apply(e).unwrap();
+            prop_assert_eq!(a.digest(), b.digest());
+        }
+        prop_assert_eq!(answers(&a), answers(&b));
+    }
+
+    #[test]
+    fn batching_of_the_stream_does_not_change_digest_or_answers(
+        ops in prop::collection::vec(op(), 1..120),
+        cuts_a in prop::collection::vec(any::<bool>(), 120),
+        cuts_b in prop::collection::vec(any::<bool>(), 120),
+    ) {
+        let a = run(&entries(&ops, &cuts_a, 1));
+        let b = run(&entries(&ops, &cuts_b, 5));
+        prop_assert_eq!(a.digest(), b.digest());
+        prop_assert_eq!(answers(&a), answers(&b));
+    }
+
+    #[test]
+    fn snapshot_round_trip_keeps_digest_and_answers(
+        ops in prop::collection::vec(op(), 1..120),
+        cuts in prop::collection::vec(any::<bool>(), 120),
+        at in 0.0..1.0f64,
+    ) {
+        let es = entries(&ops, &cuts, 1);
+        let k = ((es.len() as f64) * at) as usize;
+        let mut original = StateMachine::new();
+        for e in &es[..k] {
+            original.apply(e).unwrap();
+        }
+        let mut restored = StateMachine::restore(&original.snapshot()).unwrap();
+        prop_assert_eq!(restored.digest(), original.digest());
+        prop_assert_eq!(restored.applied_index(), original.applied_index());
+        prop_assert_eq!(answers_if_pool(&restored), answers_if_pool(&original));
+        for e in &es[k..] {
+            original.apply(e).unwrap();
+            restored.apply(e).unwrap();
+        }
+        prop_assert_eq!(restored.digest(), original.digest());
+        prop_assert_eq!(answers(&restored), answers(&original));
+    }
+}
+
+#[test]
+fn repeated_stores_are_reference_counted() {
+    let store = Op::Store { w: 0, c: 2, start: 0, len: 3, tier: Tier::Gpu };
+    let remove = Op::Remove { w: 0, c: 2, pos: 2 };
+    let es = entries(&[store.clone(), store, remove.clone()], &[true, true, true], 1);
+    let mut sm = run(&es);
+    let full = |sm: &StateMachine| answers(sm)[2].values().copied().max().unwrap_or(0);
+    // Stored twice, removed once: the third block is still cached.
+    assert_eq!(full(&sm), 3);
+    sm.apply(&Entry {
+        index: 10,
+        timestamp_ms: 0,
+        command: Command::Ingest(IngestBatch { first_seq: 4, last_seq: 4, items: vec![item(4, &remove)] }),
+    })
+    .unwrap();
+    assert_eq!(full(&sm), 2);
+}
+
+#[test]
+fn replayed_stream_messages_are_applied_once() {
+    let ops: Vec<Op> = (0..4).map(|c| Op::Store { w: 1, c, start: 0, len: 3, tier: Tier::Gpu }).collect();
+    let es = entries(&ops, &[false; 4], 1);
+    let mut sm = run(&es);
+    let digest = sm.digest();
+    // The same batch again (a restarted consumer re-reading): nothing changes but the counter.
+    let again = Entry { index: 100, ..es[1].clone() };
+    let applied = sm.apply(&again).unwrap();
+    assert_eq!(sm.digest(), digest);
+    assert_eq!(applied.kv_events, 0);
+    assert_eq!(sm.handle().load().dropped.get("duplicate"), Some(&4));
+}
+
+#[test]
+fn stores_without_their_parent_are_dropped_and_counted() {
+    let op = Op::Store { w: 0, c: 3, start: 4, len: 2, tier: Tier::Gpu };
+    let sm = run(&entries(&[op], &[true], 1));
+    assert_eq!(sm.indexed_blocks(), 0);
+    assert_eq!(sm.handle().load().dropped.get("parent_missing"), Some(&1));
+}
+
+#[test]
+fn out_of_order_entries_are_refused() {
+    let es = entries(&[Op::Clear { w: 0 }], &[true], 1);
+    let mut sm = run(&es);
+    assert!(sm.apply(&es[0]).is_err());
+}

@@ -1,0 +1,197 @@
+//! Prompt extraction from `/v1/completions` and `/v1/chat/completions` bodies.
+
+use serde_json::Value;
+
+use crate::{TokenizeError, WordTokenizer};
+
+/// Where the prompt tokens came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptSource {
+    /// The caller supplied token ids (in the request or as a completions token array).
+    TokenIds,
+    /// A completions `prompt` string.
+    Completions,
+    /// Chat `messages` rendered with the built-in template.
+    Chat,
+}
+
+impl PromptSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TokenIds => "token_ids",
+            Self::Completions => "completions",
+            Self::Chat => "chat",
+        }
+    }
+}
+
+/// A request's prompt, as kvplane sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    pub tokens: Vec<u32>,
+    pub source: PromptSource,
+    /// The body's `model`, when present.
+    pub model: Option<String>,
+    /// The body's `max_tokens` / `max_completion_tokens`, when present.
+    pub max_tokens: Option<u32>,
+}
+
+/// Parses an OpenAI-style body and tokenizes its prompt.
+///
+/// Completions: `prompt` as a string, an array of token ids, or an array holding one string.
+/// Chat: `messages`, each `{role, content}` with string content or an array of `{type: "text"}`
+/// parts; other part types are refused. Rendering is [`render_chat`].
+pub fn prompt_from_body(body: &[u8]) -> Result<Prompt, TokenizeError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))?;
+    let model = v.get("model").and_then(Value::as_str).map(str::to_owned);
+    let max_tokens = v
+        .get("max_tokens")
+        .or_else(|| v.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    if let Some(messages) = v.get("messages") {
+        let text = render_chat(messages)?;
+        return Ok(Prompt {
+            tokens: WordTokenizer.encode(&text),
+            source: PromptSource::Chat,
+            model,
+            max_tokens,
+        });
+    }
+    let (tokens, source) = match v.get("prompt") {
+        Some(Value::String(s)) => (WordTokenizer.encode(s), PromptSource::Completions),
+        Some(Value::Array(items)) => completions_array(items)?,
+        Some(_) => {
+            return Err(TokenizeError::Unsupported {
+                field: "prompt",
+                reason: "must be a string or an array".into(),
+            });
+        }
+        None => return Err(TokenizeError::NoPrompt),
+    };
+    Ok(Prompt {
+        tokens,
+        source,
+        model,
+        max_tokens,
+    })
+}
+
+fn completions_array(items: &[Value]) -> Result<(Vec<u32>, PromptSource), TokenizeError> {
+    match items {
+        [Value::String(s)] => Ok((WordTokenizer.encode(s), PromptSource::Completions)),
+        _ => items
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| TokenizeError::Unsupported {
+                        field: "prompt",
+                        reason: "an array prompt must be token ids or one string".into(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|ids| (ids, PromptSource::TokenIds)),
+    }
+}
+
+/// Renders chat messages with kvplane's built-in template:
+/// `<|role|>\n{content}\n` for each message, then `<|assistant|>\n` (the generation prompt).
+pub fn render_chat(messages: &Value) -> Result<String, TokenizeError> {
+    let Value::Array(messages) = messages else {
+        return Err(TokenizeError::Unsupported {
+            field: "messages",
+            reason: "must be an array".into(),
+        });
+    };
+    let mut out = String::new();
+    for (i, m) in messages.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            TokenizeError::Unsupported {
+                field: "messages",
+                reason: format!("message {i} has no string `role`"),
+            }
+        })?;
+        out.push_str("<|");
+        out.push_str(role);
+        out.push_str("|>\n");
+        match m.get("content") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    match (
+                        part.get("type").and_then(Value::as_str),
+                        part.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => out.push_str(t),
+                        (kind, _) => {
+                            return Err(TokenizeError::Unsupported {
+                                field: "messages",
+                                reason: format!(
+                                    "message {i} has a content part of type {} (only text is routed)",
+                                    kind.unwrap_or("unknown")
+                                ),
+                            });
+                        }
+                    }
+                }
+            }
+            Some(Value::Null) | None => {}
+            Some(_) => {
+                return Err(TokenizeError::Unsupported {
+                    field: "messages",
+                    reason: format!("message {i} content must be a string or an array"),
+                });
+            }
+        }
+        out.push('\n');
+    }
+    out.push_str("<|assistant|>\n");
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completions_string_prompt_is_tokenized() {
+        let p = prompt_from_body(br#"{"model":"m","prompt":"hello world","max_tokens":7}"#).unwrap();
+        assert_eq!(p.tokens, WordTokenizer.encode("hello world"));
+        assert_eq!(p.source, PromptSource::Completions);
+        assert_eq!(p.model.as_deref(), Some("m"));
+        assert_eq!(p.max_tokens, Some(7));
+    }
+
+    #[test]
+    fn completions_token_array_is_taken_as_is() {
+        let p = prompt_from_body(br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(p.tokens, vec![1, 2, 3]);
+        assert_eq!(p.source, PromptSource::TokenIds);
+    }
+
+    #[test]
+    fn chat_messages_sharing_a_system_prompt_share_a_token_prefix() {
+        let a = prompt_from_body(
+            br#"{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
+        let b = prompt_from_body(
+            br#"{"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":[{"type":"text","text":"bye now"}]}]}"#,
+        )
+        .unwrap();
+        let sys = WordTokenizer.encode("<|system|>\nYou are terse.\n");
+        assert_eq!(&a.tokens[..sys.len()], &sys[..]);
+        assert_eq!(&b.tokens[..sys.len()], &sys[..]);
+        assert_eq!(a.source, PromptSource::Chat);
+    }
+
+    #[test]
+    fn bad_bodies_are_clear_errors() {
+        assert!(matches!(prompt_from_body(b"{nope"), Err(TokenizeError::InvalidJson(_))));
+        assert_eq!(prompt_from_body(br#"{"model":"m"}"#), Err(TokenizeError::NoPrompt));
+        let image = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#;
+        assert!(matches!(prompt_from_body(image), Err(TokenizeError::Unsupported { .. })));
+    }
+}
