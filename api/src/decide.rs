@@ -84,7 +84,11 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
     steps.push(format!(
         "pools serving {:?}: {}",
         input.model,
-        pools.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+        pools
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     ));
     let mut candidates = Vec::new();
     for pool in pools {

@@ -50,17 +50,23 @@ impl ApiMetrics {
     }
 
     pub(crate) fn decision(&self, outcome: &'static str, seconds: f64) {
-        self.decisions.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.decisions
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
         self.latency.observe(seconds);
     }
 
     pub(crate) fn usage(&self, known: bool) {
         let outcome = if known { "known" } else { "unknown" };
-        self.usage_reports.get_or_create(&OutcomeLabel { outcome }).inc();
+        self.usage_reports
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
     /// Decisions so far with this outcome.
     pub fn decisions(&self, outcome: &'static str) -> u64 {
-        self.decisions.get_or_create(&OutcomeLabel { outcome }).get()
+        self.decisions
+            .get_or_create(&OutcomeLabel { outcome })
+            .get()
     }
 }

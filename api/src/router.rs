@@ -114,7 +114,9 @@ impl RouterService {
 }
 
 fn body_model(body: &[u8]) -> Option<String> {
-    kvplane_tokenize::prompt_from_body(body).ok().and_then(|p| p.model)
+    kvplane_tokenize::prompt_from_body(body)
+        .ok()
+        .and_then(|p| p.model)
 }
 
 fn endpoint(c: &Candidate) -> Endpoint {
@@ -171,7 +173,10 @@ fn response(p: &Prompted, d: &Decision) -> RouteResponse {
 
 #[tonic::async_trait]
 impl pb::router_server::Router for RouterService {
-    async fn route(&self, request: Request<RouteRequest>) -> Result<Response<RouteResponse>, Status> {
+    async fn route(
+        &self,
+        request: Request<RouteRequest>,
+    ) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
         let (prompted, decision) = self.evaluate(&req)?;

@@ -217,7 +217,12 @@ impl<P: Proposer> Ingestor<P> {
                         IngestPayload::Kv(d.batch)
                     }
                     Err(e) => {
-                        return self.reject(RejectReason::Undecodable, seq, subject, &e.to_string());
+                        return self.reject(
+                            RejectReason::Undecodable,
+                            seq,
+                            subject,
+                            &e.to_string(),
+                        );
                     }
                 }
             }
@@ -270,7 +275,13 @@ impl<P: Proposer> Ingestor<P> {
         detail: &str,
     ) -> Option<IngestItem> {
         self.metrics.reject(reason);
-        tracing::debug!(seq, subject, reason = reason.as_str(), detail, "ingest message rejected");
+        tracing::debug!(
+            seq,
+            subject,
+            reason = reason.as_str(),
+            detail,
+            "ingest message rejected"
+        );
         None
     }
 }

@@ -12,4 +12,6 @@ pub use consumer::{IngestConfig, Ingestor, ensure_stream};
 pub use error::{DecodeError, IngestError};
 pub use message::{MetricsMessage, WorkerMessage};
 pub use metrics::{IngestMetrics, RejectReason};
-pub use subject::{MessageKind, STREAM_SUBJECTS, Subject, kv_subject, metrics_subject, worker_subject};
+pub use subject::{
+    MessageKind, STREAM_SUBJECTS, Subject, kv_subject, metrics_subject, worker_subject,
+};

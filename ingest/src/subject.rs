@@ -73,7 +73,10 @@ mod tests {
     #[test]
     fn well_formed_subjects_parse() {
         let s = Subject::parse("kvplane.kv.pool-a.worker_1").unwrap();
-        assert_eq!((s.kind, s.pool, s.worker), (MessageKind::Kv, "pool-a", "worker_1"));
+        assert_eq!(
+            (s.kind, s.pool, s.worker),
+            (MessageKind::Kv, "pool-a", "worker_1")
+        );
         assert_eq!(
             Subject::parse(&metrics_subject("p", "w")).unwrap().kind,
             MessageKind::Metrics

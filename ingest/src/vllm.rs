@@ -45,7 +45,8 @@ pub struct Decoded {
 /// Decodes one vLLM KV-event batch.
 pub fn decode_batch(payload: &[u8]) -> Result<Decoded, DecodeError> {
     let mut rd = payload;
-    let root = rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let root =
+        rmpv::decode::read_value(&mut rd).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
     if !rd.is_empty() {
         return Err(DecodeError::TrailingBytes(rd.len()));
     }
@@ -132,7 +133,13 @@ const STORED_ORDER: &[&str] = &[
     "session_id",
     "lookahead_token_ids",
 ];
-const REMOVED_ORDER: &[&str] = &["block_hashes", "medium", "group_idx", "locality", "ownership"];
+const REMOVED_ORDER: &[&str] = &[
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
 
 fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
     let (ty, map, positional) = match ev {
@@ -206,7 +213,9 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
 fn primary_group(f: &Fields<'_>) -> bool {
     match f.present("kv_cache_spec_kind").and_then(Value::as_str) {
         None => true,
-        Some(kind) => !(kind.contains("sliding") || kind.contains("mamba") || kind.contains("local")),
+        Some(kind) => {
+            !(kind.contains("sliding") || kind.contains("mamba") || kind.contains("local"))
+        }
     }
 }
 

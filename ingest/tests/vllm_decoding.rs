@@ -1,7 +1,9 @@
 //! The decoder accepts every shape vLLM has sent and refuses the rest with a clear reason.
 
-use kvplane_ingest::vllm::{SkippedEvent, decode_batch, encode_batch};
+#![allow(clippy::unwrap_used)]
+
 use kvplane_ingest::DecodeError;
+use kvplane_ingest::vllm::{SkippedEvent, decode_batch, encode_batch};
 use kvplane_state::{KvBatch, KvEvent, Tier};
 use rmpv::Value;
 
@@ -20,7 +22,10 @@ fn stored_map(extra: Vec<(Value, Value)>) -> Value {
         (s("type"), s("BlockStored")),
         (s("block_hashes"), Value::Array(vec![Value::from(7u64)])),
         (s("parent_block_hash"), Value::Nil),
-        (s("token_ids"), Value::Array((0..4u32).map(Value::from).collect())),
+        (
+            s("token_ids"),
+            Value::Array((0..4u32).map(Value::from).collect()),
+        ),
         (s("block_size"), Value::from(4)),
     ];
     m.extend(extra);
@@ -28,7 +33,11 @@ fn stored_map(extra: Vec<(Value, Value)>) -> Value {
 }
 
 fn batch(events: Vec<Value>) -> Vec<u8> {
-    encode(&Value::Array(vec![Value::F64(1.5), Value::Array(events), Value::Nil]))
+    encode(&Value::Array(vec![
+        Value::F64(1.5),
+        Value::Array(events),
+        Value::Nil,
+    ]))
 }
 
 #[test]
@@ -53,7 +62,10 @@ fn negative_i64_hashes_are_reinterpreted_bit_for_bit() {
     let d = decode_batch(&batch(vec![ev])).unwrap();
     assert_eq!(
         d.batch.events,
-        vec![KvEvent::Removed { block_hashes: vec![u64::MAX - 1], tier: Tier::Gpu }]
+        vec![KvEvent::Removed {
+            block_hashes: vec![u64::MAX - 1],
+            tier: Tier::Gpu
+        }]
     );
 }
 
@@ -68,7 +80,10 @@ fn thirty_two_byte_hashes_reduce_to_their_low_64_bits_big_endian() {
     let d = decode_batch(&batch(vec![ev])).unwrap();
     assert_eq!(
         d.batch.events,
-        vec![KvEvent::Removed { block_hashes: vec![0x0102_0304_0506_0708], tier: Tier::Gpu }]
+        vec![KvEvent::Removed {
+            block_hashes: vec![0x0102_0304_0506_0708],
+            tier: Tier::Gpu
+        }]
     );
 }
 
@@ -89,7 +104,10 @@ fn media_and_locality_map_to_tiers() {
         (vec![(s("medium"), s("CPU"))], Tier::Cpu),
         (vec![(s("medium"), s("STORAGE"))], Tier::Storage),
         (vec![(s("medium"), Value::Nil)], Tier::Gpu),
-        (vec![(s("medium"), s("GPU")), (s("locality"), s("REMOTE"))], Tier::Remote),
+        (
+            vec![(s("medium"), s("GPU")), (s("locality"), s("REMOTE"))],
+            Tier::Remote,
+        ),
         (vec![(s("locality"), s("LOCAL"))], Tier::Gpu),
     ];
     for (extra, want) in cases {
@@ -114,7 +132,10 @@ fn unknown_event_types_are_skipped_and_the_rest_kept() {
     let unknown = Value::Map(vec![(s("type"), s("BlockTeleported"))]);
     let d = decode_batch(&batch(vec![unknown, stored_map(vec![])])).unwrap();
     assert_eq!(d.batch.events.len(), 1);
-    assert_eq!(d.skipped, vec![SkippedEvent::UnknownType("BlockTeleported".into())]);
+    assert_eq!(
+        d.skipped,
+        vec![SkippedEvent::UnknownType("BlockTeleported".into())]
+    );
     assert_eq!(d.skipped[0].reason(), "unknown_event_type");
 }
 
@@ -135,7 +156,10 @@ fn malformed_events_are_skipped_with_the_field_named() {
 fn truncated_msgpack_is_an_error() {
     let full = batch(vec![stored_map(vec![])]);
     for cut in [1, full.len() / 2, full.len() - 1] {
-        assert!(matches!(decode_batch(&full[..cut]), Err(DecodeError::Msgpack(_))), "cut {cut}");
+        assert!(
+            matches!(decode_batch(&full[..cut]), Err(DecodeError::Msgpack(_))),
+            "cut {cut}"
+        );
     }
 }
 
@@ -148,7 +172,10 @@ fn trailing_bytes_are_an_error() {
 
 #[test]
 fn a_batch_that_is_not_an_array_or_map_is_an_error() {
-    assert_eq!(decode_batch(&encode(&Value::from(5))), Err(DecodeError::BatchShape("an integer")));
+    assert_eq!(
+        decode_batch(&encode(&Value::from(5))),
+        Err(DecodeError::BatchShape("an integer"))
+    );
 }
 
 #[test]
@@ -164,7 +191,10 @@ fn encoded_batches_decode_to_the_same_events() {
                 lora_name: Some("adapter".into()),
                 tier: Tier::Gpu,
             },
-            KvEvent::Removed { block_hashes: vec![1], tier: Tier::Cpu },
+            KvEvent::Removed {
+                block_hashes: vec![1],
+                tier: Tier::Cpu,
+            },
             KvEvent::Stored {
                 block_hashes: vec![3],
                 parent_hash: None,

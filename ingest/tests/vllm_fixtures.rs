@@ -1,6 +1,8 @@
 //! Golden tests: vLLM's own batches decode to exactly what vLLM encoded, and applied to the
 //! state they give the prefix overlaps vLLM's fixtures expect.
 
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 
 use kvplane_ingest::vllm::decode_batch;
@@ -11,24 +13,35 @@ use kvplane_state::{
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vllm-kv-events").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/vllm-kv-events")
+        .join(name)
 }
 
 fn load(version: &str) -> (Vec<u8>, Vec<u8>, Value) {
     let b1 = std::fs::read(fixture(&format!("vllm-{version}.batch1.msgpack"))).unwrap();
     let b2 = std::fs::read(fixture(&format!("vllm-{version}.batch2.msgpack"))).unwrap();
-    let exp: Value =
-        serde_json::from_slice(&std::fs::read(fixture(&format!("vllm-{version}.expected.json"))).unwrap())
-            .unwrap();
+    let exp: Value = serde_json::from_slice(
+        &std::fs::read(fixture(&format!("vllm-{version}.expected.json"))).unwrap(),
+    )
+    .unwrap();
     (b1, b2, exp)
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn tier_of(medium: &Value) -> Tier {
@@ -92,18 +105,32 @@ struct Applier {
 
 impl Applier {
     fn new(block_size: u32) -> Self {
-        let mut a = Self { sm: StateMachine::new(), index: 0, seq: 0 };
+        let mut a = Self {
+            sm: StateMachine::new(),
+            index: 0,
+            seq: 0,
+        };
         a.command(Command::ConfigPut {
             kind: POOL_KIND.into(),
             name: "p".into(),
-            value: PoolConfig { block_size, models: vec![] }.to_json(),
+            value: PoolConfig {
+                block_size,
+                models: vec![],
+            }
+            .to_json(),
         });
         a
     }
 
     fn command(&mut self, command: Command) {
         self.index += 1;
-        self.sm.apply(&Entry { index: self.index, timestamp_ms: 0, command }).unwrap();
+        self.sm
+            .apply(&Entry {
+                index: self.index,
+                timestamp_ms: 0,
+                command,
+            })
+            .unwrap();
     }
 
     fn ingest(&mut self, worker: &str, payload: &[u8]) {
@@ -134,8 +161,14 @@ fn check_overlaps(version: &str) {
     let mut a = Applier::new(exp["block_size"].as_u64().unwrap() as u32);
     a.ingest("w", &b1);
     let want = &exp["expected_overlap_after_batch1_blocks"];
-    assert_eq!(a.overlap("w", &u32s(&exp["query_prompt_A"])), want["prompt_A"].as_u64().unwrap() as u32);
-    assert_eq!(a.overlap("w", &u32s(&exp["query_prompt_B"])), want["prompt_B"].as_u64().unwrap() as u32);
+    assert_eq!(
+        a.overlap("w", &u32s(&exp["query_prompt_A"])),
+        want["prompt_A"].as_u64().unwrap() as u32
+    );
+    assert_eq!(
+        a.overlap("w", &u32s(&exp["query_prompt_B"])),
+        want["prompt_B"].as_u64().unwrap() as u32
+    );
     // The CPU copies are tracked but never indexed; the GPU copies of those blocks were removed.
     assert_eq!(a.sm.indexed_blocks(), 7);
     a.ingest("w", &b2);

@@ -8,7 +8,11 @@ use crate::config::{Config, Overrides};
 use crate::route_cmd::{self, RouteArgs, StatusArgs};
 
 #[derive(Debug, Parser)]
-#[command(name = "kvplane", version, about = "A Raft-replicated control plane for vLLM fleets")]
+#[command(
+    name = "kvplane",
+    version,
+    about = "A Raft-replicated control plane for vLLM fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -28,7 +32,10 @@ enum Cmd {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvplane: cannot start the async runtime: {e}");

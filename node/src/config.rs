@@ -197,7 +197,10 @@ impl Config {
         if self.data_dir.as_os_str().is_empty() {
             p.push("data_dir must not be empty".into());
         }
-        for (name, v) in [("grpc_listen", &self.grpc_listen), ("http_listen", &self.http_listen)] {
+        for (name, v) in [
+            ("grpc_listen", &self.grpc_listen),
+            ("http_listen", &self.http_listen),
+        ] {
             if v.parse::<SocketAddr>().is_err() {
                 p.push(format!("{name} {v:?} is not an ip:port address"));
             }

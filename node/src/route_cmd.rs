@@ -106,7 +106,10 @@ fn print_decision(r: &RouteResponse) {
                     format!("  {}", e.address)
                 }
             );
-            println!("matched      {} of {} blocks", r.matched_blocks, r.prompt_blocks);
+            println!(
+                "matched      {} of {} blocks",
+                r.matched_blocks, r.prompt_blocks
+            );
             println!("predicted    {:.1} ms to first token", r.predicted_ttft_ms);
         }
         Some(Decision::Rejection(x)) => {

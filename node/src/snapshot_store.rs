@@ -58,7 +58,7 @@ impl SnapshotStore {
                 out.push((i, path));
             }
         }
-        out.sort_by(|a, b| b.0.cmp(&a.0));
+        out.sort_by_key(|b| std::cmp::Reverse(b.0));
         Ok(out)
     }
 

@@ -21,8 +21,7 @@ mod snapshot;
 mod view;
 
 pub use command::{
-    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Tier,
-    WorkerMetrics,
+    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Tier, WorkerMetrics,
 };
 pub use config::{POOL_KIND, PoolConfig};
 pub use digest::Digest;

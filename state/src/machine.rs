@@ -272,14 +272,7 @@ impl StateMachine {
         self.next_event_id
     }
 
-    fn apply_kv(
-        &mut self,
-        index: &PoolIndex,
-        wid: u64,
-        dp: u32,
-        ev: &KvEvent,
-        out: &mut Applied,
-    ) {
+    fn apply_kv(&mut self, index: &PoolIndex, wid: u64, dp: u32, ev: &KvEvent, out: &mut Applied) {
         let drop = |out: &mut Applied, r: DropReason| {
             *out.dropped.entry(r).or_default() += 1;
         };
@@ -523,11 +516,7 @@ impl StateMachine {
             digest: self.digest(),
             indexed_blocks: self.indexed_blocks,
             pools,
-            dropped: self
-                .dropped
-                .iter()
-                .map(|(r, n)| (r.as_str(), *n))
-                .collect(),
+            dropped: self.dropped.iter().map(|(r, n)| (r.as_str(), *n)).collect(),
         });
     }
 }

@@ -1,6 +1,8 @@
 //! The state machine is deterministic: the same stream gives the same digest and the same
 //! answers, however it is cut into entries, and a snapshot restores both exactly.
 
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 
 use kvplane_state::{
@@ -38,12 +40,32 @@ fn chain_hashes(c: usize) -> Vec<u64> {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Store { w: usize, c: usize, start: usize, len: usize, tier: Tier },
-    Remove { w: usize, c: usize, pos: usize },
-    Clear { w: usize },
-    Metrics { w: usize, running: u32, waiting: u32 },
-    Down { w: usize },
-    Up { w: usize },
+    Store {
+        w: usize,
+        c: usize,
+        start: usize,
+        len: usize,
+        tier: Tier,
+    },
+    Remove {
+        w: usize,
+        c: usize,
+        pos: usize,
+    },
+    Clear {
+        w: usize,
+    },
+    Metrics {
+        w: usize,
+        running: u32,
+        waiting: u32,
+    },
+    Down {
+        w: usize,
+    },
+    Up {
+        w: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -62,7 +84,13 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn item(seq: u64, op: &Op) -> IngestItem {
     let (w, payload) = match op {
-        Op::Store { w, c, start, len, tier } => {
+        Op::Store {
+            w,
+            c,
+            start,
+            len,
+            tier,
+        } => {
             let hashes = chain_hashes(*c);
             let toks = chain_tokens(*c);
             let end = (start + len).min(LEN);
@@ -74,17 +102,36 @@ fn item(seq: u64, op: &Op) -> IngestItem {
                 lora_name: None,
                 tier: *tier,
             };
-            (*w, IngestPayload::Kv(KvBatch { dp_rank: 0, events: vec![ev] }))
+            (
+                *w,
+                IngestPayload::Kv(KvBatch {
+                    dp_rank: 0,
+                    events: vec![ev],
+                }),
+            )
         }
         Op::Remove { w, c, pos } => (
             *w,
             IngestPayload::Kv(KvBatch {
                 dp_rank: 0,
-                events: vec![KvEvent::Removed { block_hashes: vec![chain_hashes(*c)[*pos]], tier: Tier::Gpu }],
+                events: vec![KvEvent::Removed {
+                    block_hashes: vec![chain_hashes(*c)[*pos]],
+                    tier: Tier::Gpu,
+                }],
             }),
         ),
-        Op::Clear { w } => (*w, IngestPayload::Kv(KvBatch { dp_rank: 0, events: vec![KvEvent::Cleared] })),
-        Op::Metrics { w, running, waiting } => (
+        Op::Clear { w } => (
+            *w,
+            IngestPayload::Kv(KvBatch {
+                dp_rank: 0,
+                events: vec![KvEvent::Cleared],
+            }),
+        ),
+        Op::Metrics {
+            w,
+            running,
+            waiting,
+        } => (
             *w,
             IngestPayload::Metrics(WorkerMetrics {
                 running: *running,
@@ -93,10 +140,27 @@ fn item(seq: u64, op: &Op) -> IngestItem {
                 prefix_cache_hit_rate: 0.5,
             }),
         ),
-        Op::Down { w } => (*w, IngestPayload::Worker { up: false, address: None }),
-        Op::Up { w } => (*w, IngestPayload::Worker { up: true, address: Some(format!("http://w{w}")) }),
+        Op::Down { w } => (
+            *w,
+            IngestPayload::Worker {
+                up: false,
+                address: None,
+            },
+        ),
+        Op::Up { w } => (
+            *w,
+            IngestPayload::Worker {
+                up: true,
+                address: Some(format!("http://w{w}")),
+            },
+        ),
     };
-    IngestItem { seq, pool: "p".into(), worker: format!("w{w}"), payload }
+    IngestItem {
+        seq,
+        pool: "p".into(),
+        worker: format!("w{w}"),
+        payload,
+    }
 }
 
 /// Turns ops into entries, cutting a new entry wherever `cuts` says.
@@ -107,7 +171,11 @@ fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
         command: Command::ConfigPut {
             kind: POOL_KIND.into(),
             name: "p".into(),
-            value: PoolConfig { block_size: BS, models: vec![] }.to_json(),
+            value: PoolConfig {
+                block_size: BS,
+                models: vec![],
+            }
+            .to_json(),
         },
     }];
     let mut items: Vec<IngestItem> = Vec::new();
@@ -139,11 +207,17 @@ fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
 fn answers(sm: &StateMachine) -> Vec<BTreeMap<(u64, u32), u32>> {
     let view = sm.handle().load();
     let pool = &view.pools["p"];
-    (0..CHAINS).map(|c| pool.index.overlaps(&chain_tokens(c), None).matched).collect()
+    (0..CHAINS)
+        .map(|c| pool.index.overlaps(&chain_tokens(c), None).matched)
+        .collect()
 }
 
 fn answers_if_pool(sm: &StateMachine) -> Vec<BTreeMap<(u64, u32), u32>> {
-    if sm.handle().load().pools.contains_key("p") { answers(sm) } else { Vec::new() }
+    if sm.handle().load().pools.contains_key("p") {
+        answers(sm)
+    } else {
+        Vec::new()
+    }
 }
 
 fn run(entries: &[Entry]) -> StateMachine {
@@ -212,9 +286,19 @@ proptest! {
 
 #[test]
 fn repeated_stores_are_reference_counted() {
-    let store = Op::Store { w: 0, c: 2, start: 0, len: 3, tier: Tier::Gpu };
+    let store = Op::Store {
+        w: 0,
+        c: 2,
+        start: 0,
+        len: 3,
+        tier: Tier::Gpu,
+    };
     let remove = Op::Remove { w: 0, c: 2, pos: 2 };
-    let es = entries(&[store.clone(), store, remove.clone()], &[true, true, true], 1);
+    let es = entries(
+        &[store.clone(), store, remove.clone()],
+        &[true, true, true],
+        1,
+    );
     let mut sm = run(&es);
     let full = |sm: &StateMachine| answers(sm)[2].values().copied().max().unwrap_or(0);
     // Stored twice, removed once: the third block is still cached.
@@ -222,7 +306,11 @@ fn repeated_stores_are_reference_counted() {
     sm.apply(&Entry {
         index: 10,
         timestamp_ms: 0,
-        command: Command::Ingest(IngestBatch { first_seq: 4, last_seq: 4, items: vec![item(4, &remove)] }),
+        command: Command::Ingest(IngestBatch {
+            first_seq: 4,
+            last_seq: 4,
+            items: vec![item(4, &remove)],
+        }),
     })
     .unwrap();
     assert_eq!(full(&sm), 2);
@@ -230,12 +318,23 @@ fn repeated_stores_are_reference_counted() {
 
 #[test]
 fn replayed_stream_messages_are_applied_once() {
-    let ops: Vec<Op> = (0..4).map(|c| Op::Store { w: 1, c, start: 0, len: 3, tier: Tier::Gpu }).collect();
+    let ops: Vec<Op> = (0..4)
+        .map(|c| Op::Store {
+            w: 1,
+            c,
+            start: 0,
+            len: 3,
+            tier: Tier::Gpu,
+        })
+        .collect();
     let es = entries(&ops, &[false; 4], 1);
     let mut sm = run(&es);
     let digest = sm.digest();
     // The same batch again (a restarted consumer re-reading): nothing changes but the counter.
-    let again = Entry { index: 100, ..es[1].clone() };
+    let again = Entry {
+        index: 100,
+        ..es[1].clone()
+    };
     let applied = sm.apply(&again).unwrap();
     assert_eq!(sm.digest(), digest);
     assert_eq!(applied.kv_events, 0);
@@ -244,7 +343,13 @@ fn replayed_stream_messages_are_applied_once() {
 
 #[test]
 fn stores_without_their_parent_are_dropped_and_counted() {
-    let op = Op::Store { w: 0, c: 3, start: 4, len: 2, tier: Tier::Gpu };
+    let op = Op::Store {
+        w: 0,
+        c: 3,
+        start: 4,
+        len: 2,
+        tier: Tier::Gpu,
+    };
     let sm = run(&entries(&[op], &[true], 1));
     assert_eq!(sm.indexed_blocks(), 0);
     assert_eq!(sm.handle().load().dropped.get("parent_missing"), Some(&1));

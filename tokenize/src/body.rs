@@ -107,12 +107,13 @@ pub fn render_chat(messages: &Value) -> Result<String, TokenizeError> {
     };
     let mut out = String::new();
     for (i, m) in messages.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-            TokenizeError::Unsupported {
-                field: "messages",
-                reason: format!("message {i} has no string `role`"),
-            }
-        })?;
+        let role =
+            m.get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| TokenizeError::Unsupported {
+                    field: "messages",
+                    reason: format!("message {i} has no string `role`"),
+                })?;
         out.push_str("<|");
         out.push_str(role);
         out.push_str("|>\n");
@@ -157,7 +158,8 @@ mod tests {
 
     #[test]
     fn completions_string_prompt_is_tokenized() {
-        let p = prompt_from_body(br#"{"model":"m","prompt":"hello world","max_tokens":7}"#).unwrap();
+        let p =
+            prompt_from_body(br#"{"model":"m","prompt":"hello world","max_tokens":7}"#).unwrap();
         assert_eq!(p.tokens, WordTokenizer.encode("hello world"));
         assert_eq!(p.source, PromptSource::Completions);
         assert_eq!(p.model.as_deref(), Some("m"));
@@ -189,9 +191,19 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_clear_errors() {
-        assert!(matches!(prompt_from_body(b"{nope"), Err(TokenizeError::InvalidJson(_))));
-        assert_eq!(prompt_from_body(br#"{"model":"m"}"#), Err(TokenizeError::NoPrompt));
-        let image = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#;
-        assert!(matches!(prompt_from_body(image), Err(TokenizeError::Unsupported { .. })));
+        assert!(matches!(
+            prompt_from_body(b"{nope"),
+            Err(TokenizeError::InvalidJson(_))
+        ));
+        assert_eq!(
+            prompt_from_body(br#"{"model":"m"}"#),
+            Err(TokenizeError::NoPrompt)
+        );
+        let image =
+            br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#;
+        assert!(matches!(
+            prompt_from_body(image),
+            Err(TokenizeError::Unsupported { .. })
+        ));
     }
 }

@@ -1,0 +1,324 @@
+//! Test harness: real `nats-server` and real `kvplane` processes on free loopback ports, each
+//! with its own directory. Waits are on conditions (polled), never fixed sleeps.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvplane_proto::v1::admin_client::AdminClient;
+use kvplane_proto::v1::router_client::RouterClient;
+use kvplane_proto::v1::{StatusRequest, StatusResponse};
+use tempfile::TempDir;
+use tonic::transport::Channel;
+
+/// Polls `f` until it returns `Some`, or panics after `timeout` naming `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A JetStream-enabled nats-server with its own store directory.
+pub struct Nats {
+    child: Child,
+    pub port: u16,
+    _dir: TempDir,
+}
+
+impl Nats {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let log = std::fs::File::create(dir.path().join("nats.log")).unwrap();
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.path().join("store"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("nats-server must be installed (apt-get install -y nats-server)");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not start on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub async fn jetstream(&self) -> async_nats::jetstream::Context {
+        let client = async_nats::connect(self.url()).await.unwrap();
+        async_nats::jetstream::new(client)
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Settings a test may change; the rest is `kvplane serve`'s defaults.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    pub pools: Vec<(String, u32)>,
+    pub snapshot_every_entries: u64,
+    pub max_message_bytes: usize,
+    pub max_batch_messages: usize,
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        Self {
+            pools: vec![("default".into(), 16)],
+            snapshot_every_entries: 10_000,
+            max_message_bytes: 1 << 20,
+            max_batch_messages: 512,
+        }
+    }
+}
+
+/// One `kvplane serve` process.
+pub struct Node {
+    pub name: String,
+    child: Option<Child>,
+    pub grpc: SocketAddr,
+    pub http: SocketAddr,
+    pub dir: PathBuf,
+    config: PathBuf,
+    starts: u32,
+}
+
+impl Node {
+    fn write_config(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> PathBuf {
+        let mut toml = format!(
+            "node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"127.0.0.1:0\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
+            dir.join("data").display(),
+            o.max_message_bytes,
+            o.max_batch_messages,
+            o.snapshot_every_entries,
+        );
+        for (pool, bs) in &o.pools {
+            toml.push_str(&format!(
+                "\n[[pools]]\nname = \"{pool}\"\nblock_size = {bs}\n"
+            ));
+        }
+        let path = dir.join("kvplane.toml");
+        std::fs::write(&path, toml).unwrap();
+        path
+    }
+
+    pub fn start(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let config = Self::write_config(name, dir, nats_url, o);
+        let mut node = Self {
+            name: name.to_owned(),
+            child: None,
+            grpc: "0.0.0.0:0".parse().unwrap(),
+            http: "0.0.0.0:0".parse().unwrap(),
+            dir: dir.to_owned(),
+            config,
+            starts: 0,
+        };
+        node.spawn();
+        node
+    }
+
+    fn spawn(&mut self) {
+        self.starts += 1;
+        let log =
+            std::fs::File::create(self.dir.join(format!("node.{}.log", self.starts))).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvplane"))
+            .args(["serve", "--config"])
+            .arg(&self.config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(rest) = line.strip_prefix("kvplane ready ") {
+                    let _ = tx.send(rest.to_owned());
+                }
+            }
+        });
+        let ready = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("node {} did not become ready:\n{}", self.name, self.log()));
+        for part in ready.split_whitespace() {
+            if let Some(a) = part.strip_prefix("grpc=") {
+                self.grpc = a.parse().unwrap();
+            }
+            if let Some(a) = part.strip_prefix("http=") {
+                self.http = a.parse().unwrap();
+            }
+        }
+        self.child = Some(child);
+    }
+
+    /// The node's log of its current (or last) run.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join(format!("node.{}.log", self.starts)))
+            .unwrap_or_default()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// SIGKILL: no shutdown work at all.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("node is not running");
+        let status = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        c.wait().unwrap()
+    }
+
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the node before restarting it");
+        self.spawn();
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    pub async fn router(&self) -> RouterClient<Channel> {
+        RouterClient::connect(self.endpoint()).await.unwrap()
+    }
+
+    pub async fn status(&self) -> StatusResponse {
+        let mut c = AdminClient::connect(self.endpoint()).await.unwrap();
+        c.status(StatusRequest {}).await.unwrap().into_inner()
+    }
+
+    /// Waits until the node has applied the stream up to `seq`.
+    pub async fn wait_applied_seq(&self, seq: u64) -> StatusResponse {
+        wait_for(
+            &format!("{} to apply stream sequence {seq}", self.name),
+            Duration::from_secs(30),
+            || async {
+                let s = self.status().await;
+                (s.ingest.as_ref().map_or(0, |i| i.applied_stream_sequence) >= seq).then_some(s)
+            },
+        )
+        .await
+    }
+
+    /// `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        let addr = self.http;
+        tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut s = TcpStream::connect(addr).unwrap();
+            write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).unwrap();
+            out
+        })
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// NATS plus `n` kvplane nodes, each in its own directory under one temporary root.
+pub struct Cluster {
+    pub nats: Nats,
+    pub nodes: Vec<Node>,
+    pub root: TempDir,
+}
+
+impl Cluster {
+    pub fn start(n: usize) -> Self {
+        Self::start_with(n, &NodeOptions::default())
+    }
+
+    pub fn start_with(n: usize, o: &NodeOptions) -> Self {
+        let nats = Nats::start();
+        let root = tempfile::tempdir().unwrap();
+        let nodes = (0..n)
+            .map(|i| {
+                let name = format!("kvplane-{i}");
+                Node::start(&name, &root.path().join(&name), &nats.url(), o)
+            })
+            .collect();
+        Self { nats, nodes, root }
+    }
+
+    /// Starts one more node on the same NATS, with its own empty directory.
+    pub fn add_node(&mut self, name: &str, o: &NodeOptions) -> &mut Node {
+        let node = Node::start(name, &self.root.path().join(name), &self.nats.url(), o);
+        self.nodes.push(node);
+        self.nodes.last_mut().unwrap()
+    }
+}
+
+/// Publishes with JetStream acknowledgement; returns the stream sequence.
+pub async fn publish(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    payload: Vec<u8>,
+) -> u64 {
+    js.publish(subject, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .sequence
+}
