@@ -1,1 +1,395 @@
-fn main() {}
+//! `cargo bench -p kvplane-api --bench route`: ingest and routing cost on 64 workers and about a
+//! million indexed blocks, next to dynamo-kv-router's bare indexes on the same data in the same
+//! run. Prints one JSON object.
+//!
+//! Workload: every worker holds 1,500 sequences of 16 blocks (block size 16); each sequence is
+//! one of 2,000 shared 8-block "documents" (system prompts) followed by 8 blocks of its own, so
+//! the tree has both shared prefixes and long unique tails. Queries are a cached document plus
+//! a partly cached tail (hits) or fresh text (misses), 90% / 10%.
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
+
+use std::time::Instant;
+
+use dynamo_kv_router::protocols::{
+    BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheStoreData,
+    KvCacheStoredBlockData, RouterEvent, compute_block_hash_for_seq,
+};
+use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree, SyncIndexer, ThreadPoolIndexer};
+use kvplane_api::{CostModel, RouteInput, RouterService, decide};
+use kvplane_proto::v1::RouteRequest;
+use kvplane_proto::v1::router_server::Router;
+use kvplane_state::{
+    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
+    PoolConfig, StateMachine, Tier,
+};
+use serde_json::json;
+
+const WORKERS: u64 = 64;
+const SEQS: u64 = 1_500;
+const DOCS: u64 = 2_000;
+const BS: u32 = 16;
+const HALF: usize = 8;
+const QUERIES: usize = 20_000;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn doc_tokens(d: u64) -> Vec<u32> {
+    (0..HALF as u32 * BS)
+        .map(|i| (d as u32) * 131 + i * 7 + 1)
+        .collect()
+}
+
+fn tail_tokens(w: u64, s: u64) -> Vec<u32> {
+    (0..HALF as u32 * BS)
+        .map(|i| 3_000_000 + (w * SEQS + s) as u32 * 17 + i)
+        .collect()
+}
+
+/// vLLM-style chained hashes (content-based, so equal prefixes have equal hashes).
+fn chain(parent: u64, tokens: &[u32]) -> Vec<u64> {
+    let mut h = parent;
+    tokens
+        .chunks(BS as usize)
+        .map(|b| {
+            let mut x = h ^ 0x9e37_79b9_7f4a_7c15;
+            for t in b {
+                x = (x ^ u64::from(*t)).wrapping_mul(0x100_0000_01b3);
+            }
+            h = x;
+            x
+        })
+        .collect()
+}
+
+/// (worker, stored event) pairs in publication order, and the document of each sequence.
+fn workload() -> (Vec<(u64, KvEvent)>, Vec<u64>) {
+    let mut rng = Rng(0x5eed);
+    let mut out = Vec::new();
+    let mut docs = Vec::new();
+    for w in 0..WORKERS {
+        let mut held = std::collections::HashSet::new();
+        for s in 0..SEQS {
+            let d = rng.next() % DOCS;
+            docs.push(d);
+            let doc = doc_tokens(d);
+            let doc_h = chain(0, &doc);
+            let tail = tail_tokens(w, s);
+            let tail_h = chain(doc_h[HALF - 1], &tail);
+            let ev = if held.insert(d) {
+                KvEvent::Stored {
+                    block_hashes: doc_h.iter().chain(&tail_h).copied().collect(),
+                    parent_hash: None,
+                    token_ids: doc.iter().chain(&tail).copied().collect(),
+                    block_size: BS,
+                    lora_name: None,
+                    tier: Tier::Gpu,
+                }
+            } else {
+                KvEvent::Stored {
+                    block_hashes: tail_h,
+                    parent_hash: Some(doc_h[HALF - 1]),
+                    token_ids: tail,
+                    block_size: BS,
+                    lora_name: None,
+                    tier: Tier::Gpu,
+                }
+            };
+            out.push((w, ev));
+        }
+    }
+    // Interleave workers the way a fleet's streams interleave.
+    let mut rng = Rng(7);
+    for i in (1..out.len()).rev() {
+        out.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    (out, docs)
+}
+
+fn queries(docs: &[u64]) -> Vec<Vec<u32>> {
+    let mut rng = Rng(0xabc);
+    (0..QUERIES)
+        .map(|_| {
+            if rng.next().is_multiple_of(10) {
+                (0..256)
+                    .map(|i| 9_000_000 + (rng.next() % 1_000) as u32 + i)
+                    .collect()
+            } else {
+                let w = rng.next() % WORKERS;
+                let s = rng.next() % SEQS;
+                let mut t = doc_tokens(docs[(w * SEQS + s) as usize]);
+                let tail = tail_tokens(w, s);
+                let keep = (rng.next() % (tail.len() as u64 + 1)) as usize;
+                t.extend_from_slice(&tail[..keep]);
+                t.extend((0..40).map(|i| 8_000_000 + i));
+                t
+            }
+        })
+        .collect()
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn percentile(sorted_ns: &[u64], p: f64) -> f64 {
+    let i = ((sorted_ns.len() as f64 - 1.0) * p).round() as usize;
+    sorted_ns[i] as f64 / 1000.0
+}
+
+fn latency_stats(mut ns: Vec<u64>, total_s: f64) -> serde_json::Value {
+    ns.sort_unstable();
+    json!({
+        "calls": ns.len(),
+        "per_s": (ns.len() as f64 / total_s).round(),
+        "p50_us": percentile(&ns, 0.5),
+        "p99_us": percentile(&ns, 0.99),
+    })
+}
+
+fn router_event(id: u64, w: u64, ev: &KvEvent) -> RouterEvent {
+    let KvEvent::Stored {
+        block_hashes,
+        parent_hash,
+        token_ids,
+        ..
+    } = ev
+    else {
+        unreachable!()
+    };
+    let locals = compute_block_hash_for_seq(token_ids, BS, BlockHashOptions::default());
+    RouterEvent::new(
+        w,
+        KvCacheEvent {
+            event_id: id,
+            dp_rank: 0,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: parent_hash.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: block_hashes
+                    .iter()
+                    .zip(locals)
+                    .map(|(h, l)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(*h),
+                        tokens_hash: l,
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+        },
+    )
+}
+
+fn main() {
+    let (events, docs) = workload();
+    let queries = queries(&docs);
+    let blocks_in_events: usize = events
+        .iter()
+        .map(|(_, e)| match e {
+            KvEvent::Stored { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum();
+
+    // 1. kvplane's state machine: events as they come from the stream, one event per
+    //    message, 512 messages per log entry (entries are built before memory is measured).
+    let mut entries = Vec::new();
+    let mut seq = 0u64;
+    for chunk in events.chunks(512) {
+        let mut items = Vec::new();
+        for (w, ev) in chunk {
+            seq += 1;
+            items.push(IngestItem {
+                seq,
+                pool: "p".into(),
+                worker: format!("w{w}"),
+                payload: IngestPayload::Kv(KvBatch {
+                    dp_rank: 0,
+                    events: vec![ev.clone()],
+                }),
+            });
+        }
+        entries.push(Command::Ingest(IngestBatch {
+            first_seq: items[0].seq,
+            last_seq: items[items.len() - 1].seq,
+            items,
+        }));
+    }
+    let rss0 = rss_bytes();
+    let mut sm = StateMachine::new();
+    sm.apply(&Entry {
+        index: 1,
+        timestamp_ms: 0,
+        command: Command::ConfigPut {
+            kind: POOL_KIND.into(),
+            name: "p".into(),
+            value: PoolConfig {
+                block_size: BS,
+                models: vec![],
+            }
+            .to_json(),
+        },
+    })
+    .unwrap();
+    let t = Instant::now();
+    for (i, command) in entries.into_iter().enumerate() {
+        sm.apply(&Entry {
+            index: i as u64 + 2,
+            timestamp_ms: 0,
+            command,
+        })
+        .unwrap();
+    }
+    let state_apply_s = t.elapsed().as_secs_f64();
+    let indexed = sm.indexed_blocks();
+    let state_rss = rss_bytes().saturating_sub(rss0);
+
+    // 2. The bare indexes, same events.
+    let router_events: Vec<RouterEvent> = events
+        .iter()
+        .enumerate()
+        .map(|(i, (w, e))| router_event(i as u64, *w, e))
+        .collect();
+    let rss1 = rss_bytes();
+    let bare = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BS);
+    let t = Instant::now();
+    for ev in router_events.iter().cloned() {
+        bare.enqueue_event(ev).unwrap();
+    }
+    futures::executor::block_on(bare.flush());
+    let bare_apply_s = t.elapsed().as_secs_f64();
+    let bare_rss = rss_bytes().saturating_sub(rss1);
+
+    let mut radix = RadixTree::new();
+    let t = Instant::now();
+    for ev in router_events {
+        let _ = radix.apply_event(ev);
+    }
+    let radix_apply_s = t.elapsed().as_secs_f64();
+
+    // 3. Lookups: bare find_matches (hashing included) vs kvplane's decision vs the full
+    //    in-process Route call (view load, request handling, decision, response).
+    let mut bare_ns = Vec::with_capacity(QUERIES);
+    let t = Instant::now();
+    for q in &queries {
+        let s = Instant::now();
+        let h = compute_block_hash_for_seq(q, BS, BlockHashOptions::default());
+        std::hint::black_box(bare.backend().find_matches(&h, false));
+        bare_ns.push(s.elapsed().as_nanos() as u64);
+    }
+    let bare_lookup_s = t.elapsed().as_secs_f64();
+
+    let mut radix_ns = Vec::with_capacity(QUERIES);
+    let t = Instant::now();
+    for q in &queries {
+        let s = Instant::now();
+        let h = compute_block_hash_for_seq(q, BS, BlockHashOptions::default());
+        std::hint::black_box(radix.find_matches(h, false));
+        radix_ns.push(s.elapsed().as_nanos() as u64);
+    }
+    let radix_lookup_s = t.elapsed().as_secs_f64();
+
+    let handle = sm.handle();
+    let cost = CostModel::default();
+    let mut decide_ns = Vec::with_capacity(QUERIES);
+    let mut hits = 0usize;
+    let t = Instant::now();
+    for (i, q) in queries.iter().enumerate() {
+        let s = Instant::now();
+        let view = handle.load();
+        let id = format!("q{i}");
+        let d = decide(
+            &view,
+            RouteInput {
+                request_id: &id,
+                model: "",
+                tokens: q,
+                lora_name: None,
+            },
+            &cost,
+            false,
+        );
+        decide_ns.push(s.elapsed().as_nanos() as u64);
+        if d.chosen().is_some_and(|c| c.overlap_blocks > 0) {
+            hits += 1;
+        }
+    }
+    let decide_s = t.elapsed().as_secs_f64();
+
+    let service = RouterService::new(handle.clone(), cost, Default::default());
+    let mut route_ns = Vec::with_capacity(QUERIES);
+    let t = Instant::now();
+    for (i, q) in queries.iter().enumerate() {
+        let req = RouteRequest {
+            request_id: format!("q{i}"),
+            token_ids: q.clone(),
+            ..Default::default()
+        };
+        let s = Instant::now();
+        std::hint::black_box(
+            futures::executor::block_on(service.route(tonic::Request::new(req))).unwrap(),
+        );
+        route_ns.push(s.elapsed().as_nanos() as u64);
+    }
+    let route_s = t.elapsed().as_secs_f64();
+
+    let bare_p50 = {
+        let mut v = bare_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.5)
+    };
+    let route_p50 = {
+        let mut v = route_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.5)
+    };
+    let decide_p50 = {
+        let mut v = decide_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.5)
+    };
+    let out = json!({
+        "workload": {
+            "workers": WORKERS, "block_size": BS, "kv_events": events.len(),
+            "blocks_in_events": blocks_in_events, "indexed_blocks": indexed, "queries": QUERIES,
+            "queries_routed_to_a_cache_hit": hits,
+        },
+        "apply": {
+            "kvplane_state_events_per_s": (events.len() as f64 / state_apply_s).round(),
+            "kvplane_state_blocks_per_s": (blocks_in_events as f64 / state_apply_s).round(),
+            "bare_threadpool_crtc_events_per_s": (events.len() as f64 / bare_apply_s).round(),
+            "bare_radix_tree_events_per_s": (events.len() as f64 / radix_apply_s).round(),
+            "ratio_state_to_bare_threadpool": state_apply_s.recip() / bare_apply_s.recip(),
+        },
+        "lookup": {
+            "bare_threadpool_crtc_find_matches": latency_stats(bare_ns, bare_lookup_s),
+            "bare_radix_tree_find_matches": latency_stats(radix_ns, radix_lookup_s),
+            "kvplane_decide_64_workers": latency_stats(decide_ns, decide_s),
+            "kvplane_route_in_process": latency_stats(route_ns, route_s),
+            "ratio_route_p50_to_bare_p50": route_p50 / bare_p50,
+            "ratio_decide_p50_to_bare_p50": decide_p50 / bare_p50,
+        },
+        "memory": {
+            "kvplane_state_rss_bytes": state_rss,
+            "kvplane_state_bytes_per_indexed_block": state_rss as f64 / indexed as f64,
+            "bare_threadpool_crtc_rss_bytes": bare_rss,
+            "bare_threadpool_crtc_bytes_per_block": bare_rss as f64 / indexed as f64,
+        },
+    });
+    println!("{}", serde_json::to_string_pretty(&out).unwrap());
+}

@@ -1,7 +1,9 @@
 //! The routing decision: a pure function of the state view, the prompt and the cost model.
+//! It allocates little on the hot path: candidates borrow names from the view, and the
+//! human-readable steps are only written when asked for (Explain).
 
 use kvplane_state::View;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::CostModel;
 
@@ -18,11 +20,11 @@ pub struct RouteInput<'a> {
 
 /// One worker considered for a request, with every part of its cost.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Candidate {
-    pub pool: String,
-    pub worker: String,
+pub struct Candidate<'a> {
+    pub pool: &'a str,
+    pub worker: &'a str,
     pub worker_id: u64,
-    pub address: Option<String>,
+    pub address: Option<&'a str>,
     pub dp_rank: u32,
     pub block_size: u32,
     pub prompt_blocks: u32,
@@ -36,7 +38,7 @@ pub struct Candidate {
     /// Predicted TTFT in ms; the cost (lower wins).
     pub cost: f64,
     /// Why it was filtered out; `None` when it competed.
-    pub filtered: Option<String>,
+    pub filtered: Option<&'static str>,
     pub chosen: bool,
 }
 
@@ -49,58 +51,46 @@ pub enum RejectKind {
 
 /// The decision and how it was reached.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
+pub struct Decision<'a> {
     pub applied_index: u64,
-    pub candidates: Vec<Candidate>,
+    pub candidates: Vec<Candidate<'a>>,
     /// Index into `candidates` of the pick, or why there is none.
     pub outcome: Result<usize, (RejectKind, String)>,
+    /// Readable steps; empty unless the decision was asked to explain itself.
     pub steps: Vec<String>,
 }
 
-impl Decision {
-    pub fn chosen(&self) -> Option<&Candidate> {
+impl Decision<'_> {
+    pub fn chosen(&self) -> Option<&Candidate<'_>> {
         self.outcome.as_ref().ok().map(|&i| &self.candidates[i])
     }
 }
 
 /// Picks the worker with the lowest cost among the live workers of the pools serving the model.
-pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision {
+pub fn decide<'a>(
+    view: &'a View,
+    input: RouteInput<'_>,
+    cost: &CostModel,
+    explain: bool,
+) -> Decision<'a> {
     let mut steps = Vec::new();
-    let pools: Vec<_> = view
-        .pools
-        .values()
-        .filter(|p| p.config.serves(input.model))
-        .collect();
-    if pools.is_empty() {
-        let reason = format!("no pool serves model {:?}", input.model);
-        steps.push(reason.clone());
-        return Decision {
-            applied_index: view.applied_index,
-            candidates: Vec::new(),
-            outcome: Err((RejectKind::UnknownModel, reason)),
-            steps,
-        };
-    }
-    steps.push(format!(
-        "pools serving {:?}: {}",
-        input.model,
-        pools
-            .iter()
-            .map(|p| p.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
     let mut candidates = Vec::new();
-    for pool in pools {
+    let mut pools = 0;
+    for pool in view.pools.values().filter(|p| p.config.serves(input.model)) {
+        pools += 1;
         let overlap = pool.index.overlaps(input.tokens, input.lora_name);
         let bs = pool.config.block_size;
-        steps.push(format!(
-            "pool {}: {} prompt tokens, {} complete blocks of {bs}, {} worker ranks matched",
-            pool.name,
-            input.tokens.len(),
-            overlap.prompt_blocks,
-            overlap.matched.len()
-        ));
+        if explain {
+            steps.push(format!(
+                "pool {} serves {:?}: {} prompt tokens, {} complete blocks of {bs}, {} worker ranks hold a prefix",
+                pool.name,
+                input.model,
+                input.tokens.len(),
+                overlap.prompt_blocks,
+                overlap.matched.len()
+            ));
+        }
+        candidates.reserve(pool.workers.len());
         for w in &pool.workers {
             let (overlap_blocks, dp_rank) = overlap.best_for(w.id);
             let cached_tokens = u64::from(overlap_blocks) * u64::from(bs);
@@ -108,10 +98,10 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
             let prefill_ms = cost.prefill_ms(uncached_tokens);
             let load_ms = cost.load_ms(w.metrics.waiting, w.metrics.running);
             candidates.push(Candidate {
-                pool: pool.name.clone(),
-                worker: w.name.clone(),
+                pool: &pool.name,
+                worker: &w.name,
                 worker_id: w.id,
-                address: w.address.clone(),
+                address: w.address.as_deref(),
                 dp_rank,
                 block_size: bs,
                 prompt_blocks: overlap.prompt_blocks,
@@ -123,10 +113,22 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
                 prefill_ms,
                 load_ms,
                 cost: cost.base_ms + prefill_ms + load_ms,
-                filtered: (!w.up).then(|| "worker is down".to_owned()),
+                filtered: (!w.up).then_some("worker is down"),
                 chosen: false,
             });
         }
+    }
+    if pools == 0 {
+        let reason = format!("no pool serves model {:?}", input.model);
+        if explain {
+            steps.push(reason.clone());
+        }
+        return Decision {
+            applied_index: view.applied_index,
+            candidates,
+            outcome: Err((RejectKind::UnknownModel, reason)),
+            steps,
+        };
     }
     let best = candidates
         .iter()
@@ -136,17 +138,19 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
             a.cost
                 .total_cmp(&b.cost)
                 .then(b.overlap_blocks.cmp(&a.overlap_blocks))
-                .then(tie(input.request_id, a).cmp(&tie(input.request_id, b)))
+                .then_with(|| tie(input.request_id, a).cmp(&tie(input.request_id, b)))
         })
         .map(|(i, _)| i);
     let outcome = match best {
         Some(i) => {
             candidates[i].chosen = true;
-            let c = &candidates[i];
-            steps.push(format!(
-                "chose {}/{}: cost {:.1} ms ({} of {} blocks cached)",
-                c.pool, c.worker, c.cost, c.overlap_blocks, c.prompt_blocks
-            ));
+            if explain {
+                let c = &candidates[i];
+                steps.push(format!(
+                    "chose {}/{}: predicted {:.1} ms to first token ({} of {} blocks cached, {} waiting, {} running)",
+                    c.pool, c.worker, c.cost, c.overlap_blocks, c.prompt_blocks, c.waiting, c.running
+                ));
+            }
             Ok(i)
         }
         None => {
@@ -155,7 +159,9 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
             } else {
                 format!("all {} workers are down", candidates.len())
             };
-            steps.push(reason.clone());
+            if explain {
+                steps.push(reason.clone());
+            }
             Err((RejectKind::NoCapacity, reason))
         }
     };
@@ -167,12 +173,14 @@ pub fn decide(view: &View, input: RouteInput<'_>, cost: &CostModel) -> Decision 
     }
 }
 
-fn tie(request_id: &str, c: &Candidate) -> u64 {
-    let mut buf = Vec::with_capacity(request_id.len() + c.worker.len() + c.pool.len() + 2);
-    buf.extend_from_slice(request_id.as_bytes());
-    buf.push(0);
-    buf.extend_from_slice(c.pool.as_bytes());
-    buf.push(0);
-    buf.extend_from_slice(c.worker.as_bytes());
-    xxh3_64(&buf)
+/// The tie-breaker among equal costs: a hash of request id and worker, so equal workers
+/// share the load yet one request always gets the same answer.
+fn tie(request_id: &str, c: &Candidate<'_>) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(request_id.as_bytes());
+    h.update(&[0]);
+    h.update(c.pool.as_bytes());
+    h.update(&[0]);
+    h.update(c.worker.as_bytes());
+    h.digest()
 }

@@ -72,8 +72,13 @@ impl RouterService {
         })
     }
 
-    /// Runs the decision for a request (no side effects).
-    pub fn evaluate(&self, req: &RouteRequest) -> Result<(Prompted, Decision), Status> {
+    /// Runs the decision for a request (no side effects) and hands it to `f`.
+    pub fn with_decision<R>(
+        &self,
+        req: &RouteRequest,
+        explain: bool,
+        f: impl FnOnce(&Prompted, &Decision<'_>) -> R,
+    ) -> Result<R, Status> {
         let view = self.state.load();
         if view.applied_index < req.min_applied_index {
             return Err(Status::failed_precondition(format!(
@@ -84,19 +89,18 @@ impl RouterService {
         let prompted = match Self::prompt(req) {
             Ok(p) => p,
             Err(reason) => {
-                return Ok((
-                    Prompted {
-                        tokens: Vec::new(),
-                        source: PromptSource::TokenIds,
-                        model: req.model.clone(),
-                    },
-                    Decision {
-                        applied_index: view.applied_index,
-                        candidates: Vec::new(),
-                        outcome: Err((RejectKind::InvalidRequest, reason)),
-                        steps: Vec::new(),
-                    },
-                ));
+                let p = Prompted {
+                    tokens: Vec::new(),
+                    source: PromptSource::TokenIds,
+                    model: req.model.clone(),
+                };
+                let d = Decision {
+                    applied_index: view.applied_index,
+                    candidates: Vec::new(),
+                    outcome: Err((RejectKind::InvalidRequest, reason)),
+                    steps: Vec::new(),
+                };
+                return Ok(f(&p, &d));
             }
         };
         let decision = decide(
@@ -108,8 +112,9 @@ impl RouterService {
                 lora_name: None,
             },
             &self.cost,
+            explain,
         );
-        Ok((prompted, decision))
+        Ok(f(&prompted, &decision))
     }
 }
 
@@ -119,11 +124,11 @@ fn body_model(body: &[u8]) -> Option<String> {
         .and_then(|p| p.model)
 }
 
-fn endpoint(c: &Candidate) -> Endpoint {
+fn endpoint(c: &Candidate<'_>) -> Endpoint {
     Endpoint {
-        address: c.address.clone().unwrap_or_default(),
-        worker_id: c.worker.clone(),
-        pool: c.pool.clone(),
+        address: c.address.unwrap_or_default().to_owned(),
+        worker_id: c.worker.to_owned(),
+        pool: c.pool.to_owned(),
         dp_rank: c.dp_rank,
     }
 }
@@ -136,7 +141,7 @@ fn reject_code(kind: RejectKind) -> RejectCode {
     }
 }
 
-pub(crate) fn outcome_label(d: &Decision) -> &'static str {
+pub(crate) fn outcome_label(d: &Decision<'_>) -> &'static str {
     match &d.outcome {
         Ok(_) => "routed",
         Err((RejectKind::UnknownModel, _)) => "unknown_model",
@@ -145,7 +150,7 @@ pub(crate) fn outcome_label(d: &Decision) -> &'static str {
     }
 }
 
-fn response(p: &Prompted, d: &Decision) -> RouteResponse {
+fn response(p: &Prompted, d: &Decision<'_>) -> RouteResponse {
     let mut out = RouteResponse {
         applied_index: d.applied_index,
         prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
@@ -179,20 +184,21 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
-        let (prompted, decision) = self.evaluate(&req)?;
-        if let Some(c) = decision.chosen() {
-            self.usage.insert(
-                &req.request_id,
-                Routed {
-                    worker_id: c.worker_id,
-                    predicted_ttft_ms: c.cost,
-                    at: Instant::now(),
-                },
-            );
-        }
-        let resp = response(&prompted, &decision);
+        let (resp, outcome) = self.with_decision(&req, false, |prompted, decision| {
+            if let Some(c) = decision.chosen() {
+                self.usage.insert(
+                    &req.request_id,
+                    Routed {
+                        worker_id: c.worker_id,
+                        predicted_ttft_ms: c.cost,
+                        at: Instant::now(),
+                    },
+                );
+            }
+            (response(prompted, decision), outcome_label(decision))
+        })?;
         self.metrics
-            .decision(outcome_label(&decision), started.elapsed().as_secs_f64());
+            .decision(outcome, started.elapsed().as_secs_f64());
         Ok(Response::new(resp))
     }
 
@@ -223,30 +229,31 @@ impl pb::router_server::Router for RouterService {
         request: Request<RouteRequest>,
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
-        let (prompted, decision) = self.evaluate(&req)?;
-        let candidates = decision
-            .candidates
-            .iter()
-            .map(|c| CandidateExplanation {
-                endpoint: Some(endpoint(c)),
-                overlap_blocks: c.overlap_blocks,
-                uncached_blocks: c.prompt_blocks.saturating_sub(c.overlap_blocks),
-                running: c.running,
-                waiting: c.waiting,
-                kv_cache_usage: c.kv_cache_usage,
-                prefill_cost: c.prefill_ms,
-                load_cost: c.load_ms,
-                cost: c.cost,
-                predicted_ttft_ms: c.cost,
-                filtered_reason: c.filtered.clone().unwrap_or_default(),
-                chosen: c.chosen,
+        self.with_decision(&req, true, |prompted, decision| {
+            let candidates = decision
+                .candidates
+                .iter()
+                .map(|c| CandidateExplanation {
+                    endpoint: Some(endpoint(c)),
+                    overlap_blocks: c.overlap_blocks,
+                    uncached_blocks: c.prompt_blocks.saturating_sub(c.overlap_blocks),
+                    running: c.running,
+                    waiting: c.waiting,
+                    kv_cache_usage: c.kv_cache_usage,
+                    prefill_cost: c.prefill_ms,
+                    load_cost: c.load_ms,
+                    cost: c.cost,
+                    predicted_ttft_ms: c.cost,
+                    filtered_reason: c.filtered.unwrap_or_default().to_owned(),
+                    chosen: c.chosen,
+                })
+                .collect();
+            Response::new(ExplainResponse {
+                decision: Some(response(prompted, decision)),
+                candidates,
+                prompt_source: prompted.source.as_str().to_owned(),
+                steps: decision.steps.clone(),
             })
-            .collect();
-        Ok(Response::new(ExplainResponse {
-            decision: Some(response(&prompted, &decision)),
-            candidates,
-            prompt_source: prompted.source.as_str().to_owned(),
-            steps: decision.steps.clone(),
-        }))
+        })
     }
 }

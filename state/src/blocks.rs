@@ -9,8 +9,9 @@ use rustc_hash::FxHashMap;
 use crate::Tier;
 use crate::digest::block_fact;
 
-/// Reference counts of one block hash, per [`Tier`].
-pub(crate) type Refs = [u32; 4];
+/// Reference counts of one block hash, per [`Tier`] (saturating at `u16::MAX`: vLLM
+/// re-announces a block a handful of times, not tens of thousands).
+pub(crate) type Refs = [u16; 4];
 
 /// The blocks of one `(worker, dp_rank)`.
 #[derive(Debug, Default, Clone)]

@@ -23,13 +23,13 @@ impl fmt::Display for Digest {
 }
 
 /// The contribution of one block fact to the block multiset hash.
-pub(crate) fn block_fact(worker: u64, dp_rank: u32, hash: u64, refs: &[u32; 4]) -> u128 {
-    let mut buf = [0u8; 36];
+pub(crate) fn block_fact(worker: u64, dp_rank: u32, hash: u64, refs: &[u16; 4]) -> u128 {
+    let mut buf = [0u8; 28];
     buf[0..8].copy_from_slice(&worker.to_le_bytes());
     buf[8..12].copy_from_slice(&dp_rank.to_le_bytes());
     buf[12..20].copy_from_slice(&hash.to_le_bytes());
     for (i, r) in refs.iter().enumerate() {
-        buf[20 + 4 * i..24 + 4 * i].copy_from_slice(&r.to_le_bytes());
+        buf[20 + 2 * i..22 + 2 * i].copy_from_slice(&r.to_le_bytes());
     }
     xxh3_128(&buf)
 }
