@@ -1,10 +1,12 @@
 //! How engine messages reach the state: vLLM KV-event decoding, the NATS subject scheme,
 //! and the JetStream consumer that batches messages into log entries.
 
+pub mod bridge;
 mod consumer;
 mod error;
 mod message;
 mod metrics;
+pub mod scrape;
 mod subject;
 pub mod vllm;
 

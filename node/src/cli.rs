@@ -28,6 +28,21 @@ enum Cmd {
     Explain(RouteArgs),
     /// Show a node's state: applied index, digest, workers, ingest position.
     Status(StatusArgs),
+    /// Simulators.
+    #[command(subcommand)]
+    Sim(SimCmd),
+    /// Join one vLLM engine to the fleet: its ZMQ KV events and metrics, onto NATS.
+    Bridge(crate::bridge_cmd::BridgeArgs),
+    /// An OpenAI-compatible HTTP gateway that routes with kvplane.
+    Gateway(crate::gateway_cmd::GatewayArgs),
+    /// Run a local fleet end to end and compare kvplane with round-robin.
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum SimCmd {
+    /// One simulated vLLM engine (OpenAI API, /metrics, ZMQ KV events).
+    Engine(crate::sim_cmd::SimEngineArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -53,6 +68,19 @@ pub fn main() -> ExitCode {
         Cmd::Route(a) => rt.block_on(route_cmd::route(a, false)),
         Cmd::Explain(a) => rt.block_on(route_cmd::route(a, true)),
         Cmd::Status(a) => rt.block_on(route_cmd::status(a)),
+        Cmd::Sim(SimCmd::Engine(a)) => rt.block_on(async {
+            crate::telemetry::init(crate::config::LogFormat::Text);
+            crate::sim_cmd::engine(a, shutdown_signal()).await
+        }),
+        Cmd::Bridge(a) => rt.block_on(async {
+            crate::telemetry::init(crate::config::LogFormat::Text);
+            crate::bridge_cmd::bridge(a, shutdown_signal()).await
+        }),
+        Cmd::Gateway(a) => rt.block_on(async {
+            crate::telemetry::init(crate::config::LogFormat::Text);
+            crate::gateway_cmd::gateway(a, shutdown_signal()).await
+        }),
+        Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -74,7 +102,7 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 }
 
 /// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -1,10 +1,14 @@
 //! The kvplane node: configuration, wiring of state, ingest and API, telemetry, and the
 //! subcommands of the `kvplane` binary.
 
+mod bridge_cmd;
 pub mod cli;
 pub mod config;
+pub mod demo;
+mod gateway_cmd;
 pub mod local_log;
 mod route_cmd;
 pub mod serve;
+mod sim_cmd;
 pub mod snapshot_store;
 mod telemetry;

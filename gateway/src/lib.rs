@@ -1,0 +1,23 @@
+//! `kvplane gateway`: a thin OpenAI-compatible HTTP front for a vLLM fleet.
+//!
+//! For each `POST /v1/completions` or `/v1/chat/completions` it takes the tenant from a header,
+//! asks a kvplane replica where the request goes (failing over between replicas), forwards the
+//! (possibly rewritten) body to the chosen engine, streams the answer back unchanged, and
+//! reports the usage it saw (tokens, observed time to first token) with `ReportUsage`.
+//! Rejections become 429 (rate limited, with `Retry-After`), 503 (no capacity), 404 (unknown
+//! model) or 400, with kvplane's reason in an OpenAI-style error body.
+//!
+//! A `round-robin` mode skips kvplane and cycles over a fixed engine list: the baseline a
+//! Kubernetes Service gives, for comparisons.
+
+mod metrics;
+mod proxy;
+mod replicas;
+
+pub use metrics::GatewayMetrics;
+pub use proxy::{GatewayConfig, Strategy, run};
+pub use replicas::Replicas;
+
+/// Response header naming the engine that served a request (`pool/worker`, or the engine URL
+/// in round-robin mode).
+pub const WORKER_HEADER: &str = "x-kvplane-worker";

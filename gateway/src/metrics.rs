@@ -1,0 +1,56 @@
+//! Gateway metrics (Prometheus).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct StatusLabel {
+    pub(crate) status: u16,
+}
+
+#[derive(Debug)]
+pub struct GatewayMetrics {
+    pub(crate) requests: Family<StatusLabel, Counter>,
+    pub(crate) route_seconds: Histogram,
+    pub(crate) ttft_seconds: Histogram,
+    pub(crate) replica_failovers: Counter,
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            route_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
+            ttft_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            replica_failovers: Counter::default(),
+        }
+    }
+}
+
+impl GatewayMetrics {
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvplane_gateway_requests",
+            "Requests answered, by HTTP status",
+            self.requests.clone(),
+        );
+        r.register(
+            "kvplane_gateway_route_seconds",
+            "Time kvplane took to decide, as the gateway saw it",
+            self.route_seconds.clone(),
+        );
+        r.register(
+            "kvplane_gateway_ttft_seconds",
+            "Time from request to the first streamed byte from the engine",
+            self.ttft_seconds.clone(),
+        );
+        r.register(
+            "kvplane_gateway_replica_failovers",
+            "Route calls retried on another kvplane replica",
+            self.replica_failovers.clone(),
+        );
+    }
+}

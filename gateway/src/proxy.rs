@@ -1,0 +1,452 @@
+//! The HTTP side of the gateway.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use futures::StreamExt;
+use kvplane_proto::v1::{Outcome, RejectCode, RouteRequest, UsageReport, route_response::Decision};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+use crate::metrics::StatusLabel;
+use crate::{GatewayMetrics, Replicas, WORKER_HEADER};
+
+/// How requests find an engine.
+#[derive(Debug, Clone)]
+pub enum Strategy {
+    /// Ask kvplane (these gRPC URLs, in failover order).
+    Kvplane { replicas: Vec<String> },
+    /// Cycle over these engine base URLs.
+    RoundRobin { engines: Vec<String> },
+}
+
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub strategy: Strategy,
+    /// Header that carries the tenant.
+    pub tenant_header: String,
+}
+
+enum Mode {
+    Kvplane(Replicas),
+    RoundRobin(Vec<String>, AtomicU64),
+}
+
+struct Inner {
+    mode: Mode,
+    tenant_header: String,
+    http: reqwest::Client,
+    metrics: GatewayMetrics,
+    registry: Registry,
+    next_id: AtomicU64,
+    id_prefix: String,
+}
+
+#[derive(Clone)]
+struct App(Arc<Inner>);
+
+/// Serves until `shutdown` resolves.
+pub async fn run(
+    cfg: GatewayConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), std::io::Error> {
+    let mode = match cfg.strategy {
+        Strategy::Kvplane { replicas } => {
+            Mode::Kvplane(Replicas::new(&replicas).map_err(std::io::Error::other)?)
+        }
+        Strategy::RoundRobin { engines } => {
+            if engines.is_empty() {
+                return Err(std::io::Error::other(
+                    "round-robin needs at least one engine",
+                ));
+            }
+            Mode::RoundRobin(engines, AtomicU64::new(0))
+        }
+    };
+    let metrics = GatewayMetrics::default();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let app = App(Arc::new(Inner {
+        mode,
+        tenant_header: cfg.tenant_header.to_ascii_lowercase(),
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(std::io::Error::other)?,
+        metrics,
+        registry,
+        next_id: AtomicU64::new(1),
+        id_prefix: format!("gw{}", std::process::id()),
+    }));
+    let router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(app);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    app.forward("/v1/completions", headers, body).await
+}
+
+async fn chat(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    app.forward("/v1/chat/completions", headers, body).await
+}
+
+async fn metrics_text(State(app): State<App>) -> Response {
+    let mut out = String::new();
+    match prometheus_client::encoding::text::encode(&mut out, &app.0.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            out,
+        )
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+fn error_response(status: StatusCode, kind: &str, message: &str, retry_after_ms: u64) -> Response {
+    let mut r = (
+        status,
+        axum::Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
+    )
+        .into_response();
+    if retry_after_ms > 0 {
+        let secs = retry_after_ms.div_ceil(1000).to_string();
+        if let Ok(v) = HeaderValue::from_str(&secs) {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    r
+}
+
+/// Where one request goes.
+struct Target {
+    url: String,
+    label: String,
+    body: Bytes,
+    matched_blocks: u32,
+}
+
+impl App {
+    fn count(&self, status: StatusCode) {
+        self.0
+            .metrics
+            .requests
+            .get_or_create(&StatusLabel {
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    async fn pick(
+        &self,
+        path: &str,
+        headers: &HeaderMap,
+        body: &Bytes,
+        request_id: &str,
+    ) -> Result<Target, Response> {
+        match &self.0.mode {
+            Mode::RoundRobin(engines, next) => {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize % engines.len();
+                let base = engines[i].trim_end_matches('/');
+                Ok(Target {
+                    url: format!("{base}{path}"),
+                    label: base.to_owned(),
+                    body: body.clone(),
+                    matched_blocks: 0,
+                })
+            }
+            Mode::Kvplane(replicas) => {
+                let tenant = headers
+                    .get(self.0.tenant_header.as_str())
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let model = serde_json::from_slice::<Value>(body)
+                    .ok()
+                    .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned))
+                    .unwrap_or_default();
+                let fwd: HashMap<String, String> = headers
+                    .iter()
+                    .filter(|(k, _)| k.as_str().starts_with("x-"))
+                    .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+                    .collect();
+                let req = RouteRequest {
+                    request_id: request_id.to_owned(),
+                    tenant,
+                    model,
+                    headers: fwd,
+                    body: body.to_vec(),
+                    ..Default::default()
+                };
+                let started = Instant::now();
+                let (resp, failed) = replicas.route(req).await.map_err(|e| {
+                    error_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "unavailable",
+                        &e.to_string(),
+                        0,
+                    )
+                })?;
+                self.0
+                    .metrics
+                    .route_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                self.0.metrics.replica_failovers.inc_by(failed as u64);
+                match resp.decision {
+                    Some(Decision::Endpoint(e)) => {
+                        if e.address.is_empty() {
+                            return Err(error_response(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "unavailable",
+                                &format!(
+                                    "worker {}/{} has not announced an address",
+                                    e.pool, e.worker_id
+                                ),
+                                0,
+                            ));
+                        }
+                        Ok(Target {
+                            url: format!("{}{path}", e.address.trim_end_matches('/')),
+                            label: format!("{}/{}", e.pool, e.worker_id),
+                            body: resp
+                                .rewritten_body
+                                .map_or_else(|| body.clone(), Bytes::from),
+                            matched_blocks: resp.matched_blocks,
+                        })
+                    }
+                    Some(Decision::Rejection(r)) => {
+                        let (status, kind) = match RejectCode::try_from(r.code) {
+                            Ok(RejectCode::RateLimited) => {
+                                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded")
+                            }
+                            Ok(RejectCode::UnknownModel) => {
+                                (StatusCode::NOT_FOUND, "model_not_found")
+                            }
+                            Ok(RejectCode::InvalidRequest) => {
+                                (StatusCode::BAD_REQUEST, "invalid_request_error")
+                            }
+                            Ok(RejectCode::Policy) => (StatusCode::FORBIDDEN, "policy_rejected"),
+                            _ => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
+                        };
+                        Err(error_response(status, kind, &r.reason, r.retry_after_ms))
+                    }
+                    None => Err(error_response(
+                        StatusCode::BAD_GATEWAY,
+                        "bad_gateway",
+                        "kvplane sent no decision",
+                        0,
+                    )),
+                }
+            }
+        }
+    }
+
+    async fn forward(&self, path: &str, headers: HeaderMap, body: Bytes) -> Response {
+        let received = Instant::now();
+        let request_id = format!(
+            "{}-{}",
+            self.0.id_prefix,
+            self.0.next_id.fetch_add(1, Ordering::Relaxed)
+        );
+        let target = match self.pick(path, &headers, &body, &request_id).await {
+            Ok(t) => t,
+            Err(r) => {
+                self.count(r.status());
+                return r;
+            }
+        };
+        let upstream = match self
+            .0
+            .http
+            .post(&target.url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(target.body.clone())
+            .send()
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                let r = error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "bad_gateway",
+                    &format!("engine {} did not answer: {e}", target.label),
+                    0,
+                );
+                self.count(r.status());
+                self.report(request_id, None, 0.0, Outcome::Error);
+                return r;
+            }
+        };
+        let status =
+            StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        let content_type = upstream
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .cloned();
+        self.count(status);
+        let app = self.clone();
+        let mut first_at: Option<f64> = None;
+        let mut tail = Vec::<u8>::new();
+        let mut upstream_body = upstream.bytes_stream();
+        let stream = async_stream_body(move |tx| async move {
+            while let Some(chunk) = upstream_body.next().await {
+                match chunk {
+                    Ok(bytes) => {
+                        if first_at.is_none() {
+                            let t = received.elapsed().as_secs_f64();
+                            app.0.metrics.ttft_seconds.observe(t);
+                            first_at = Some(t * 1000.0);
+                        }
+                        keep_tail(&mut tail, &bytes);
+                        if tx.send(Ok(bytes)).await.is_err() {
+                            app.report(
+                                request_id,
+                                usage_of(&tail),
+                                first_at.unwrap_or(0.0),
+                                Outcome::Cancelled,
+                            );
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(std::io::Error::other(e))).await;
+                        app.report(
+                            request_id,
+                            usage_of(&tail),
+                            first_at.unwrap_or(0.0),
+                            Outcome::Error,
+                        );
+                        return;
+                    }
+                }
+            }
+            let outcome = if status.is_success() {
+                Outcome::Success
+            } else {
+                Outcome::Error
+            };
+            app.report(
+                request_id,
+                usage_of(&tail),
+                first_at.unwrap_or(0.0),
+                outcome,
+            );
+        });
+        let mut resp = Response::new(Body::from_stream(stream));
+        *resp.status_mut() = status;
+        if let Some(ct) = content_type.and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok()) {
+            resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        if let Ok(v) = HeaderValue::from_str(&target.label) {
+            resp.headers_mut().insert(WORKER_HEADER, v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&target.matched_blocks.to_string()) {
+            resp.headers_mut().insert("x-kvplane-matched-blocks", v);
+        }
+        resp
+    }
+
+    fn report(&self, request_id: String, usage: Option<Value>, ttft_ms: f64, outcome: Outcome) {
+        let Mode::Kvplane(_) = &self.0.mode else {
+            return;
+        };
+        let app = self.clone();
+        tokio::spawn(async move {
+            let Mode::Kvplane(replicas) = &app.0.mode else {
+                return;
+            };
+            let n = |k: &str| {
+                usage
+                    .as_ref()
+                    .and_then(|u| u.pointer(k))
+                    .and_then(Value::as_u64)
+                    .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
+            };
+            replicas
+                .report(UsageReport {
+                    request_id,
+                    prompt_tokens: n("/prompt_tokens"),
+                    completion_tokens: n("/completion_tokens"),
+                    cached_tokens: n("/prompt_tokens_details/cached_tokens"),
+                    observed_ttft_ms: ttft_ms,
+                    outcome: outcome.into(),
+                })
+                .await;
+        });
+    }
+}
+
+/// Keeps the last few KiB of a response: where `usage` is, in both JSON and SSE answers.
+fn keep_tail(tail: &mut Vec<u8>, bytes: &[u8]) {
+    const KEEP: usize = 8 * 1024;
+    tail.extend_from_slice(bytes);
+    if tail.len() > KEEP {
+        let cut = tail.len() - KEEP;
+        tail.drain(..cut);
+    }
+}
+
+/// The `usage` object of a JSON body or of the last SSE chunk that has one.
+fn usage_of(tail: &[u8]) -> Option<Value> {
+    let text = String::from_utf8_lossy(tail);
+    if let Ok(v) = serde_json::from_str::<Value>(&text) {
+        return v.get("usage").cloned();
+    }
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+}
+
+/// A body fed by a task through a small channel.
+fn async_stream_body<F, Fut>(f: F) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(f(tx));
+    tokio_stream_from(rx)
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_found_in_json_and_sse_answers() {
+        let json = br#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}"#;
+        assert_eq!(usage_of(json).unwrap()["prompt_tokens"], 5);
+        let sse = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(usage_of(sse).unwrap()["prompt_tokens"], 7);
+        assert!(usage_of(b"data: {\"choices\":[]}\n\n").is_none());
+    }
+}

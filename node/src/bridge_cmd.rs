@@ -1,0 +1,128 @@
+//! `kvplane bridge`: the sidecar that joins one engine to the fleet.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvplane_ingest::bridge::{BridgeConfig, BridgeMetrics, run};
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BridgeArgs {
+    #[arg(long, env = "KVPLANE_POOL", default_value = "default")]
+    pub pool: String,
+    /// This engine's worker name (unique in its pool; 1-63 of [a-z0-9-_]).
+    #[arg(long, env = "KVPLANE_WORKER")]
+    pub worker: String,
+    /// The engine's HTTP base URL.
+    #[arg(
+        long,
+        env = "KVPLANE_ENGINE_URL",
+        default_value = "http://127.0.0.1:8000"
+    )]
+    pub engine_url: String,
+    /// The address gateways should use for this engine (default: --engine-url).
+    #[arg(long, env = "KVPLANE_ANNOUNCE_ADDRESS")]
+    pub announce_address: Option<String>,
+    #[arg(long, env = "KVPLANE_ZMQ_PUB", default_value = "tcp://127.0.0.1:5557")]
+    pub zmq_pub: String,
+    #[arg(
+        long,
+        env = "KVPLANE_ZMQ_REPLAY",
+        default_value = "tcp://127.0.0.1:5558"
+    )]
+    pub zmq_replay: String,
+    #[arg(
+        long,
+        env = "KVPLANE_NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats_url: String,
+    #[arg(long, default_value = "KVPLANE")]
+    pub stream: String,
+    #[arg(long, default_value_t = 500)]
+    pub scrape_interval_ms: u64,
+    /// Batches held while NATS is unreachable; beyond that they are counted as lost.
+    #[arg(long, default_value_t = 100_000)]
+    pub max_pending: usize,
+    /// Address for the bridge's own /metrics. Port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub http_listen: String,
+}
+
+fn valid_name(s: &str) -> bool {
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+pub async fn bridge(
+    a: BridgeArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let mut problems = Vec::new();
+    if !valid_name(&a.pool) {
+        problems.push(format!(
+            "pool {:?} must be 1-63 characters of [a-z0-9-_]",
+            a.pool
+        ));
+    }
+    if !valid_name(&a.worker) {
+        problems.push(format!(
+            "worker {:?} must be 1-63 characters of [a-z0-9-_]",
+            a.worker
+        ));
+    }
+    if a.scrape_interval_ms == 0 {
+        problems.push("scrape-interval-ms must be at least 1".into());
+    }
+    if !problems.is_empty() {
+        anyhow::bail!("invalid bridge arguments:\n  - {}", problems.join("\n  - "));
+    }
+    let metrics = Arc::new(BridgeMetrics::default());
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let registry = Arc::new(registry);
+    let listener = tokio::net::TcpListener::bind(&a.http_listen).await?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut out = String::new();
+                let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+                out
+            }
+        }),
+    );
+    let mut rx = stop_rx.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let cfg = BridgeConfig {
+        pool: a.pool,
+        worker: a.worker,
+        engine_url: a.engine_url,
+        announce_address: a.announce_address,
+        zmq_pub: a.zmq_pub,
+        zmq_replay: a.zmq_replay,
+        nats_url: a.nats_url,
+        stream: a.stream,
+        scrape_interval: Duration::from_millis(a.scrape_interval_ms),
+        max_pending: a.max_pending,
+        replay_timeout: Duration::from_secs(2),
+    };
+    println!("kvplane-bridge ready http={addr}");
+    let task = tokio::spawn(run(cfg, metrics, stop_rx));
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    let _ = task.await;
+    let _ = http.await;
+    Ok(())
+}

@@ -1,0 +1,593 @@
+//! `kvplane demo`: a local fleet routed end to end, against round-robin on the same workload.
+//!
+//! Starts NATS, one kvplane node, three simulated engines with their bridges, and two gateways
+//! (one asking kvplane, one cycling round-robin like a Kubernetes Service). Runs the seeded
+//! shared-prefix workload through the round-robin gateway, resets the engines' prefix caches,
+//! runs it again through kvplane, prints a summary, and stops everything.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use kvplane_sim::workload::{Kind, Spec, WorkItem, generate};
+use serde_json::{Value, json};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct DemoArgs {
+    /// A quick run (fewer requests, engines 10x faster than real time): what CI runs.
+    #[arg(long)]
+    pub short: bool,
+    /// Requests per strategy (default 400; 200 with --short).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Distinct system prompts (default 60; 20 with --short).
+    #[arg(long)]
+    pub system_prompts: Option<usize>,
+    /// KV-cache blocks per engine (default 12,800, an L40S with an 8B model; 4,000 with
+    /// --short). The demo's prompts are sized so one engine cannot cache them all but the
+    /// fleet can.
+    #[arg(long)]
+    pub num_gpu_blocks: Option<u32>,
+    /// Arrival rate in requests per second of engine time.
+    #[arg(long, default_value_t = 4.0)]
+    pub rate: f64,
+    /// Engine time per wall second (default 1; 10 with --short).
+    #[arg(long)]
+    pub speedup: Option<f64>,
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Also write the summary as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
+struct Procs {
+    dir: PathBuf,
+    children: Vec<(String, Child)>,
+}
+
+impl Procs {
+    fn spawn(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        ready_prefix: Option<&str>,
+    ) -> anyhow::Result<String> {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
+        let mut child = Command::new(program)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot start {}", program.display()))?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let (tx, rx) = mpsc::channel();
+        let prefix = ready_prefix.map(str::to_owned);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if prefix
+                    .as_ref()
+                    .is_some_and(|p| line.starts_with(p.as_str()))
+                {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        self.children.push((name.to_owned(), child));
+        match ready_prefix {
+            None => Ok(String::new()),
+            Some(_) => rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
+                anyhow::anyhow!(
+                    "{name} did not start; see {}",
+                    self.dir.join(format!("{name}.log")).display()
+                )
+            }),
+        }
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in self.children.iter().rev() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (_, c) in self.children.iter_mut().rev() {
+            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn field(line: &str, key: &str) -> anyhow::Result<String> {
+    line.split_whitespace()
+        .find_map(|p| p.strip_prefix(&format!("{key}=")))
+        .map(str::to_owned)
+        .with_context(|| format!("no {key}= in {line:?}"))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// One request's result, as the client saw it.
+#[derive(Debug, Clone)]
+struct Outcome {
+    ttft_ms: f64,
+    worker: String,
+    status: u16,
+}
+
+async fn send(client: &reqwest::Client, url: &str, item: &WorkItem, speedup: f64) -> Outcome {
+    let mut body = item.chat_body("sim-8b");
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let started = Instant::now();
+    let resp = match client
+        .post(url)
+        .header("x-tenant", "demo")
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(_) => {
+            return Outcome {
+                ttft_ms: f64::NAN,
+                worker: String::new(),
+                status: 0,
+            };
+        }
+    };
+    let status = resp.status().as_u16();
+    let worker = resp
+        .headers()
+        .get(kvplane_gateway::WORKER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let mut ttft = None;
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else { break };
+        if ttft.is_none() && chunk.windows(5).any(|w| w == b"data:") {
+            ttft = Some(started.elapsed().as_secs_f64() * 1000.0 * speedup);
+        }
+    }
+    Outcome {
+        ttft_ms: ttft.unwrap_or(f64::NAN),
+        worker,
+        status,
+    }
+}
+
+async fn run_phase(name: &str, url: &str, items: &[WorkItem], speedup: f64) -> Vec<Outcome> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let client = reqwest::Client::new();
+    let start = Instant::now();
+    let total = items.len();
+    let answered = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let progress = {
+        let (answered, sent, name) = (answered.clone(), sent.clone(), name.to_owned());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(2));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                println!(
+                    "  {name}: {} sent, {} answered, {:.0} s",
+                    sent.load(Ordering::Relaxed),
+                    answered.load(Ordering::Relaxed),
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        })
+    };
+    let mut tasks = Vec::with_capacity(total);
+    for item in items {
+        let at = Duration::from_secs_f64(item.at_ms / 1000.0 / speedup);
+        tokio::time::sleep_until((start + at).into()).await;
+        let (client, url, item, answered) = (
+            client.clone(),
+            url.to_owned(),
+            item.clone(),
+            answered.clone(),
+        );
+        sent.fetch_add(1, Ordering::Relaxed);
+        tasks.push(tokio::spawn(async move {
+            let o = send(&client, &url, &item, speedup).await;
+            answered.fetch_add(1, Ordering::Relaxed);
+            o
+        }));
+    }
+    let mut out = Vec::with_capacity(total);
+    for t in tasks {
+        out.push(t.await.unwrap_or(Outcome {
+            ttft_ms: f64::NAN,
+            worker: String::new(),
+            status: 0,
+        }));
+    }
+    progress.abort();
+    println!(
+        "  {name}: all {total} answered in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    out
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    s[((s.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn engine_counters(client: &reqwest::Client, url: &str) -> (f64, f64) {
+    let text = match client.get(format!("{url}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    let find = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        find("vllm:prefix_cache_queries_total"),
+        find("vllm:prefix_cache_hits_total"),
+    )
+}
+
+#[derive(Debug, Clone)]
+struct PhaseSummary {
+    p50: f64,
+    p90: f64,
+    failed: usize,
+    hit_rate: f64,
+    per_engine: BTreeMap<String, (usize, f64)>,
+}
+
+pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
+    let speedup = a.speedup.unwrap_or(if a.short { 10.0 } else { 1.0 });
+    let requests = a.requests.unwrap_or(if a.short { 200 } else { 400 });
+    let system_prompts = a.system_prompts.unwrap_or(if a.short { 20 } else { 60 });
+    let num_gpu_blocks = a
+        .num_gpu_blocks
+        .unwrap_or(if a.short { 4_000 } else { 12_800 });
+    if !(speedup > 0.0 && a.rate > 0.0 && requests > 0) {
+        bail!("speedup, rate and requests must be positive");
+    }
+    let exe = std::env::current_exe()?;
+    let nats =
+        which("nats-server").context("nats-server is not installed (run scripts/install-deps)")?;
+    let dir = std::env::temp_dir().join(format!("kvplane-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut procs = Procs {
+        dir: dir.clone(),
+        children: Vec::new(),
+    };
+    println!("kvplane demo: logs in {}", dir.display());
+
+    let nats_port = free_port()?;
+    procs.spawn(
+        "nats",
+        &nats,
+        &[
+            "-js".into(),
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            nats_port.to_string(),
+            "-sd".into(),
+            dir.join("nats").display().to_string(),
+        ],
+        None,
+    )?;
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    wait_tcp(nats_port).await?;
+    println!("started nats-server (jetstream) on {nats_url}");
+
+    let ready = procs.spawn(
+        "kvplane",
+        &exe,
+        &[
+            "serve".into(),
+            "--nats-url".into(),
+            nats_url.clone(),
+            "--grpc-listen".into(),
+            "127.0.0.1:0".into(),
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            dir.join("kvplane").display().to_string(),
+        ],
+        Some("kvplane ready"),
+    )?;
+    let grpc = format!("http://{}", field(&ready, "grpc")?);
+    println!("started kvplane node, gRPC {grpc}");
+
+    let mut engines = Vec::new();
+    for i in 1..=3 {
+        let name = format!("engine-{i}");
+        let ready = procs.spawn(
+            &name,
+            &exe,
+            &[
+                "sim".into(),
+                "engine".into(),
+                "--http-listen".into(),
+                "127.0.0.1:0".into(),
+                "--zmq-pub".into(),
+                "tcp://127.0.0.1:0".into(),
+                "--zmq-replay".into(),
+                "tcp://127.0.0.1:0".into(),
+                "--speedup".into(),
+                speedup.to_string(),
+                "--num-gpu-blocks".into(),
+                num_gpu_blocks.to_string(),
+                "--seed".into(),
+                i.to_string(),
+            ],
+            Some("kvplane-sim ready"),
+        )?;
+        let http = format!("http://{}", field(&ready, "http")?);
+        let zmq_pub = field(&ready, "zmq_pub")?;
+        let zmq_replay = field(&ready, "zmq_replay")?;
+        procs.spawn(
+            &format!("bridge-{i}"),
+            &exe,
+            &[
+                "bridge".into(),
+                "--worker".into(),
+                name.clone(),
+                "--engine-url".into(),
+                http.clone(),
+                "--zmq-pub".into(),
+                zmq_pub,
+                "--zmq-replay".into(),
+                zmq_replay,
+                "--nats-url".into(),
+                nats_url.clone(),
+                "--scrape-interval-ms".into(),
+                ((250.0 / speedup).max(20.0) as u64).to_string(),
+            ],
+            Some("kvplane-bridge ready"),
+        )?;
+        println!("started {name} (simulated vLLM, {speedup}x real time) on {http} with its bridge");
+        engines.push((name, http));
+    }
+    wait_workers(&grpc, 3).await?;
+    println!("kvplane sees 3 workers up");
+
+    let ready = procs.spawn(
+        "gateway-kvplane",
+        &exe,
+        &[
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            grpc.clone(),
+        ],
+        Some("kvplane-gateway ready"),
+    )?;
+    let gw = format!("http://{}/v1/chat/completions", field(&ready, "http")?);
+    let rr_engines = engines
+        .iter()
+        .map(|(_, u)| u.clone())
+        .collect::<Vec<_>>()
+        .join(",");
+    let ready = procs.spawn(
+        "gateway-round-robin",
+        &exe,
+        &[
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--round-robin".into(),
+            rr_engines,
+        ],
+        Some("kvplane-gateway ready"),
+    )?;
+    let gw_rr = format!("http://{}/v1/chat/completions", field(&ready, "http")?);
+    println!("started gateways: kvplane and round-robin");
+
+    let spec = Spec {
+        kind: Kind::SharedPrefix,
+        requests,
+        rate_per_s: a.rate,
+        system_prompts,
+        system_words: 8_000,
+        question_words: 60,
+        max_tokens: 32,
+        seed: a.seed,
+    };
+    let items = generate(&spec);
+    println!(
+        "workload: shared-prefix, {requests} chat requests at {} req/s (engine time), {} system prompts of ~{} tokens, distinct questions; engines cache {num_gpu_blocks} blocks of 16 tokens each",
+        a.rate, spec.system_prompts, spec.system_words
+    );
+
+    let client = reqwest::Client::new();
+    let mut summaries = Vec::new();
+    for (label, url) in [("round-robin", gw_rr.as_str()), ("kvplane", gw.as_str())] {
+        for (_, e) in &engines {
+            let _ = client.post(format!("{e}/reset_prefix_cache")).send().await;
+        }
+        wait_blocks_cleared(&grpc).await?;
+        let before: Vec<(f64, f64)> =
+            futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
+                .await;
+        println!("running {label} ...");
+        let outcomes = run_phase(label, url, &items, speedup).await;
+        let after: Vec<(f64, f64)> =
+            futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
+                .await;
+        let ttfts: Vec<f64> = outcomes.iter().map(|o| o.ttft_ms).collect();
+        let mut per_engine = BTreeMap::new();
+        let (mut q_all, mut h_all) = (0.0, 0.0);
+        for (i, (name, url)) in engines.iter().enumerate() {
+            let q = after[i].0 - before[i].0;
+            let h = after[i].1 - before[i].1;
+            q_all += q;
+            h_all += h;
+            let n = outcomes
+                .iter()
+                .filter(|o| o.worker.ends_with(name.as_str()) || o.worker == *url)
+                .count();
+            per_engine.insert(name.clone(), (n, if q > 0.0 { h / q } else { 0.0 }));
+        }
+        summaries.push((
+            label,
+            PhaseSummary {
+                p50: percentile(&ttfts, 0.5),
+                p90: percentile(&ttfts, 0.9),
+                failed: outcomes
+                    .iter()
+                    .filter(|o| o.status != 200 || !o.ttft_ms.is_finite())
+                    .count(),
+                hit_rate: if q_all > 0.0 { h_all / q_all } else { 0.0 },
+                per_engine,
+            },
+        ));
+    }
+
+    println!();
+    println!("{:<28} {:>18} {:>18}", "", summaries[0].0, summaries[1].0);
+    let row = |name: &str, f: &dyn Fn(&PhaseSummary) -> String| {
+        println!(
+            "{:<28} {:>18} {:>18}",
+            name,
+            f(&summaries[0].1),
+            f(&summaries[1].1)
+        );
+    };
+    row("TTFT p50", &|s| format!("{:.3} s", s.p50 / 1000.0));
+    row("TTFT p90", &|s| format!("{:.3} s", s.p90 / 1000.0));
+    row("prefix-cache hit rate", &|s| {
+        format!("{:.1}%", s.hit_rate * 100.0)
+    });
+    row("failed requests", &|s| s.failed.to_string());
+    for (name, _) in &engines {
+        row(&format!("{name}: requests, hits"), &|s| {
+            let (n, h) = s.per_engine.get(name).copied().unwrap_or((0, 0.0));
+            format!("{n}, {:.1}%", h * 100.0)
+        });
+    }
+    println!();
+    let (rr, kv) = (&summaries[0].1, &summaries[1].1);
+    println!(
+        "kvplane's median TTFT is {:.1}% of round-robin's ({:.3} s vs {:.3} s).",
+        kv.p50 / rr.p50 * 100.0,
+        kv.p50 / 1000.0,
+        rr.p50 / 1000.0
+    );
+    if let Some(path) = &a.json {
+        let to_json = |s: &PhaseSummary| {
+            json!({
+                "ttft_p50_s": s.p50 / 1000.0, "ttft_p90_s": s.p90 / 1000.0, "hit_rate": s.hit_rate,
+                "failed": s.failed,
+                "per_engine": s.per_engine.iter().map(|(k, (n, h))| (k.clone(), json!({"requests": n, "hit_rate": h}))).collect::<serde_json::Map<String, Value>>(),
+            })
+        };
+        let out = json!({
+            "requests": requests, "rate_per_s": a.rate, "speedup": speedup, "seed": a.seed,
+            "round_robin": to_json(rr), "kvplane": to_json(kv),
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
+    }
+    drop(procs);
+    println!("stopped everything.");
+    if rr.failed + kv.failed > 0 {
+        bail!("{} requests failed", rr.failed + kv.failed);
+    }
+    Ok(())
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .chain(["/usr/sbin", "/usr/local/sbin"])
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+async fn wait_tcp(port: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("nothing listens on port {port}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+async fn status(grpc: &str) -> Option<kvplane_proto::v1::StatusResponse> {
+    let mut c = kvplane_proto::v1::admin_client::AdminClient::connect(grpc.to_owned())
+        .await
+        .ok()?;
+    Some(
+        c.status(kvplane_proto::v1::StatusRequest {})
+            .await
+            .ok()?
+            .into_inner(),
+    )
+}
+
+async fn wait_workers(grpc: &str, n: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = status(grpc).await
+            && s.workers
+                .iter()
+                .filter(|w| w.up && !w.address.is_empty())
+                .count()
+                >= n
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("kvplane did not see {n} workers within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_blocks_cleared(grpc: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if status(grpc).await.is_some_and(|s| s.indexed_blocks == 0) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("kvplane did not see the engines' caches cleared within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,88 @@
+//! `kvplane sim engine`: one simulated vLLM engine.
+
+use kvplane_sim::EngineParams;
+use kvplane_sim::server::{SimConfig, run};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimEngineArgs {
+    /// HTTP address (OpenAI API, /metrics). Port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub http_listen: String,
+    /// ZMQ PUB endpoint for KV events (vLLM's `endpoint`). Port 0 picks a free port.
+    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+    pub zmq_pub: String,
+    /// ZMQ ROUTER endpoint for replay (vLLM's `replay_endpoint`).
+    #[arg(long, default_value = "tcp://127.0.0.1:5558")]
+    pub zmq_replay: String,
+    #[arg(long, default_value = "kv-events")]
+    pub topic: String,
+    #[arg(long, default_value = "sim-8b")]
+    pub model: String,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000)]
+    pub buffer_steps: usize,
+    /// Engine time runs this many times faster than wall time.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = EngineParams::default().block_size)]
+    pub block_size: u32,
+    #[arg(long, default_value_t = EngineParams::default().num_gpu_blocks)]
+    pub num_gpu_blocks: u32,
+    #[arg(long, default_value_t = EngineParams::default().max_num_seqs)]
+    pub max_num_seqs: u32,
+    #[arg(long, default_value_t = EngineParams::default().max_num_batched_tokens)]
+    pub max_num_batched_tokens: u32,
+    #[arg(long, default_value_t = EngineParams::default().prefill_tokens_per_s)]
+    pub prefill_tokens_per_s: f64,
+    #[arg(long, default_value_t = EngineParams::default().step_base_ms)]
+    pub step_base_ms: f64,
+    #[arg(long, default_value_t = EngineParams::default().per_seq_ms)]
+    pub per_seq_ms: f64,
+}
+
+pub async fn engine(
+    a: SimEngineArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let params = EngineParams {
+        block_size: a.block_size,
+        num_gpu_blocks: a.num_gpu_blocks,
+        max_num_seqs: a.max_num_seqs,
+        max_num_batched_tokens: a.max_num_batched_tokens,
+        prefill_tokens_per_s: a.prefill_tokens_per_s,
+        step_base_ms: a.step_base_ms,
+        per_seq_ms: a.per_seq_ms,
+    };
+    let mut problems = params.problems();
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        problems.push("speedup must be positive".into());
+    }
+    if !problems.is_empty() {
+        anyhow::bail!(
+            "invalid simulator parameters:\n  - {}",
+            problems.join("\n  - ")
+        );
+    }
+    let listener = tokio::net::TcpListener::bind(&a.http_listen).await?;
+    let cfg = SimConfig {
+        model: a.model,
+        zmq_pub: a.zmq_pub,
+        zmq_replay: a.zmq_replay,
+        topic: a.topic,
+        buffer_steps: a.buffer_steps,
+        params,
+        speedup: a.speedup,
+        seed: a.seed,
+        default_max_tokens: 16,
+    };
+    run(cfg, listener, shutdown, |b| {
+        println!(
+            "kvplane-sim ready http={} zmq_pub={} zmq_replay={}",
+            b.http, b.zmq.publish, b.zmq.replay
+        );
+    })
+    .await?;
+    Ok(())
+}

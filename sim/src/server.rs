@@ -1,0 +1,508 @@
+//! `kvplane sim engine`: the engine model driven in real time behind vLLM's interfaces.
+//!
+//! HTTP: `POST /v1/completions`, `POST /v1/chat/completions` (streaming with SSE or not, with
+//! `usage`), `GET /v1/models`, `GET /metrics` (vLLM's metric names), `GET /health`,
+//! `POST /reset_prefix_cache`, and `POST /sim/drop_next_batches` (tests: the next N KV batches
+//! skip the PUB socket but stay in the replay buffer).
+//! ZMQ: KV events as vLLM publishes them (see `zmq_pub`).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvplane_state::KvBatch;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+
+use crate::EngineParams;
+use crate::model::{Engine, EngineStats, Output, SimRequest, Usage};
+use crate::rng::Rng;
+use crate::zmq_pub::{KvPublisher, PublisherEndpoints};
+
+/// How to run one simulated engine.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub model: String,
+    pub zmq_pub: String,
+    pub zmq_replay: String,
+    pub topic: String,
+    pub buffer_steps: usize,
+    pub params: EngineParams,
+    /// Engine time runs this many times faster than wall time.
+    pub speedup: f64,
+    pub seed: u64,
+    pub default_max_tokens: u32,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            model: "sim-8b".into(),
+            zmq_pub: "tcp://127.0.0.1:5557".into(),
+            zmq_replay: "tcp://127.0.0.1:5558".into(),
+            topic: "kv-events".into(),
+            buffer_steps: 10_000,
+            params: EngineParams::default(),
+            speedup: 1.0,
+            seed: 0,
+            default_max_tokens: 16,
+        }
+    }
+}
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; TTFT_BUCKETS.len()];
+        }
+        for (i, b) in TTFT_BUCKETS.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+struct Shared {
+    engine: Engine,
+    waiters: HashMap<u64, mpsc::UnboundedSender<Output>>,
+    next_id: u64,
+    ttft: Histogram,
+}
+
+#[derive(Clone)]
+struct App {
+    shared: Arc<Mutex<Shared>>,
+    wake: Arc<Notify>,
+    publisher: KvPublisher,
+    cfg: Arc<SimConfig>,
+    started: Instant,
+}
+
+impl App {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Engine time now, in ms.
+    fn virtual_now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() * 1000.0 * self.cfg.speedup
+    }
+}
+
+/// Addresses the engine serves on.
+#[derive(Debug, Clone)]
+pub struct SimBound {
+    pub http: std::net::SocketAddr,
+    pub zmq: PublisherEndpoints,
+}
+
+/// Runs the simulator until `shutdown` resolves.
+pub async fn run(
+    cfg: SimConfig,
+    http: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_ready: impl FnOnce(SimBound),
+) -> Result<(), std::io::Error> {
+    let (publisher, zmq) = KvPublisher::start(
+        &cfg.zmq_pub,
+        &cfg.zmq_replay,
+        cfg.topic.clone(),
+        cfg.buffer_steps,
+    )
+    .await
+    .map_err(|e| std::io::Error::other(format!("zmq: {e}")))?;
+    let app = App {
+        shared: Arc::new(Mutex::new(Shared {
+            engine: Engine::new(cfg.params),
+            waiters: HashMap::new(),
+            next_id: 1,
+            ttft: Histogram::default(),
+        })),
+        wake: Arc::new(Notify::new()),
+        publisher,
+        cfg: Arc::new(cfg),
+        started: Instant::now(),
+    };
+    tokio::spawn(drive(app.clone()));
+    let router = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/health", get(|| async { "" }))
+        .route("/reset_prefix_cache", post(reset))
+        .route("/sim/drop_next_batches", post(drop_batches))
+        .with_state(app);
+    on_ready(SimBound {
+        http: http.local_addr()?,
+        zmq,
+    });
+    axum::serve(http, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The scheduler loop: step, wait out the step in wall time, deliver.
+async fn drive(app: App) {
+    loop {
+        let out = {
+            let mut s = app.lock();
+            let now = app.virtual_now();
+            s.engine.advance_to(now);
+            s.engine.step()
+        };
+        let Some(out) = out else {
+            app.wake.notified().await;
+            continue;
+        };
+        let wall_end = app.started + Duration::from_secs_f64(out.end_ms / 1000.0 / app.cfg.speedup);
+        tokio::time::sleep_until(wall_end.into()).await;
+        if !out.events.is_empty() {
+            app.publisher.publish(
+                out.end_ms / 1000.0,
+                KvBatch {
+                    dp_rank: 0,
+                    events: out.events,
+                },
+            );
+        }
+        let mut s = app.lock();
+        for o in out.outputs {
+            let id = match o {
+                Output::FirstToken { id, ttft_ms } => {
+                    s.ttft.observe(ttft_ms / 1000.0);
+                    id
+                }
+                Output::Token { id } | Output::Finished { id, .. } => id,
+            };
+            if let Some(w) = s.waiters.get(&id) {
+                let _ = w.send(o);
+            }
+            if matches!(o, Output::Finished { .. }) {
+                s.waiters.remove(&id);
+            }
+        }
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
+    )
+        .into_response()
+}
+
+struct Parsed {
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+    include_usage: bool,
+    model: String,
+    lora: Option<String>,
+}
+
+fn parse(app: &App, body: &[u8]) -> Result<Parsed, Response> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid json: {e}")))?;
+    let p = kvplane_tokenize::prompt_from_body(body)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+    let model = p.model.clone().unwrap_or_else(|| app.cfg.model.clone());
+    Ok(Parsed {
+        tokens: p.tokens,
+        max_tokens: p.max_tokens.unwrap_or(app.cfg.default_max_tokens),
+        stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: v
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        lora: (model != app.cfg.model).then(|| model.clone()),
+        model,
+    })
+}
+
+const WORDS: &[&str] = &[
+    "the", "cache", "is", "warm", "and", "tokens", "flow", "fast", "again", "now",
+];
+
+fn submit(app: &App, p: &Parsed) -> Result<(u64, mpsc::UnboundedReceiver<Output>), Response> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let id = {
+        let mut s = app.lock();
+        let now = app.virtual_now();
+        s.engine.advance_to(now);
+        let id = s.next_id;
+        s.next_id += 1;
+        s.engine
+            .submit(SimRequest {
+                id,
+                tokens: p.tokens.clone(),
+                max_tokens: p.max_tokens,
+                lora_name: p.lora.clone(),
+            })
+            .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
+        s.waiters.insert(id, tx);
+        id
+    };
+    app.wake.notify_one();
+    Ok((id, rx))
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
+    let p = match parse(&app, &body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let (id, mut rx) = match submit(&app, &p) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let mut rng = Rng::new(app.cfg.seed ^ id.wrapping_mul(0x9e37_79b9));
+    let object = if chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    let rid = format!("{}-{id}", if chat { "chatcmpl" } else { "cmpl" });
+    let model = p.model.clone();
+    if !p.stream {
+        let mut text = String::new();
+        let mut usage = Usage::default();
+        while let Some(o) = rx.recv().await {
+            match o {
+                Output::FirstToken { .. } | Output::Token { .. } => {
+                    if !text.is_empty() {
+                        text.push(' ');
+                    }
+                    text.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+                }
+                Output::Finished { usage: u, .. } => {
+                    usage = u;
+                    break;
+                }
+            }
+        }
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        return Json(json!({
+            "id": rid, "object": object, "model": model,
+            "choices": [choice], "usage": usage_json(&usage),
+        }))
+        .into_response();
+    }
+    let include_usage = p.include_usage;
+    let chunk_object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let stream = async_stream(rx, move |o, first| match o {
+        Output::FirstToken { .. } | Output::Token { .. } => {
+            let word = WORDS[rng.below(WORDS.len() as u64) as usize];
+            let text = if first {
+                word.to_owned()
+            } else {
+                format!(" {word}")
+            };
+            let choice = if chat {
+                json!({"index": 0, "delta": {"content": text}, "finish_reason": null})
+            } else {
+                json!({"index": 0, "text": text, "finish_reason": null})
+            };
+            vec![
+                json!({"id": rid, "object": chunk_object, "model": model, "choices": [choice]})
+                    .to_string(),
+            ]
+        }
+        Output::Finished { usage, .. } => {
+            let mut v = Vec::new();
+            if include_usage {
+                v.push(json!({"id": rid, "object": chunk_object, "model": model, "choices": [], "usage": usage_json(&usage)}).to_string());
+            }
+            v.push("[DONE]".to_owned());
+            v
+        }
+    });
+    Sse::new(stream).into_response()
+}
+
+/// Turns engine outputs into SSE events.
+fn async_stream(
+    rx: mpsc::UnboundedReceiver<Output>,
+    mut render: impl FnMut(Output, bool) -> Vec<String> + Send + 'static,
+) -> impl futures::Stream<Item = Result<Event, Infallible>> {
+    use futures::StreamExt;
+    let mut first = true;
+    tokio_stream::wrappers::UnboundedReceiverStream::new(rx).flat_map(move |o| {
+        let lines = render(o, first);
+        first = false;
+        futures::stream::iter(lines.into_iter().map(|l| Ok(Event::default().data(l))))
+    })
+}
+
+async fn completions(State(app): State<App>, body: bytes::Bytes) -> Response {
+    serve_request(app, body, false).await
+}
+
+async fn chat(State(app): State<App>, body: bytes::Bytes) -> Response {
+    serve_request(app, body, true).await
+}
+
+async fn models(State(app): State<App>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": app.cfg.model, "object": "model", "owned_by": "kvplane-sim"}]}),
+    )
+}
+
+async fn reset(State(app): State<App>) -> StatusCode {
+    let ev = app.lock().engine.reset_prefix_cache();
+    app.publisher.publish(
+        app.virtual_now() / 1000.0,
+        KvBatch {
+            dp_rank: 0,
+            events: vec![ev],
+        },
+    );
+    StatusCode::OK
+}
+
+async fn drop_batches(State(app): State<App>, Json(v): Json<Value>) -> StatusCode {
+    let n = v.get("count").and_then(Value::as_u64).unwrap_or(1);
+    app.publisher.drop_next(n);
+    StatusCode::OK
+}
+
+async fn metrics(State(app): State<App>) -> Response {
+    let (stats, ttft) = {
+        let s = app.lock();
+        (
+            s.engine.stats(),
+            (s.ttft.counts.clone(), s.ttft.sum, s.ttft.count),
+        )
+    };
+    let text = render_metrics(&app.cfg.model, &stats, &ttft);
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+/// vLLM's metrics in the Prometheus text format (the names and labels vLLM uses).
+pub fn render_metrics(model: &str, s: &EngineStats, ttft: &(Vec<u64>, f64, u64)) -> String {
+    use std::fmt::Write;
+    let labels = format!("engine=\"0\",model_name=\"{model}\"");
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, v: f64| {
+        let _ = writeln!(
+            out,
+            "# HELP vllm:{name} {help}\n# TYPE vllm:{name} gauge\nvllm:{name}{{{labels}}} {v:?}"
+        );
+    };
+    gauge(
+        "num_requests_running",
+        "Number of requests in model execution batches.",
+        f64::from(s.running),
+    );
+    gauge(
+        "num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        f64::from(s.waiting),
+    );
+    gauge(
+        "kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        s.kv_cache_usage,
+    );
+    for (name, help, v) in [
+        (
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        ),
+        (
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        ),
+        (
+            "prompt_tokens",
+            "Number of prefill tokens processed.",
+            s.prompt_tokens,
+        ),
+        (
+            "generation_tokens",
+            "Number of generation tokens processed.",
+            s.generation_tokens,
+        ),
+        (
+            "request_success",
+            "Count of successfully processed requests.",
+            s.request_success,
+        ),
+        (
+            "num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            0,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP vllm:{name}_total {help}\n# TYPE vllm:{name}_total counter\nvllm:{name}_total{{{labels}}} {:?}",
+            v as f64
+        );
+    }
+    let name = "vllm:time_to_first_token_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram"
+    );
+    for (i, b) in TTFT_BUCKETS.iter().enumerate() {
+        let c = ttft.0.get(i).copied().unwrap_or(0);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b:?}\"}} {:?}", c as f64);
+    }
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{{labels},le=\"+Inf\"}} {:?}",
+        ttft.2 as f64
+    );
+    let _ = writeln!(out, "{name}_count{{{labels}}} {:?}", ttft.2 as f64);
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {:?}", ttft.1);
+    out
+}
