@@ -195,7 +195,104 @@ fn router_event(id: u64, w: u64, ev: &KvEvent) -> RouterEvent {
     )
 }
 
+/// In a child process of its own (so that allocator reuse between the two measurements cannot
+/// blur them): builds one index from the workload and prints its resident memory growth.
+fn measure_memory(which: &str) {
+    let (events, _) = workload();
+    let base = rss_bytes();
+    let (bytes, blocks) = if which == "state" {
+        let entries = entries_of(&events);
+        let base = rss_bytes();
+        let sm = state_from(entries);
+        (rss_bytes().saturating_sub(base), sm.indexed_blocks())
+    } else {
+        let router_events: Vec<RouterEvent> = events
+            .iter()
+            .enumerate()
+            .map(|(i, (w, e))| router_event(i as u64, *w, e))
+            .collect();
+        let base = rss_bytes();
+        let bare = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BS);
+        for ev in router_events {
+            bare.enqueue_event(ev).unwrap();
+        }
+        futures::executor::block_on(bare.flush());
+        let grown = rss_bytes().saturating_sub(base);
+        std::mem::forget(bare);
+        (grown, 0)
+    };
+    let _ = base;
+    println!("{}", json!({"rss_bytes": bytes, "indexed_blocks": blocks}));
+}
+
+fn child_memory(which: &str) -> serde_json::Value {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg(format!("--memory={which}"))
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
+}
+
+fn entries_of(events: &[(u64, KvEvent)]) -> Vec<Command> {
+    let mut entries = Vec::new();
+    let mut seq = 0u64;
+    for chunk in events.chunks(512) {
+        let mut items = Vec::new();
+        for (w, ev) in chunk {
+            seq += 1;
+            items.push(IngestItem {
+                seq,
+                pool: "p".into(),
+                worker: format!("w{w}"),
+                payload: IngestPayload::Kv(KvBatch {
+                    dp_rank: 0,
+                    events: vec![ev.clone()],
+                }),
+            });
+        }
+        entries.push(Command::Ingest(IngestBatch {
+            first_seq: items[0].seq,
+            last_seq: items[items.len() - 1].seq,
+            items,
+        }));
+    }
+    entries
+}
+
+fn state_from(entries: Vec<Command>) -> StateMachine {
+    let mut sm = StateMachine::new();
+    sm.apply(&Entry {
+        index: 1,
+        timestamp_ms: 0,
+        command: Command::ConfigPut {
+            kind: POOL_KIND.into(),
+            name: "p".into(),
+            value: PoolConfig {
+                block_size: BS,
+                models: vec![],
+            }
+            .to_json(),
+        },
+    })
+    .unwrap();
+    for (i, command) in entries.into_iter().enumerate() {
+        sm.apply(&Entry {
+            index: i as u64 + 2,
+            timestamp_ms: 0,
+            command,
+        })
+        .unwrap();
+    }
+    sm
+}
+
 fn main() {
+    if let Some(which) =
+        std::env::args().find_map(|a| a.strip_prefix("--memory=").map(str::to_owned))
+    {
+        measure_memory(&which);
+        return;
+    }
     let (events, docs) = workload();
     let queries = queries(&docs);
     let blocks_in_events: usize = events
@@ -363,6 +460,8 @@ fn main() {
         v.sort_unstable();
         percentile(&v, 0.5)
     };
+    let mem_state = child_memory("state");
+    let mem_bare = child_memory("bare");
     let out = json!({
         "workload": {
             "workers": WORKERS, "block_size": BS, "kv_events": events.len(),
@@ -385,10 +484,13 @@ fn main() {
             "ratio_decide_p50_to_bare_p50": decide_p50 / bare_p50,
         },
         "memory": {
-            "kvplane_state_rss_bytes": state_rss,
-            "kvplane_state_bytes_per_indexed_block": state_rss as f64 / indexed as f64,
-            "bare_threadpool_crtc_rss_bytes": bare_rss,
-            "bare_threadpool_crtc_bytes_per_block": bare_rss as f64 / indexed as f64,
+            "measured": "resident set growth while building each index, each in a fresh process",
+            "kvplane_state_rss_bytes": mem_state["rss_bytes"],
+            "kvplane_state_bytes_per_indexed_block": mem_state["rss_bytes"].as_f64().unwrap_or(0.0) / indexed as f64,
+            "bare_threadpool_crtc_rss_bytes": mem_bare["rss_bytes"],
+            "bare_threadpool_crtc_bytes_per_block": mem_bare["rss_bytes"].as_f64().unwrap_or(0.0) / indexed as f64,
+            "in_process_state_rss_bytes": state_rss,
+            "in_process_bare_rss_bytes": bare_rss,
         },
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());

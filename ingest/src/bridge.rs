@@ -330,6 +330,14 @@ async fn zmq_loop(
             replay = cfg.zmq_replay,
             "subscribed to engine kv events"
         );
+        // Whatever the engine published while we were away (or before the subscription took
+        // effect) is in its replay buffer: catch up now instead of waiting for the next batch.
+        // Sequences below `dup_floor` arriving later mean the engine restarted; those between it
+        // and `expected` are batches the catch-up already forwarded.
+        let dup_floor = f.expected.unwrap_or(0);
+        if let Some(from) = f.expected {
+            catch_up(&cfg, &mut dealer, &mut f, from).await;
+        }
         loop {
             let msg = tokio::select! {
                 m = sub.recv() => m,
@@ -358,6 +366,7 @@ async fn zmq_loop(
                 continue;
             };
             match f.expected {
+                Some(e) if seq < e && seq >= dup_floor => continue,
                 Some(e) if seq == e => {}
                 Some(e) if seq > e => {
                     metrics.gaps.inc();
@@ -388,14 +397,46 @@ async fn zmq_loop(
     }
 }
 
-/// Asks the replay socket for `from..to` and forwards what it has, in order.
-async fn fill(
+/// Replays everything from `from` on, in order (used on connect, when the newest sequence is
+/// not known yet).
+async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forwarder, from: u64) {
+    let got = replay(cfg, dealer, from, u64::MAX).await;
+    let Some(first) = got.first().map(|(s, _)| *s) else {
+        return;
+    };
+    if first > from {
+        let lost = first - from;
+        f.metrics.lost.inc_by(lost);
+        tracing::warn!(
+            from,
+            first,
+            lost,
+            "replay no longer has every batch; clearing this worker in kvplane"
+        );
+        f.send(None, cleared_batch());
+    }
+    let mut next = first;
+    for (s, p) in got {
+        if s != next {
+            break;
+        }
+        f.metrics.replayed.inc();
+        f.send(Some(s), p);
+        next = s + 1;
+    }
+    if next > from {
+        f.metrics.gaps.inc();
+        tracing::info!(from, to = next, "caught up from replay");
+    }
+}
+
+/// Asks the replay socket for `from..to`: the batches it has, sorted, without duplicates.
+async fn replay(
     cfg: &BridgeConfig,
     dealer: &mut DealerSocket,
-    f: &mut Forwarder,
     from: u64,
     to: u64,
-) {
+) -> Vec<(u64, Bytes)> {
     let request = ZmqMessage::try_from(vec![
         Bytes::new(),
         Bytes::copy_from_slice(&from.to_be_bytes()),
@@ -428,13 +469,25 @@ async fn fill(
             };
             match seq {
                 Some(u64::MAX) => break,
-                Some(s) if (from..to).contains(&s) => got.push((s, payload)),
+                Some(s) if s >= from && s < to => got.push((s, payload)),
                 _ => {}
             }
         }
     }
     got.sort_by_key(|(s, _)| *s);
     got.dedup_by_key(|(s, _)| *s);
+    got
+}
+
+/// Asks the replay socket for `from..to` and forwards what it has, in order.
+async fn fill(
+    cfg: &BridgeConfig,
+    dealer: &mut DealerSocket,
+    f: &mut Forwarder,
+    from: u64,
+    to: u64,
+) {
+    let got = replay(cfg, dealer, from, to).await;
     let recovered = got.len() as u64;
     let contiguous = got.first().is_some_and(|(s, _)| *s == from)
         && got.windows(2).all(|w| w[1].0 == w[0].0 + 1);

@@ -19,7 +19,8 @@ use serde_json::{Value, json};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// A quick run (fewer requests, engines 10x faster than real time): what CI runs.
+    /// A quick run (fewer requests, smaller engines running 4x faster than real time): what
+    /// CI runs.
     #[arg(long)]
     pub short: bool,
     /// Requests per strategy (default 400; 200 with --short).
@@ -36,7 +37,7 @@ pub struct DemoArgs {
     /// Arrival rate in requests per second of engine time.
     #[arg(long, default_value_t = 4.0)]
     pub rate: f64,
-    /// Engine time per wall second (default 1; 10 with --short).
+    /// Engine time per wall second (default 1; 4 with --short).
     #[arg(long)]
     pub speedup: Option<f64>,
     #[arg(long, default_value_t = 7)]
@@ -269,7 +270,7 @@ struct PhaseSummary {
 }
 
 pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
-    let speedup = a.speedup.unwrap_or(if a.short { 10.0 } else { 1.0 });
+    let speedup = a.speedup.unwrap_or(if a.short { 4.0 } else { 1.0 });
     let requests = a.requests.unwrap_or(if a.short { 200 } else { 400 });
     let system_prompts = a.system_prompts.unwrap_or(if a.short { 20 } else { 60 });
     let num_gpu_blocks = a

@@ -209,12 +209,14 @@ async fn drive(app: App) {
     }
 }
 
-fn error(status: StatusCode, message: &str) -> Response {
-    (
-        status,
-        Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
+fn error(status: StatusCode, message: &str) -> Box<Response> {
+    Box::new(
+        (
+            status,
+            Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
+        )
+            .into_response(),
     )
-        .into_response()
 }
 
 struct Parsed {
@@ -226,7 +228,7 @@ struct Parsed {
     lora: Option<String>,
 }
 
-fn parse(app: &App, body: &[u8]) -> Result<Parsed, Response> {
+fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid json: {e}")))?;
     let p = kvplane_tokenize::prompt_from_body(body)
@@ -249,7 +251,7 @@ const WORDS: &[&str] = &[
     "the", "cache", "is", "warm", "and", "tokens", "flow", "fast", "again", "now",
 ];
 
-fn submit(app: &App, p: &Parsed) -> Result<(u64, mpsc::UnboundedReceiver<Output>), Response> {
+fn submit(app: &App, p: &Parsed) -> Result<(u64, mpsc::UnboundedReceiver<Output>), Box<Response>> {
     let (tx, rx) = mpsc::unbounded_channel();
     let id = {
         let mut s = app.lock();
@@ -284,11 +286,11 @@ fn usage_json(u: &Usage) -> Value {
 async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
     let p = match parse(&app, &body) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let (id, mut rx) = match submit(&app, &p) {
         Ok(x) => x,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let mut rng = Rng::new(app.cfg.seed ^ id.wrapping_mul(0x9e37_79b9));
     let object = if chat {

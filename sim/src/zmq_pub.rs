@@ -72,10 +72,10 @@ impl KvPublisher {
                             Bytes::copy_from_slice(&seq.to_be_bytes()),
                             payload,
                         ];
-                        if let Ok(msg) = ZmqMessage::try_from(frames) {
-                            if let Err(e) = publisher.send(msg).await {
-                                tracing::warn!(error = %e, seq, "zmq publish failed");
-                            }
+                        if let Ok(msg) = ZmqMessage::try_from(frames)
+                            && let Err(e) = publisher.send(msg).await
+                        {
+                            tracing::warn!(error = %e, seq, "zmq publish failed");
                         }
                     } else {
                         tracing::info!(seq, "dropping a kv batch on purpose (replay still has it)");

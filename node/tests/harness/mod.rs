@@ -322,3 +322,184 @@ pub async fn publish(
         .unwrap()
         .sequence
 }
+
+/// Starts `kvplane ARGS...`, logging stderr to `log`, and waits for its `prefix` ready line.
+pub fn spawn_ready(args: &[String], log: &Path, prefix: &str) -> (Child, String) {
+    let log_file = std::fs::File::create(log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(log_file)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let prefix = prefix.to_owned();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with(&prefix) {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| {
+            panic!(
+                "{args:?} did not become ready:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+        });
+    (child, line)
+}
+
+/// `key=value` from a ready line.
+pub fn field(line: &str, key: &str) -> String {
+    line.split_whitespace()
+        .find_map(|p| p.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+        .to_owned()
+}
+
+/// A process killed when dropped.
+pub struct Proc {
+    pub child: Option<Child>,
+    pub args: Vec<String>,
+    pub log: PathBuf,
+    pub ready: String,
+    prefix: String,
+    restarts: u32,
+}
+
+impl Proc {
+    pub fn start(args: Vec<String>, log: PathBuf, prefix: &str) -> Self {
+        let (child, ready) = spawn_ready(&args, &log, prefix);
+        Self {
+            child: Some(child),
+            args,
+            log,
+            ready,
+            prefix: prefix.to_owned(),
+            restarts: 0,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.kill();
+        self.restarts += 1;
+        let log = PathBuf::from(format!("{}.{}", self.log.display(), self.restarts));
+        let (child, ready) = spawn_ready(&self.args, &log, &self.prefix);
+        self.child = Some(child);
+        self.ready = ready;
+    }
+
+    pub fn field(&self, key: &str) -> String {
+        field(&self.ready, key)
+    }
+
+    /// The log of the current run.
+    pub fn current_log(&self) -> String {
+        let path = if self.restarts == 0 {
+            self.log.clone()
+        } else {
+            PathBuf::from(format!("{}.{}", self.log.display(), self.restarts))
+        };
+        std::fs::read_to_string(path).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A simulated engine (10x real time) and its bridge, joined to `nats` as `pool/worker`.
+pub struct Engine {
+    pub worker: String,
+    pub sim: Proc,
+    pub bridge: Proc,
+    pub http: String,
+}
+
+impl Engine {
+    pub fn start(dir: &Path, nats_url: &str, worker: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let s = |v: &str| v.to_owned();
+        let sim = Proc::start(
+            vec![
+                s("sim"),
+                s("engine"),
+                s("--http-listen"),
+                s("127.0.0.1:0"),
+                s("--zmq-pub"),
+                s("tcp://127.0.0.1:0"),
+                s("--zmq-replay"),
+                s("tcp://127.0.0.1:0"),
+                s("--speedup"),
+                s("10"),
+            ],
+            dir.join(format!("{worker}.sim.log")),
+            "kvplane-sim ready",
+        );
+        let http = format!("http://{}", sim.field("http"));
+        let bridge = Proc::start(
+            vec![
+                s("bridge"),
+                s("--worker"),
+                s(worker),
+                s("--engine-url"),
+                http.clone(),
+                s("--zmq-pub"),
+                sim.field("zmq_pub"),
+                s("--zmq-replay"),
+                sim.field("zmq_replay"),
+                s("--nats-url"),
+                s(nats_url),
+                s("--scrape-interval-ms"),
+                s("50"),
+            ],
+            dir.join(format!("{worker}.bridge.log")),
+            "kvplane-bridge ready",
+        );
+        Self {
+            worker: worker.to_owned(),
+            sim,
+            bridge,
+            http,
+        }
+    }
+
+    /// A counter or gauge from the engine's own `/metrics`.
+    pub async fn metric(&self, name: &str) -> f64 {
+        metric_value(&http_get(&format!("{}/metrics", self.http)).await, name)
+    }
+
+    /// A counter from the bridge's `/metrics`.
+    pub async fn bridge_metric(&self, name: &str) -> f64 {
+        let url = format!("http://{}/metrics", self.bridge.field("http"));
+        metric_value(&http_get(&url).await, name)
+    }
+}
+
+pub async fn http_get(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
+
+/// The value of the first sample of `name` (any labels) in Prometheus text.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split(['{', ' ']).next() == Some(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}

@@ -1,0 +1,251 @@
+//! A simulated fleet through real processes: engines -> ZMQ -> bridges -> NATS -> kvplane ->
+//! gateway. Decisions are checked against the engines' own metrics, not kvplane's word alone.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::time::Duration;
+
+use harness::{Cluster, Engine, Proc, wait_for};
+use kvplane_proto::v1::{RouteRequest, route_response::Decision};
+use serde_json::json;
+
+fn words(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{}", i % 97))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn wait_workers_up(node: &harness::Node, n: usize) {
+    wait_for(
+        &format!("{n} workers up"),
+        Duration::from_secs(30),
+        || async {
+            let s = node.status().await;
+            (s.workers
+                .iter()
+                .filter(|w| w.up && !w.address.is_empty())
+                .count()
+                >= n)
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+/// Blocks kvplane holds for this prompt on its best worker, and that worker.
+async fn routed(node: &harness::Node, body: &serde_json::Value) -> (String, u32, u32) {
+    let r = node
+        .router()
+        .await
+        .route(RouteRequest {
+            request_id: "probe".into(),
+            body: serde_json::to_vec(body).unwrap(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    match r.decision {
+        Some(Decision::Endpoint(e)) => (e.worker_id, r.matched_blocks, r.prompt_blocks),
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn complete(url: &str, body: &serde_json::Value) -> reqwest::Response {
+    let r = reqwest::Client::new()
+        .post(url)
+        .header("x-tenant", "t1")
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
+    let cluster = Cluster::start(1);
+    let root = cluster.root.path().to_owned();
+    let engines: Vec<Engine> = (1..=3)
+        .map(|i| {
+            Engine::start(
+                &root.join("fleet"),
+                &cluster.nats.url(),
+                &format!("engine-{i}"),
+            )
+        })
+        .collect();
+    let node = &cluster.nodes[0];
+    wait_workers_up(node, 3).await;
+    let gateway = Proc::start(
+        vec![
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            node.endpoint(),
+        ],
+        root.join("gateway.log"),
+        "kvplane-gateway ready",
+    );
+    let gw = format!("http://{}/v1/chat/completions", gateway.field("http"));
+
+    // Warm engine-2 directly with a long system prompt.
+    let system = words("sys", 1200);
+    let chat = |q: &str| {
+        json!({"model": "sim-8b", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    complete(
+        &format!("{}/v1/chat/completions", engines[1].http),
+        &chat("first question"),
+    )
+    .await;
+    let second = chat("a second, different question");
+    wait_for(
+        "kvplane to index engine-2's blocks",
+        Duration::from_secs(20),
+        || async {
+            let (w, matched, _) = routed(node, &second).await;
+            (w == "engine-2" && matched >= 70).then_some(())
+        },
+    )
+    .await;
+
+    let hits_before: Vec<f64> = futures::future::join_all(
+        engines
+            .iter()
+            .map(|e| e.metric("vllm:prefix_cache_hits_total")),
+    )
+    .await;
+    let r = complete(&gw, &second).await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "default/engine-2");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 1120
+    );
+    let hits_after: Vec<f64> = futures::future::join_all(
+        engines
+            .iter()
+            .map(|e| e.metric("vllm:prefix_cache_hits_total")),
+    )
+    .await;
+    // The engine itself says it served the prompt from its cache; the others saw nothing.
+    assert!(
+        hits_after[1] - hits_before[1] >= 1120.0,
+        "{hits_before:?} -> {hits_after:?}"
+    );
+    assert_eq!(hits_after[0], hits_before[0]);
+    assert_eq!(hits_after[2], hits_before[2]);
+
+    // The gateway reported the usage back to kvplane.
+    wait_for("usage reported", Duration::from_secs(10), || async {
+        let m = node.metrics().await;
+        m.contains(r#"kvplane_usage_reports_total{outcome="known"} 1"#)
+            .then_some(())
+    })
+    .await;
+
+    // A model nobody serves is refused with kvplane's reason.
+    let mut other = second.clone();
+    other["model"] = json!("no-such-model");
+    let r = reqwest::Client::new()
+        .post(&gw)
+        .json(&other)
+        .send()
+        .await
+        .unwrap();
+    // The default pool serves every model: the request is routed, not refused.
+    assert!(r.status().is_success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_fills_dropped_and_missed_batches_from_replay() {
+    let mut cluster = Cluster::start(1);
+    let root = cluster.root.path().to_owned();
+    let mut engine = Engine::start(&root.join("fleet"), &cluster.nats.url(), "engine-1");
+    let node = &mut cluster.nodes[0];
+    wait_workers_up(node, 1).await;
+    let url = format!("{}/v1/completions", engine.http);
+    let prompt = |i: usize| json!({"model": "sim-8b", "max_tokens": 2, "prompt": words(&format!("p{i}w"), 200)});
+
+    // The engine drops its next three batches on the PUB socket (they stay in its replay buffer).
+    reqwest::Client::new()
+        .post(format!("{}/sim/drop_next_batches", engine.http))
+        .json(&json!({"count": 3}))
+        .send()
+        .await
+        .unwrap();
+    for i in 0..5 {
+        complete(&url, &prompt(i)).await;
+    }
+    for i in 0..5 {
+        let p = prompt(i);
+        wait_for(
+            &format!("prompt {i} indexed"),
+            Duration::from_secs(20),
+            || async {
+                let (_, matched, blocks) = routed(node, &p).await;
+                (matched == blocks && blocks > 0).then_some(())
+            },
+        )
+        .await;
+    }
+    assert!(engine.bridge_metric("kvplane_bridge_gaps_total").await >= 1.0);
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_replayed_batches_total")
+            .await
+            >= 3.0
+    );
+    assert_eq!(
+        engine
+            .bridge_metric("kvplane_bridge_lost_batches_total")
+            .await,
+        0.0
+    );
+
+    // The bridge dies; the engine keeps publishing; a new bridge picks up where the old one
+    // stopped (the last Kv-Seq in the stream) and recovers the batches it missed.
+    engine.bridge.kill();
+    for i in 5..8 {
+        complete(&url, &prompt(i)).await;
+    }
+    engine.bridge.restart();
+    complete(&url, &prompt(8)).await;
+    for i in 5..9 {
+        let p = prompt(i);
+        let bridge_log = engine.bridge.current_log();
+        wait_for(
+            &format!("prompt {i} indexed after the bridge restart; bridge log:\n{bridge_log}"),
+            Duration::from_secs(20),
+            || async {
+                let (_, matched, blocks) = routed(node, &p).await;
+                (matched == blocks && blocks > 0).then_some(())
+            },
+        )
+        .await;
+    }
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_replayed_batches_total")
+            .await
+            >= 1.0
+    );
+    assert_eq!(
+        engine
+            .bridge_metric("kvplane_bridge_lost_batches_total")
+            .await,
+        0.0
+    );
+    let s = node.status().await;
+    let dropped: u64 = s.ingest.unwrap().dropped.values().sum();
+    assert_eq!(dropped, 0, "nothing applied twice or out of order");
+}
