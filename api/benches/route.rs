@@ -198,31 +198,40 @@ fn router_event(id: u64, w: u64, ev: &KvEvent) -> RouterEvent {
 /// In a child process of its own (so that allocator reuse between the two measurements cannot
 /// blur them): builds one index from the workload and prints its resident memory growth.
 fn measure_memory(which: &str) {
+    // The workload is generated first and stays alive; log entries and router events are built
+    // from it a chunk at a time, so freed workload memory cannot be reused and hide growth.
     let (events, _) = workload();
     let base = rss_bytes();
-    let (bytes, blocks) = if which == "state" {
-        let entries = entries_of(&events);
-        let base = rss_bytes();
-        let sm = state_from(entries);
-        (rss_bytes().saturating_sub(base), sm.indexed_blocks())
-    } else {
-        let router_events: Vec<RouterEvent> = events
-            .iter()
-            .enumerate()
-            .map(|(i, (w, e))| router_event(i as u64, *w, e))
-            .collect();
-        let base = rss_bytes();
-        let bare = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BS);
-        for ev in router_events {
-            bare.enqueue_event(ev).unwrap();
+    if which == "state" {
+        let mut sm = state_from(Vec::new());
+        let mut index = 2;
+        let mut seq = 0;
+        for chunk in events.chunks(512) {
+            for command in entries_of(chunk, &mut seq) {
+                sm.apply(&Entry {
+                    index,
+                    timestamp_ms: 0,
+                    command,
+                })
+                .unwrap();
+                index += 1;
+            }
         }
-        futures::executor::block_on(bare.flush());
+        let blocks = sm.indexed_blocks();
         let grown = rss_bytes().saturating_sub(base);
-        std::mem::forget(bare);
-        (grown, 0)
-    };
-    let _ = base;
-    println!("{}", json!({"rss_bytes": bytes, "indexed_blocks": blocks}));
+        println!("{}", json!({"rss_bytes": grown, "indexed_blocks": blocks}));
+    } else {
+        let bare = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BS);
+        for (n, chunk) in events.chunks(512).enumerate() {
+            for (i, (w, e)) in chunk.iter().enumerate() {
+                bare.enqueue_event(router_event((n * 512 + i) as u64, *w, e))
+                    .unwrap();
+            }
+            futures::executor::block_on(bare.flush());
+        }
+        let grown = rss_bytes().saturating_sub(base);
+        println!("{}", json!({"rss_bytes": grown, "indexed_blocks": 0}));
+    }
 }
 
 fn child_memory(which: &str) -> serde_json::Value {
@@ -233,15 +242,16 @@ fn child_memory(which: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
 }
 
-fn entries_of(events: &[(u64, KvEvent)]) -> Vec<Command> {
+/// Log entries of 512 stream messages each (one KV event per message), numbering messages
+/// after `seq`.
+fn entries_of(events: &[(u64, KvEvent)], seq: &mut u64) -> Vec<Command> {
     let mut entries = Vec::new();
-    let mut seq = 0u64;
     for chunk in events.chunks(512) {
         let mut items = Vec::new();
         for (w, ev) in chunk {
-            seq += 1;
+            *seq += 1;
             items.push(IngestItem {
-                seq,
+                seq: *seq,
                 pool: "p".into(),
                 worker: format!("w{w}"),
                 payload: IngestPayload::Kv(KvBatch {
@@ -304,57 +314,13 @@ fn main() {
         .sum();
 
     // 1. kvplane's state machine: events as they come from the stream, one event per
-    //    message, 512 messages per log entry (entries are built before memory is measured).
-    let mut entries = Vec::new();
-    let mut seq = 0u64;
-    for chunk in events.chunks(512) {
-        let mut items = Vec::new();
-        for (w, ev) in chunk {
-            seq += 1;
-            items.push(IngestItem {
-                seq,
-                pool: "p".into(),
-                worker: format!("w{w}"),
-                payload: IngestPayload::Kv(KvBatch {
-                    dp_rank: 0,
-                    events: vec![ev.clone()],
-                }),
-            });
-        }
-        entries.push(Command::Ingest(IngestBatch {
-            first_seq: items[0].seq,
-            last_seq: items[items.len() - 1].seq,
-            items,
-        }));
-    }
-    let rss0 = rss_bytes();
-    let mut sm = StateMachine::new();
-    sm.apply(&Entry {
-        index: 1,
-        timestamp_ms: 0,
-        command: Command::ConfigPut {
-            kind: POOL_KIND.into(),
-            name: "p".into(),
-            value: PoolConfig {
-                block_size: BS,
-                models: vec![],
-            }
-            .to_json(),
-        },
-    })
-    .unwrap();
+    //    message, 512 messages per log entry (built before the clock starts).
+    let mut seq = 0;
+    let entries = entries_of(&events, &mut seq);
     let t = Instant::now();
-    for (i, command) in entries.into_iter().enumerate() {
-        sm.apply(&Entry {
-            index: i as u64 + 2,
-            timestamp_ms: 0,
-            command,
-        })
-        .unwrap();
-    }
+    let sm = state_from(entries);
     let state_apply_s = t.elapsed().as_secs_f64();
     let indexed = sm.indexed_blocks();
-    let state_rss = rss_bytes().saturating_sub(rss0);
 
     // 2. The bare indexes, same events.
     let router_events: Vec<RouterEvent> = events
@@ -362,7 +328,6 @@ fn main() {
         .enumerate()
         .map(|(i, (w, e))| router_event(i as u64, *w, e))
         .collect();
-    let rss1 = rss_bytes();
     let bare = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, BS);
     let t = Instant::now();
     for ev in router_events.iter().cloned() {
@@ -370,7 +335,6 @@ fn main() {
     }
     futures::executor::block_on(bare.flush());
     let bare_apply_s = t.elapsed().as_secs_f64();
-    let bare_rss = rss_bytes().saturating_sub(rss1);
 
     let mut radix = RadixTree::new();
     let t = Instant::now();
@@ -489,8 +453,6 @@ fn main() {
             "kvplane_state_bytes_per_indexed_block": mem_state["rss_bytes"].as_f64().unwrap_or(0.0) / indexed as f64,
             "bare_threadpool_crtc_rss_bytes": mem_bare["rss_bytes"],
             "bare_threadpool_crtc_bytes_per_block": mem_bare["rss_bytes"].as_f64().unwrap_or(0.0) / indexed as f64,
-            "in_process_state_rss_bytes": state_rss,
-            "in_process_bare_rss_bytes": bare_rss,
         },
     });
     println!("{}", serde_json::to_string_pretty(&out).unwrap());
