@@ -118,6 +118,9 @@ impl BridgeMetrics {
 #[derive(Debug)]
 struct Outgoing {
     seq: Option<u64>,
+    /// JetStream's `Nats-Msg-Id`: a publish retried after a lost acknowledgement is dropped by
+    /// the stream's duplicate window instead of being stored twice.
+    msg_id: String,
     payload: Bytes,
 }
 
@@ -223,6 +226,7 @@ async fn nats_loop(
             if let Some(seq) = out.seq {
                 headers.insert(SEQ_HEADER, seq.to_string().as_str());
             }
+            headers.insert("Nats-Msg-Id", out.msg_id.as_str());
             let sent = match js
                 .publish_with_headers(subject.clone(), headers, out.payload.clone())
                 .await
@@ -257,11 +261,26 @@ struct Forwarder {
     expected: Option<u64>,
     tx: mpsc::Sender<Outgoing>,
     metrics: Arc<BridgeMetrics>,
+    incarnation: String,
+    sent: u64,
 }
 
 impl Forwarder {
     fn send(&mut self, seq: Option<u64>, payload: Bytes) {
-        match self.tx.try_send(Outgoing { seq, payload }) {
+        self.sent += 1;
+        // Unique per bridge run and message; `sent` also separates an engine's sequences
+        // before and after a restart.
+        let msg_id = format!(
+            "{}-{}-{}",
+            self.incarnation,
+            self.sent,
+            seq.map_or(-1, |s| s as i128)
+        );
+        match self.tx.try_send(Outgoing {
+            seq,
+            msg_id,
+            payload,
+        }) {
             Ok(()) => {}
             Err(_) => {
                 // NATS is behind by more than max_pending batches: this one is lost.
@@ -320,6 +339,14 @@ async fn zmq_loop(
         expected: resume_after.map(|s| s + 1),
         tx,
         metrics: metrics.clone(),
+        incarnation: format!(
+            "{}-{}",
+            cfg.worker,
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ),
+        sent: 0,
     };
     'connect: loop {
         let Some((mut sub, mut dealer)) = connect_sockets(&cfg, &mut shutdown).await else {
@@ -332,15 +359,21 @@ async fn zmq_loop(
         );
         // Whatever the engine published while we were away (or before the subscription took
         // effect) is in its replay buffer: catch up now instead of waiting for the next batch.
-        // Sequences below `dup_floor` arriving later mean the engine restarted; those between it
-        // and `expected` are batches the catch-up already forwarded.
-        let dup_floor = f.expected.unwrap_or(0);
-        if let Some(from) = f.expected {
-            catch_up(&cfg, &mut dealer, &mut f, from).await;
-        }
+        // The same happens whenever the socket has been quiet for a second, which closes the race
+        // between a catch-up and the subscription taking effect. Sequences a catch-up forwarded
+        // may then arrive on the socket too: they are skipped; any other sequence below the
+        // expected one means the engine restarted.
+        let mut replayed = catch_up(&cfg, &mut dealer, &mut f).await;
         loop {
             let msg = tokio::select! {
                 m = sub.recv() => m,
+                () = tokio::time::sleep(Duration::from_secs(1)) => {
+                    let r = catch_up(&cfg, &mut dealer, &mut f).await;
+                    if !r.is_empty() {
+                        replayed = replayed.start.min(r.start)..r.end;
+                    }
+                    continue;
+                }
                 _ = resubscribe.changed() => {
                     tracing::info!("engine came back; resubscribing");
                     continue 'connect;
@@ -366,7 +399,7 @@ async fn zmq_loop(
                 continue;
             };
             match f.expected {
-                Some(e) if seq < e && seq >= dup_floor => continue,
+                Some(e) if seq < e && replayed.contains(&seq) => continue,
                 Some(e) if seq == e => {}
                 Some(e) if seq > e => {
                     metrics.gaps.inc();
@@ -399,10 +432,16 @@ async fn zmq_loop(
 
 /// Replays everything from `from` on, in order (used on connect, when the newest sequence is
 /// not known yet).
-async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forwarder, from: u64) {
+/// Returns the sequences it forwarded.
+async fn catch_up(
+    cfg: &BridgeConfig,
+    dealer: &mut DealerSocket,
+    f: &mut Forwarder,
+) -> std::ops::Range<u64> {
+    let from = f.expected.unwrap_or(0);
     let got = replay(cfg, dealer, from, u64::MAX).await;
     let Some(first) = got.first().map(|(s, _)| *s) else {
-        return;
+        return 0..0;
     };
     if first > from {
         let lost = first - from;
@@ -424,10 +463,11 @@ async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forward
         f.send(Some(s), p);
         next = s + 1;
     }
-    if next > from {
+    if next > first {
         f.metrics.gaps.inc();
         tracing::info!(from, to = next, "caught up from replay");
     }
+    first..next
 }
 
 /// Asks the replay socket for `from..to`: the batches it has, sorted, without duplicates.

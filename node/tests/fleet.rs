@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, Proc, wait_for};
+use harness::{Cluster, Engine, NodeOptions, Proc, wait_for};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -68,7 +68,13 @@ async fn complete(url: &str, body: &serde_json::Value) -> reqwest::Response {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
-    let cluster = Cluster::start(1);
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            pool_models: vec!["sim-8b".into()],
+            ..Default::default()
+        },
+    );
     let root = cluster.root.path().to_owned();
     let engines: Vec<Engine> = (1..=3)
         .map(|i| {
@@ -87,7 +93,12 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--replicas".into(),
-            node.endpoint(),
+            // A dead replica first: the gateway fails over to the live one.
+            format!(
+                "http://127.0.0.1:{},{}",
+                harness::free_port(),
+                node.endpoint()
+            ),
         ],
         root.join("gateway.log"),
         "kvplane-gateway ready",
@@ -162,8 +173,20 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
         .send()
         .await
         .unwrap();
-    // The default pool serves every model: the request is routed, not refused.
-    assert!(r.status().is_success());
+    assert_eq!(r.status(), 404);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no pool serves model"),
+        "{err}"
+    );
+    let gm = harness::http_get(&format!("http://{}/metrics", gateway.field("http"))).await;
+    assert!(
+        harness::metric_value(&gm, "kvplane_gateway_replica_failovers_total") >= 1.0,
+        "{gm}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

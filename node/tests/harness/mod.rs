@@ -35,7 +35,7 @@ where
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -45,36 +45,67 @@ fn free_port() -> u16 {
 
 /// A JetStream-enabled nats-server with its own store directory.
 pub struct Nats {
-    child: Child,
+    child: Option<Child>,
     pub port: u16,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl Nats {
     pub fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let log = std::fs::File::create(dir.path().join("nats.log")).unwrap();
+        let mut n = Self {
+            child: None,
+            port,
+            dir,
+        };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("nats.log"))
+            .unwrap();
         let child = Command::new("nats-server")
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.path().join("store"))
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(self.dir.path().join("store"))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("nats-server must be installed (apt-get install -y nats-server)");
         let deadline = Instant::now() + Duration::from_secs(15);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "nats-server did not start on port {port}"
+                "nats-server did not start on port {}",
+                self.port
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self {
-            child,
-            port,
-            _dir: dir,
+        self.child = Some(child);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
+    }
+
+    /// Starts again on the same port with the same store.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
     }
 
     pub fn url(&self) -> String {
@@ -89,8 +120,7 @@ impl Nats {
 
 impl Drop for Nats {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
@@ -98,6 +128,8 @@ impl Drop for Nats {
 #[derive(Debug, Clone)]
 pub struct NodeOptions {
     pub pools: Vec<(String, u32)>,
+    /// Models every pool serves (empty: any model).
+    pub pool_models: Vec<String>,
     pub snapshot_every_entries: u64,
     pub max_message_bytes: usize,
     pub max_batch_messages: usize,
@@ -107,6 +139,7 @@ impl Default for NodeOptions {
     fn default() -> Self {
         Self {
             pools: vec![("default".into(), 16)],
+            pool_models: Vec::new(),
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
             max_batch_messages: 512,
@@ -134,9 +167,11 @@ impl Node {
             o.max_batch_messages,
             o.snapshot_every_entries,
         );
+        let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
         for (pool, bs) in &o.pools {
             toml.push_str(&format!(
-                "\n[[pools]]\nname = \"{pool}\"\nblock_size = {bs}\n"
+                "\n[[pools]]\nname = \"{pool}\"\nblock_size = {bs}\nmodels = [{}]\n",
+                models.join(", ")
             ));
         }
         let path = dir.join("kvplane.toml");
@@ -432,6 +467,11 @@ pub struct Engine {
 
 impl Engine {
     pub fn start(dir: &Path, nats_url: &str, worker: &str) -> Self {
+        Self::start_on(dir, nats_url, worker, [0, 0, 0])
+    }
+
+    /// On fixed ports `[http, zmq pub, zmq replay]` (0: any), so a restart keeps its address.
+    pub fn start_on(dir: &Path, nats_url: &str, worker: &str, ports: [u16; 3]) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let s = |v: &str| v.to_owned();
         let sim = Proc::start(
@@ -439,11 +479,11 @@ impl Engine {
                 s("sim"),
                 s("engine"),
                 s("--http-listen"),
-                s("127.0.0.1:0"),
+                format!("127.0.0.1:{}", ports[0]),
                 s("--zmq-pub"),
-                s("tcp://127.0.0.1:0"),
+                format!("tcp://127.0.0.1:{}", ports[1]),
                 s("--zmq-replay"),
-                s("tcp://127.0.0.1:0"),
+                format!("tcp://127.0.0.1:{}", ports[2]),
                 s("--speedup"),
                 s("10"),
             ],
