@@ -35,6 +35,14 @@ where
     }
 }
 
+/// SIGKILL and reap, if running.
+fn stop(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -96,10 +104,7 @@ impl Nats {
     }
 
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        stop(&mut self.child);
     }
 
     /// Starts again on the same port with the same store.
@@ -242,10 +247,7 @@ impl Node {
 
     /// SIGKILL: no shutdown work at all.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        stop(&mut self.child);
     }
 
     /// SIGTERM and wait for a clean exit.
@@ -421,10 +423,7 @@ impl Proc {
     }
 
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        stop(&mut self.child);
     }
 
     pub fn restart(&mut self) {
