@@ -112,3 +112,64 @@ impl SnapshotStore {
         Ok(StateMachine::new())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kvplane_state::{Command, Entry, POOL_KIND, PoolConfig, StateMachine};
+
+    use super::SnapshotStore;
+
+    fn state_at(index: u64) -> StateMachine {
+        let mut sm = StateMachine::new();
+        for i in 1..=index {
+            sm.apply(&Entry {
+                index: i,
+                timestamp_ms: 0,
+                command: Command::ConfigPut {
+                    kind: POOL_KIND.into(),
+                    name: format!("p{i}"),
+                    value: PoolConfig {
+                        block_size: 16,
+                        models: vec![],
+                    }
+                    .to_json(),
+                },
+            })
+            .unwrap();
+        }
+        sm
+    }
+
+    #[test]
+    fn a_damaged_newest_snapshot_falls_back_to_the_previous_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SnapshotStore::open(dir.path(), 2).unwrap();
+        store.save(&state_at(2)).unwrap();
+        store.save(&state_at(3)).unwrap();
+        let newest = dir
+            .path()
+            .join("snapshots")
+            .join(format!("state-{:020}.snap", 3));
+        let mut bytes = std::fs::read(&newest).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(&newest, bytes).unwrap();
+        let sm = store.load_latest().unwrap();
+        assert_eq!(sm.applied_index(), 2);
+        assert_eq!(sm.digest(), state_at(2).digest());
+    }
+
+    #[test]
+    fn only_the_newest_snapshots_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SnapshotStore::open(dir.path(), 2).unwrap();
+        for i in 1..=4 {
+            store.save(&state_at(i)).unwrap();
+        }
+        let files = std::fs::read_dir(dir.path().join("snapshots"))
+            .unwrap()
+            .count();
+        assert_eq!(files, 2);
+        assert_eq!(store.load_latest().unwrap().applied_index(), 4);
+    }
+}

@@ -384,3 +384,77 @@ fn serve_refuses_a_bad_config_and_lists_every_problem() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_shows_every_candidate_and_stale_reads_are_refused() {
+    let cluster = Cluster::start(1);
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let (last, prompts) = publish_fleet(&js).await;
+    let node = &cluster.nodes[0];
+    let s = node.wait_applied_seq(last).await;
+
+    let x = node
+        .router()
+        .await
+        .explain(RouteRequest {
+            token_ids: prompts.c.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(x.prompt_source, "token_ids");
+    assert_eq!(x.candidates.len(), 3);
+    let chosen: Vec<_> = x.candidates.iter().filter(|c| c.chosen).collect();
+    assert_eq!(chosen.len(), 1);
+    let c = chosen[0];
+    assert_eq!(c.endpoint.as_ref().unwrap().worker_id, "worker-c");
+    assert_eq!((c.overlap_blocks, c.uncached_blocks), (10, 0));
+    // The cost parts add up, and the winner has the lowest cost.
+    for k in &x.candidates {
+        assert!((k.cost - (20.0 + k.prefill_cost + k.load_cost)).abs() < 1e-6);
+        assert!(k.cost >= c.cost);
+    }
+    assert!(!x.steps.is_empty());
+
+    // Read-your-writes: a state older than asked for is refused, not silently served.
+    let err = node
+        .router()
+        .await
+        .route(RouteRequest {
+            token_ids: prompts.c.clone(),
+            min_applied_index: s.applied_index + 1_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        err.message().contains("needs at least"),
+        "{}",
+        err.message()
+    );
+
+    // The command line prints the same decision.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(["route", "--json", "--addr", &node.endpoint(), "--tokens"])
+        .arg(
+            prompts
+                .c
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["endpoint"]["worker_id"], "worker-c");
+    assert_eq!(v["matched_blocks"], 10);
+}
