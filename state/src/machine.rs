@@ -127,6 +127,14 @@ impl StateMachine {
         self.handle.clone()
     }
 
+    /// Publishes to an existing handle from now on (a state restored from a snapshot keeps
+    /// serving the readers of the state it replaces).
+    pub fn with_handle(mut self, handle: StateHandle) -> Self {
+        self.handle = handle;
+        self.publish();
+        self
+    }
+
     pub fn applied_index(&self) -> u64 {
         self.applied_index
     }

@@ -1,0 +1,29 @@
+//! kvplane's Raft log on openraft (pinned `=0.10.0-alpha.37`: async log appends that share one
+//! fsync, lease reads, and the gRPC example the network follows).
+//!
+//! - [`TypeConfig`]: node ids are `u64` and never reused; a log payload is a [`Proposal`]: the
+//!   leader's clock and one state command.
+//! - [`LogStore`]: the log and the vote in one redb file. An append is acknowledged only after
+//!   its write transaction committed with `Durability::Immediate` (fsync); the vote is durable
+//!   before `save_vote` returns; purge and truncate are transactions too.
+//! - [`ReplicatedState`]: the `state/` machine behind openraft's `RaftStateMachine`; snapshots
+//!   are `StateMachine::snapshot` bytes.
+//!
+//! Network, membership and the node wiring are the rest of the Raft issue.
+
+mod log_store;
+mod proposal;
+mod state_machine;
+
+pub use log_store::{LogStore, LogStoreError};
+pub use proposal::{ApplyResult, Proposal};
+pub use state_machine::ReplicatedState;
+
+openraft::declare_raft_types!(
+    /// kvplane's Raft types.
+    pub TypeConfig:
+        D = Proposal,
+        R = ApplyResult,
+        NodeId = u64,
+        Node = openraft::BasicNode,
+);

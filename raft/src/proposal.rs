@@ -1,0 +1,40 @@
+//! What a Raft entry carries for kvplane.
+
+use std::fmt;
+
+use kvplane_state::Command;
+use serde::{Deserialize, Serialize};
+
+/// One state command, stamped with the proposing leader's clock (the only time the state
+/// machine ever sees).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Proposal {
+    pub timestamp_ms: u64,
+    pub command: Command,
+}
+
+impl fmt::Display for Proposal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.command {
+            Command::Noop => "noop".to_owned(),
+            Command::Ingest(b) => format!(
+                "ingest seq {}..={} ({} items)",
+                b.first_seq,
+                b.last_seq,
+                b.items.len()
+            ),
+            Command::ConfigPut { kind, name, .. } => format!("config put {kind}/{name}"),
+            Command::ConfigDelete { kind, name } => format!("config delete {kind}/{name}"),
+        };
+        write!(f, "{kind} at {} ms", self.timestamp_ms)
+    }
+}
+
+/// What applying one entry did, returned to the proposer.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ApplyResult {
+    /// The log index the entry was applied at.
+    pub index: u64,
+    /// A refused configuration command, with the reason.
+    pub rejected: Option<String>,
+}

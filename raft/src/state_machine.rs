@@ -1,0 +1,158 @@
+//! The `state/` machine behind openraft's `RaftStateMachine`.
+//!
+//! Blank entries (a new leader's first) and membership entries move the applied log id without
+//! touching the state; normal entries apply their [`Proposal`] at the entry's log index.
+//! A snapshot is `StateMachine::snapshot` bytes plus openraft's metadata; installing one
+//! restores the state (the restore checks the digest the snapshot recorded).
+
+use std::io;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use kvplane_state::{Entry, StateHandle, StateMachine};
+use openraft::alias::{LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf};
+use openraft::storage::{EntryResponder, RaftStateMachine};
+use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
+use tokio::sync::Mutex;
+
+use crate::{ApplyResult, TypeConfig};
+
+struct Inner {
+    sm: StateMachine,
+    last_applied: Option<LogIdOf<TypeConfig>>,
+    membership: StoredMembershipOf<TypeConfig>,
+    current: Option<(SnapshotMetaOf<TypeConfig>, Vec<u8>)>,
+}
+
+/// The replicated state of one node. Cheap to clone (clones share it).
+#[derive(Clone)]
+pub struct ReplicatedState {
+    inner: Arc<Mutex<Inner>>,
+    handle: StateHandle,
+}
+
+impl std::fmt::Debug for ReplicatedState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicatedState").finish_non_exhaustive()
+    }
+}
+
+impl ReplicatedState {
+    pub fn new(sm: StateMachine) -> Self {
+        let handle = sm.handle();
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                sm,
+                last_applied: None,
+                membership: StoredMembershipOf::<TypeConfig>::default(),
+                current: None,
+            })),
+            handle,
+        }
+    }
+
+    /// Readers' view of the state; it follows every applied entry and every installed snapshot.
+    pub fn handle(&self) -> StateHandle {
+        self.handle.clone()
+    }
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
+    type SnapshotData = Vec<u8>;
+
+    async fn build_snapshot(&mut self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
+        let mut inner = self.inner.lock().await;
+        let data = inner.sm.snapshot();
+        let meta = SnapshotMetaOf::<TypeConfig> {
+            last_log_id: inner.last_applied,
+            last_membership: inner.membership.clone(),
+        };
+        inner.current = Some((meta.clone(), data.clone()));
+        Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
+            meta,
+            snapshot: data,
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for ReplicatedState {
+    type SnapshotData = Vec<u8>;
+    type SnapshotBuilder = Self;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<(Option<LogIdOf<TypeConfig>>, StoredMembershipOf<TypeConfig>), io::Error> {
+        let inner = self.inner.lock().await;
+        Ok((inner.last_applied, inner.membership.clone()))
+    }
+
+    async fn apply<Strm>(&mut self, mut entries: Strm) -> Result<(), io::Error>
+    where
+        Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
+    {
+        let mut inner = self.inner.lock().await;
+        while let Some(item) = entries.next().await {
+            let (entry, responder) = item?;
+            let log_id = entry.log_id;
+            let mut result = ApplyResult {
+                index: log_id.index,
+                rejected: None,
+            };
+            match entry.payload {
+                EntryPayload::Blank => {}
+                EntryPayload::Normal(p) => {
+                    let applied = inner
+                        .sm
+                        .apply(&Entry {
+                            index: log_id.index,
+                            timestamp_ms: p.timestamp_ms,
+                            command: p.command,
+                        })
+                        .map_err(|e| io::Error::other(e.to_string()))?;
+                    result.rejected = applied.rejected.map(|e| e.to_string());
+                }
+                EntryPayload::Membership(m) => {
+                    inner.membership = StoredMembershipOf::<TypeConfig>::new(Some(log_id), m);
+                }
+            }
+            inner.last_applied = Some(log_id);
+            if let Some(r) = responder {
+                r.send(result);
+            }
+        }
+        Ok(())
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMetaOf<TypeConfig>,
+        snapshot: Vec<u8>,
+    ) -> Result<(), io::Error> {
+        let restored = StateMachine::restore(&snapshot)
+            .map_err(|e| io::Error::other(e.to_string()))?
+            .with_handle(self.handle.clone());
+        let mut inner = self.inner.lock().await;
+        inner.sm = restored;
+        inner.last_applied = meta.last_log_id;
+        inner.membership = meta.last_membership.clone();
+        inner.current = Some((meta.clone(), snapshot));
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<SnapshotOf<TypeConfig, Vec<u8>>>, io::Error> {
+        let inner = self.inner.lock().await;
+        Ok(inner
+            .current
+            .as_ref()
+            .map(|(meta, data)| SnapshotOf::<TypeConfig, Vec<u8>> {
+                meta: meta.clone(),
+                snapshot: data.clone(),
+            }))
+    }
+}
