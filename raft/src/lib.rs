@@ -9,13 +9,18 @@
 //! - [`ReplicatedState`]: the `state/` machine behind openraft's `RaftStateMachine`; snapshots
 //!   are `StateMachine::snapshot` bytes.
 //!
-//! Network, membership and the node wiring are the rest of the Raft issue.
+//! - [`Network`] / [`RaftGrpc`]: Raft RPCs over tonic (`kvplane.v1.Raft`), one long-lived lazily
+//!   connecting channel per peer, a timeout on every call, snapshots streamed in chunks.
+//!
+//! Membership commands and the node wiring are the rest of the Raft issue.
 
 mod log_store;
+mod network;
 mod proposal;
 mod state_machine;
 
 pub use log_store::{LogStore, LogStoreError};
+pub use network::{Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
 pub use state_machine::ReplicatedState;
 
@@ -27,3 +32,6 @@ openraft::declare_raft_types!(
         NodeId = u64,
         Node = openraft::BasicNode,
 );
+
+/// The Raft instance type of a kvplane node.
+pub type KvRaft = openraft::Raft<TypeConfig, ReplicatedState>;

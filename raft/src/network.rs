@@ -1,0 +1,271 @@
+//! Raft RPCs over tonic. Requests and responses are openraft's own types in MessagePack inside
+//! `kvplane.v1.Raft` messages.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvplane_proto::v1::raft_client::RaftClient;
+use kvplane_proto::v1::raft_server;
+use kvplane_proto::v1::{RaftPayload, SnapshotChunk};
+use openraft::BasicNode;
+use openraft::alias::{SnapshotMetaOf, SnapshotOf, VoteOf};
+use openraft::errors::{
+    Fatal, NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
+};
+use openraft::network::{RPCOption, RaftNetworkFactory, RaftNetworkV2};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use crate::{KvRaft, TypeConfig};
+
+const SNAPSHOT_CHUNK: usize = 1 << 20;
+
+fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    rmp_serde::to_vec_named(v).unwrap_or_default()
+}
+
+fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
+    rmp_serde::from_slice(b).map_err(|e| e.to_string())
+}
+
+/// Creates one connection per peer; channels are kept and reused.
+#[derive(Debug, Clone, Default)]
+pub struct Network {
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+impl Network {
+    fn channel(&self, addr: &str) -> Result<Channel, String> {
+        let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = map.get(addr) {
+            return Ok(c.clone());
+        }
+        let url = if addr.starts_with("http") {
+            addr.to_owned()
+        } else {
+            format!("http://{addr}")
+        };
+        let ch = Endpoint::from_shared(url)
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        map.insert(addr.to_owned(), ch.clone());
+        Ok(ch)
+    }
+}
+
+/// A connection to one peer.
+#[derive(Debug)]
+pub struct Connection {
+    target: u64,
+    client: Result<RaftClient<Channel>, String>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = Connection;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Connection {
+        Connection {
+            target,
+            client: self.channel(&node.addr).map(RaftClient::new),
+        }
+    }
+}
+
+fn status_error<E: std::error::Error>(s: &Status) -> RPCError<TypeConfig, E> {
+    match s.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown => {
+            RPCError::Unreachable(Unreachable::from_string(s.message()))
+        }
+        _ => RPCError::Network(NetworkError::from_string(format!(
+            "{}: {}",
+            s.code(),
+            s.message()
+        ))),
+    }
+}
+
+impl Connection {
+    fn client(&self) -> Result<RaftClient<Channel>, Unreachable<TypeConfig>> {
+        self.client.clone().map_err(Unreachable::from_string)
+    }
+
+    async fn call<Req, Resp, F, Fut>(
+        &self,
+        req: &Req,
+        option: &RPCOption,
+        f: F,
+    ) -> Result<Resp, RPCError<TypeConfig>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        F: FnOnce(RaftClient<Channel>, Request<RaftPayload>) -> Fut,
+        Fut: Future<Output = Result<Response<RaftPayload>, Status>>,
+    {
+        let client = self.client()?;
+        let mut request = Request::new(RaftPayload { data: encode(req) });
+        request.set_timeout(option.soft_ttl());
+        let reply = tokio::time::timeout(option.hard_ttl(), f(client, request))
+            .await
+            .map_err(|_| RPCError::Network(NetworkError::from_string("raft rpc timed out")))?
+            .map_err(|s| status_error(&s))?
+            .into_inner();
+        let result: Result<Resp, RaftError<TypeConfig>> =
+            decode(&reply.data).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
+        // The peer's Raft is shutting down or failed: to this node it is unreachable.
+        result.map_err(|e| {
+            RPCError::Unreachable(Unreachable::from_string(format!(
+                "peer {}: {e}",
+                self.target
+            )))
+        })
+    }
+}
+
+impl RaftNetworkV2<TypeConfig> for Connection {
+    type SnapshotData = Vec<u8>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call(&rpc, &option, |mut c, r| async move {
+            c.append_entries(r).await
+        })
+        .await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call(&rpc, &option, |mut c, r| async move { c.vote(r).await })
+            .await
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: VoteOf<TypeConfig>,
+        snapshot: SnapshotOf<TypeConfig, Vec<u8>>,
+        cancel: impl Future<Output = ReplicationClosed> + Send + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
+        let mut client = self.client()?;
+        let header = encode(&(vote, snapshot.meta));
+        let data = snapshot.snapshot;
+        let mut chunks: Vec<SnapshotChunk> = data
+            .chunks(SNAPSHOT_CHUNK)
+            .map(|c| SnapshotChunk {
+                header: Vec::new(),
+                data: c.to_vec(),
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(SnapshotChunk::default());
+        }
+        chunks[0].header = header;
+        let send = client.install_snapshot(tokio_stream::iter(chunks));
+        let reply = tokio::select! {
+            r = tokio::time::timeout(option.hard_ttl().max(Duration::from_secs(30)), send) => r,
+            closed = cancel => return Err(StreamingError::Closed(closed)),
+        };
+        let reply = reply
+            .map_err(|_| {
+                StreamingError::Network(NetworkError::from_string("snapshot transfer timed out"))
+            })?
+            .map_err(|s| StreamingError::Network(NetworkError::from_string(s.message())))?
+            .into_inner();
+        let result: Result<SnapshotResponse<TypeConfig>, Fatal<TypeConfig>> =
+            decode(&reply.data)
+                .map_err(|e| StreamingError::Network(NetworkError::from_string(e)))?;
+        result.map_err(|e| StreamingError::Network(NetworkError::from_string(e.to_string())))
+    }
+}
+
+/// The server side: hands Raft RPCs to the local Raft instance.
+#[derive(Clone)]
+pub struct RaftGrpc {
+    raft: KvRaft,
+}
+
+impl RaftGrpc {
+    pub fn new(raft: KvRaft) -> Self {
+        Self { raft }
+    }
+
+    pub fn into_service(self) -> raft_server::RaftServer<Self> {
+        raft_server::RaftServer::new(self).max_decoding_message_size(64 << 20)
+    }
+}
+
+fn bad_request(e: String) -> Status {
+    Status::invalid_argument(format!("undecodable raft message: {e}"))
+}
+
+#[tonic::async_trait]
+impl raft_server::Raft for RaftGrpc {
+    async fn append_entries(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
+        let rpc: AppendEntriesRequest<TypeConfig> =
+            decode(&request.into_inner().data).map_err(bad_request)?;
+        let result = self.raft.append_entries(rpc).await;
+        Ok(Response::new(RaftPayload {
+            data: encode(&result),
+        }))
+    }
+
+    async fn vote(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+        let rpc: VoteRequest<TypeConfig> =
+            decode(&request.into_inner().data).map_err(bad_request)?;
+        let result = self.raft.vote(rpc).await;
+        Ok(Response::new(RaftPayload {
+            data: encode(&result),
+        }))
+    }
+
+    async fn install_snapshot(
+        &self,
+        request: Request<tonic::Streaming<SnapshotChunk>>,
+    ) -> Result<Response<RaftPayload>, Status> {
+        let mut stream = request.into_inner();
+        let mut header = None;
+        let mut data = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk?;
+            if header.is_none() {
+                let h: (VoteOf<TypeConfig>, SnapshotMetaOf<TypeConfig>) =
+                    decode(&chunk.header).map_err(bad_request)?;
+                header = Some(h);
+            }
+            data.extend_from_slice(&chunk.data);
+        }
+        let (vote, meta) =
+            header.ok_or_else(|| Status::invalid_argument("empty snapshot stream"))?;
+        let result = self
+            .raft
+            .install_full_snapshot(
+                vote,
+                SnapshotOf::<TypeConfig, Vec<u8>> {
+                    meta,
+                    snapshot: data,
+                },
+            )
+            .await;
+        Ok(Response::new(RaftPayload {
+            data: encode(&result),
+        }))
+    }
+}
