@@ -3,9 +3,13 @@
 //! Blank entries (a new leader's first) and membership entries move the applied log id without
 //! touching the state; normal entries apply their [`Proposal`] at the entry's log index.
 //! A snapshot is `StateMachine::snapshot` bytes plus openraft's metadata; installing one
-//! restores the state (the restore checks the digest the snapshot recorded).
+//! restores the state (the restore checks the digest the snapshot recorded). The current
+//! snapshot is kept in `DIR/snapshot.bin` (written to a temporary file, fsynced, renamed, the
+//! directory fsynced), so a node that restarts after its log was compacted starts from it and
+//! replays only the log after it.
 
-use std::io;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
@@ -18,6 +22,7 @@ use tokio::sync::Mutex;
 use crate::{ApplyResult, TypeConfig};
 
 struct Inner {
+    dir: Option<PathBuf>,
     sm: StateMachine,
     last_applied: Option<LogIdOf<TypeConfig>>,
     membership: StoredMembershipOf<TypeConfig>,
@@ -37,15 +42,62 @@ impl std::fmt::Debug for ReplicatedState {
     }
 }
 
+const SNAPSHOT_FILE: &str = "snapshot.bin";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SnapshotFile {
+    meta: SnapshotMetaOf<TypeConfig>,
+    data: Vec<u8>,
+}
+
+fn write_durably(dir: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = dir.join(format!("{SNAPSHOT_FILE}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, dir.join(SNAPSHOT_FILE))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+type Current = Option<(SnapshotMetaOf<TypeConfig>, Vec<u8>)>;
+
 impl ReplicatedState {
+    /// A state that lives only in memory (tests, tools).
     pub fn new(sm: StateMachine) -> Self {
+        Self::with(None, sm, None)
+    }
+
+    /// The state of a node whose snapshots live in `dir`: starts from the snapshot there, if any.
+    pub fn open(dir: &Path) -> io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let (sm, current) = match std::fs::read(dir.join(SNAPSHOT_FILE)) {
+            Ok(bytes) => {
+                let file: SnapshotFile = rmp_serde::from_slice(&bytes).map_err(io::Error::other)?;
+                let sm = StateMachine::restore(&file.data)
+                    .map_err(|e| io::Error::other(e.to_string()))?;
+                (sm, Some((file.meta, file.data)))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => (StateMachine::new(), None),
+            Err(e) => return Err(e),
+        };
+        Ok(Self::with(Some(dir.to_owned()), sm, current))
+    }
+
+    fn with(dir: Option<PathBuf>, sm: StateMachine, current: Current) -> Self {
         let handle = sm.handle();
+        let (last_applied, membership) = match &current {
+            Some((meta, _)) => (meta.last_log_id, meta.last_membership.clone()),
+            None => (None, StoredMembershipOf::<TypeConfig>::default()),
+        };
         Self {
             inner: Arc::new(Mutex::new(Inner {
+                dir,
                 sm,
-                last_applied: None,
-                membership: StoredMembershipOf::<TypeConfig>::default(),
-                current: None,
+                last_applied,
+                membership,
+                current,
             })),
             handle,
         }
@@ -54,6 +106,21 @@ impl ReplicatedState {
     /// Readers' view of the state; it follows every applied entry and every installed snapshot.
     pub fn handle(&self) -> StateHandle {
         self.handle.clone()
+    }
+}
+
+impl Inner {
+    /// Makes `(meta, data)` the current snapshot, on disk first when there is a directory.
+    fn keep(&mut self, meta: SnapshotMetaOf<TypeConfig>, data: Vec<u8>) -> io::Result<()> {
+        if let Some(dir) = &self.dir {
+            let file = SnapshotFile { meta, data };
+            let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
+            write_durably(dir, &bytes)?;
+            self.current = Some((file.meta, file.data));
+        } else {
+            self.current = Some((meta, data));
+        }
+        Ok(())
     }
 }
 
@@ -67,7 +134,7 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
             last_log_id: inner.last_applied,
             last_membership: inner.membership.clone(),
         };
-        inner.current = Some((meta.clone(), data.clone()));
+        inner.keep(meta.clone(), data.clone())?;
         Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
             meta,
             snapshot: data,
@@ -139,7 +206,7 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
         inner.sm = restored;
         inner.last_applied = meta.last_log_id;
         inner.membership = meta.last_membership.clone();
-        inner.current = Some((meta.clone(), snapshot));
+        inner.keep(meta.clone(), snapshot)?;
         Ok(())
     }
 
