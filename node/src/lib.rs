@@ -7,6 +7,7 @@ pub mod config;
 pub mod demo;
 mod gateway_cmd;
 pub mod local_log;
+mod raft_log;
 mod route_cmd;
 pub mod serve;
 mod sim_cmd;

@@ -27,7 +27,10 @@ use tokio::sync::watch;
 
 use crate::config::Config;
 use crate::local_log::{LocalLog, SnapshotPolicy};
+use crate::raft_log::{RaftLog, RaftMember};
 use crate::snapshot_store::SnapshotStore;
+use kvplane_raft::RaftGrpc;
+use kvplane_state::ProposeError;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -65,6 +68,15 @@ impl StateMetrics {
             "Items the state machine dropped, by reason",
             self.dropped.clone(),
         );
+    }
+
+    /// Gauges only (a Raft replica applies entries inside Raft).
+    fn observe_view(&self, handle: &StateHandle) {
+        let view = handle.load();
+        self.applied_index
+            .set(i64::try_from(view.applied_index).unwrap_or(i64::MAX));
+        self.indexed_blocks
+            .set(i64::try_from(view.indexed_blocks).unwrap_or(i64::MAX));
     }
 
     fn observe(&self, a: &Applied, handle: &StateHandle) {
@@ -115,12 +127,6 @@ pub async fn run(
         grpc: grpc.local_addr()?,
         http: http.local_addr()?,
     };
-    let store = SnapshotStore::open(&cfg.data_dir, cfg.snapshot.keep)?;
-    let sm = {
-        let store = store.clone();
-        tokio::task::spawn_blocking(move || store.load_latest()).await??
-    };
-
     let mut registry = Registry::default();
     let ingest_metrics = Arc::new(IngestMetrics::default());
     ingest_metrics.register(&mut registry);
@@ -129,32 +135,60 @@ pub async fn run(
     let state_metrics = Arc::new(StateMetrics::default());
     state_metrics.register(&mut registry);
     let registry = Arc::new(registry);
-
-    let handle_slot: Arc<std::sync::OnceLock<StateHandle>> = Arc::default();
-    let on_applied = {
-        let m = state_metrics.clone();
-        let slot = handle_slot.clone();
-        Arc::new(move |a: &Applied| {
-            if let Some(h) = slot.get() {
-                m.observe(a, h);
-            }
-        })
-    };
-    let (log, handle, applier) = LocalLog::start(
-        sm,
-        store,
-        SnapshotPolicy {
-            every_entries: cfg.snapshot.every_entries,
-            every: Duration::from_secs(cfg.snapshot.every_secs),
-        },
-        on_applied,
-    );
-    let _ = handle_slot.set(handle.clone());
-    reconcile_pools(&cfg, &log, &handle).await?;
-
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    // Ingest.
+    // The log: in-process for a standalone node, Raft for a cluster member.
+    let (log, handle, applier, member) = match &cfg.raft {
+        None => {
+            let store = SnapshotStore::open(&cfg.data_dir, cfg.snapshot.keep)?;
+            let sm = {
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || store.load_latest()).await??
+            };
+            let handle_slot: Arc<std::sync::OnceLock<StateHandle>> = Arc::default();
+            let on_applied = {
+                let m = state_metrics.clone();
+                let slot = handle_slot.clone();
+                Arc::new(move |a: &Applied| {
+                    if let Some(h) = slot.get() {
+                        m.observe(a, h);
+                    }
+                })
+            };
+            let (log, handle, applier) = LocalLog::start(
+                sm,
+                store,
+                SnapshotPolicy {
+                    every_entries: cfg.snapshot.every_entries,
+                    every: Duration::from_secs(cfg.snapshot.every_secs),
+                },
+                on_applied,
+            );
+            let _ = handle_slot.set(handle.clone());
+            reconcile_pools(&cfg, &log, &handle).await?;
+            (Log::Local(log), handle, Some(applier), None)
+        }
+        Some(r) => {
+            let member = Arc::new(RaftMember::start(&cfg, r).await?);
+            let handle = member.handle.clone();
+            (Log::Raft(member.log.clone()), handle, None, Some(member))
+        }
+    };
+    if member.is_some() {
+        // Replicas apply inside Raft: refresh the state gauges from the view.
+        let (m, h, mut rx) = (state_metrics.clone(), handle.clone(), stop_rx.clone());
+        tokio::spawn(async move {
+            loop {
+                m.observe_view(&h);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = rx.changed() => return,
+                }
+            }
+        });
+    }
+
+    // Ingest: always on a standalone node; only while leading on a cluster member.
     let ingest_task = {
         let nats = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
@@ -163,31 +197,40 @@ pub async fn run(
             .await
             .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
         let js = async_nats::jetstream::new(nats);
-        let ingestor = Ingestor::new(
-            js,
-            IngestConfig {
-                stream: cfg.ingest.stream.clone(),
-                max_batch_messages: cfg.ingest.max_batch_messages,
-                max_batch_delay: Duration::from_millis(cfg.ingest.max_batch_delay_ms),
-                max_message_bytes: cfg.ingest.max_message_bytes,
-            },
-            log.clone(),
+        let icfg = IngestConfig {
+            stream: cfg.ingest.stream.clone(),
+            max_batch_messages: cfg.ingest.max_batch_messages,
+            max_batch_delay: Duration::from_millis(cfg.ingest.max_batch_delay_ms),
+            max_message_bytes: cfg.ingest.max_message_bytes,
+        };
+        let (h, rx, m, log) = (
+            handle.clone(),
+            stop_rx.clone(),
             ingest_metrics.clone(),
+            log.clone(),
         );
-        let h = handle.clone();
-        let rx = stop_rx.clone();
-        tokio::spawn(async move {
-            if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
-                tracing::error!(error = %e, "ingest stopped");
+        match member.clone() {
+            None => tokio::spawn(async move {
+                let ingestor = Ingestor::new(js, icfg, log, m);
+                if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
+                    tracing::error!(error = %e, "ingest stopped");
+                }
+            }),
+            Some(member) => {
+                let cfg = cfg.clone();
+                tokio::spawn(lead_ingest(member, cfg, js, icfg, log, m, h, rx))
             }
-        })
+        }
     };
 
     // gRPC.
     let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone());
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
-        role: Arc::new(|| "standalone".to_owned()),
+        role: match member.clone() {
+            None => Arc::new(|| "standalone".to_owned()),
+            Some(m) => Arc::new(move || m.role()),
+        },
         ingest: {
             let m = ingest_metrics.clone();
             Arc::new(move || IngestStatus {
@@ -212,6 +255,11 @@ pub async fn run(
                 .add_service(AdminServer::new(admin))
                 .add_service(health_service)
                 .add_service(reflection)
+                .add_optional_service(
+                    member
+                        .as_ref()
+                        .map(|m| RaftGrpc::new(m.raft.clone()).into_service()),
+                )
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(grpc),
                     async move {
@@ -251,13 +299,83 @@ pub async fn run(
     }
     let _ = http_task.await;
     drop(log);
-    tokio::task::spawn_blocking(move || applier.join()).await?;
+    if let Some(applier) = applier {
+        tokio::task::spawn_blocking(move || applier.join()).await?;
+    }
+    if let Some(m) = member
+        && let Err(e) = m.raft.shutdown().await
+    {
+        tracing::warn!(error = %e, "raft did not shut down cleanly");
+    }
     tracing::info!("stopped");
     Ok(())
 }
 
+/// The log this node proposes to.
+#[derive(Debug, Clone)]
+enum Log {
+    Local(LocalLog),
+    Raft(RaftLog),
+}
+
+impl Proposer for Log {
+    async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
+        match self {
+            Self::Local(l) => l.propose(command).await,
+            Self::Raft(r) => r.propose(command).await,
+        }
+    }
+}
+
+/// While this node leads: declare the configured pools, then consume the stream from the
+/// recorded position. Stops consuming as soon as leadership is lost; the next leader resumes
+/// from the position in the replicated state, and replayed messages are dropped by `apply`.
+#[allow(clippy::too_many_arguments)]
+async fn lead_ingest(
+    member: Arc<RaftMember>,
+    cfg: Config,
+    js: async_nats::jetstream::Context,
+    icfg: IngestConfig,
+    log: Log,
+    metrics: Arc<IngestMetrics>,
+    handle: StateHandle,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        if !member.wait_leadership(&mut stop).await {
+            return;
+        }
+        tracing::info!(
+            applied = handle.load().applied_index,
+            "leading: starting ingest"
+        );
+        if let Err(e) = reconcile_pools(&cfg, &log, &handle).await {
+            tracing::warn!(error = %e, "could not declare the configured pools");
+        }
+        let (term_tx, term_rx) = watch::channel(false);
+        let ingestor = Ingestor::new(js.clone(), icfg.clone(), log.clone(), metrics.clone());
+        let h = handle.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = ingestor
+                .run(move || h.load().last_stream_seq, term_rx)
+                .await
+            {
+                tracing::info!(error = %e, "ingest stopped");
+            }
+        });
+        member.wait_lost_leadership(&mut stop).await;
+        let _ = term_tx.send(true);
+        let _ = task.await;
+        tracing::info!("not leading: ingest stopped");
+    }
+}
+
 /// Makes the pools in the state match the configuration.
-async fn reconcile_pools(cfg: &Config, log: &LocalLog, handle: &StateHandle) -> anyhow::Result<()> {
+async fn reconcile_pools(
+    cfg: &Config,
+    log: &impl Proposer,
+    handle: &StateHandle,
+) -> anyhow::Result<()> {
     let view = handle.load();
     for p in &cfg.pools {
         let want = PoolConfig {

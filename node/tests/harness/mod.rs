@@ -138,12 +138,18 @@ pub struct NodeOptions {
     pub snapshot_every_entries: u64,
     pub max_message_bytes: usize,
     pub max_batch_messages: usize,
+    /// The gRPC address (Raft members need a fixed one).
+    pub grpc_listen: String,
+    /// `[raft]` section: (this node's id, all members as (id, addr), bootstrap).
+    pub raft: Option<(u64, Vec<(u64, String)>, bool)>,
 }
 
 impl Default for NodeOptions {
     fn default() -> Self {
         Self {
             pools: vec![("default".into(), 16)],
+            grpc_listen: "127.0.0.1:0".into(),
+            raft: None,
             pool_models: Vec::new(),
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
@@ -166,12 +172,23 @@ pub struct Node {
 impl Node {
     fn write_config(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> PathBuf {
         let mut toml = format!(
-            "node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"127.0.0.1:0\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
+            "node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
             dir.join("data").display(),
+            o.grpc_listen,
             o.max_message_bytes,
             o.max_batch_messages,
             o.snapshot_every_entries,
         );
+        if let Some((id, peers, bootstrap)) = &o.raft {
+            toml.push_str(&format!(
+                "\n[raft]\nid = {id}\nbootstrap = {bootstrap}\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\n",
+                peers
+                    .iter()
+                    .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
         let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
         for (pool, bs) in &o.pools {
             toml.push_str(&format!(
@@ -336,6 +353,41 @@ impl Cluster {
             })
             .collect();
         Self { nats, nodes, root }
+    }
+
+    /// NATS plus an `n`-node Raft cluster (node 0 bootstraps it), each node on a fixed port.
+    pub fn start_raft(n: usize, o: &NodeOptions) -> Self {
+        let nats = Nats::start();
+        let root = tempfile::tempdir().unwrap();
+        let peers: Vec<(u64, String)> = (0..n)
+            .map(|i| (i as u64 + 1, format!("127.0.0.1:{}", free_port())))
+            .collect();
+        let nodes = (0..n)
+            .map(|i| {
+                let name = format!("kvplane-{i}");
+                let mine = NodeOptions {
+                    grpc_listen: peers[i].1.clone(),
+                    raft: Some((peers[i].0, peers.clone(), i == 0)),
+                    ..o.clone()
+                };
+                Node::start(&name, &root.path().join(&name), &nats.url(), &mine)
+            })
+            .collect();
+        Self { nats, nodes, root }
+    }
+
+    /// The index of the node that reports itself leader, if exactly one does.
+    pub async fn leader(&self, among: &[usize]) -> Option<usize> {
+        let mut leaders = Vec::new();
+        for &i in among {
+            if let Ok(mut c) = AdminClient::connect(self.nodes[i].endpoint()).await
+                && let Ok(s) = c.status(StatusRequest {}).await
+                && s.into_inner().role == "leader"
+            {
+                leaders.push(i);
+            }
+        }
+        (leaders.len() == 1).then(|| leaders[0])
     }
 
     /// Starts one more node on the same NATS, with its own empty directory.

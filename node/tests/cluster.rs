@@ -1,0 +1,186 @@
+//! A three-node Raft cluster of real `kvplane serve` processes: KV events flow in once through
+//! NATS, every replica holds the same state and answers Route, and killing the leader in the
+//! middle of ingest neither loses nor repeats an event.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use harness::{Cluster, NodeOptions, publish, wait_for};
+use kvplane_ingest::vllm::encode_batch;
+use kvplane_ingest::{ensure_stream, kv_subject, worker_subject};
+use kvplane_proto::v1::{RouteRequest, route_response::Decision};
+use kvplane_state::{KvBatch, KvEvent, Tier};
+
+fn chain(tokens: &[u32], salt: u64) -> Vec<u8> {
+    let n = tokens.len() / 16;
+    encode_batch(
+        0.0,
+        &KvBatch {
+            dp_rank: 0,
+            events: vec![KvEvent::Stored {
+                block_hashes: (0..n as u64).map(|i| salt * 1_000 + i).collect(),
+                parent_hash: None,
+                token_ids: tokens[..n * 16].to_vec(),
+                block_size: 16,
+                lora_name: None,
+                tier: Tier::Gpu,
+            }],
+        },
+    )
+}
+
+fn prompt(i: u64) -> Vec<u32> {
+    (0..48).map(|t| (i * 1_000 + t) as u32).collect()
+}
+
+async fn routed_worker(
+    node: &harness::Node,
+    tokens: &[u32],
+) -> Result<(String, u32), tonic::Status> {
+    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let r = c
+        .route(RouteRequest {
+            token_ids: tokens.to_vec(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    match r.decision {
+        Some(Decision::Endpoint(e)) => Ok((e.worker_id, r.matched_blocks)),
+        other => Err(tonic::Status::internal(format!("{other:?}"))),
+    }
+}
+
+async fn all_agree(cluster: &Cluster, among: &[usize], last: u64) -> String {
+    wait_for(
+        "every replica to apply the stream and agree",
+        Duration::from_secs(30),
+        || async {
+            let mut digests = Vec::new();
+            for &i in among {
+                let s = cluster.nodes[i].status().await;
+                if s.ingest.as_ref().map_or(0, |g| g.applied_stream_sequence) < last {
+                    return None;
+                }
+                digests.push((s.state_digest, s.indexed_blocks));
+            }
+            digests
+                .windows(2)
+                .all(|w| w[0] == w[1])
+                .then(|| digests[0].0.clone())
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_ingest_once_agree_and_each_answer_route() {
+    let cluster = Cluster::start_raft(3, &NodeOptions::default());
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    let mut last = 0;
+    for w in 0..3u64 {
+        last = publish(
+            &js,
+            worker_subject("default", &format!("w{w}")),
+            br#"{"status":"up","address":"http://e"}"#.to_vec(),
+        )
+        .await;
+    }
+    for i in 0..30u64 {
+        last = publish(
+            &js,
+            kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    all_agree(&cluster, &[0, 1, 2], last).await;
+    for node in &cluster.nodes {
+        for i in [0u64, 7, 29] {
+            let (w, matched) = routed_worker(node, &prompt(i)).await.unwrap();
+            assert_eq!((w, matched), (format!("w{}", i % 3), 3));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
+    let o = NodeOptions {
+        max_batch_messages: 5,
+        ..Default::default()
+    };
+    let mut cluster = Cluster::start_raft(3, &o);
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    let mut last = publish(
+        &js,
+        worker_subject("default", "w0"),
+        br#"{"status":"up"}"#.to_vec(),
+    )
+    .await;
+    let mut n = 0u64;
+    let mut failovers = Vec::new();
+    for _round in 0..3 {
+        let leader = wait_for("a leader", Duration::from_secs(20), || {
+            cluster.leader(&[0, 1, 2])
+        })
+        .await;
+        for _ in 0..40 {
+            n += 1;
+            last = publish(
+                &js,
+                kv_subject("default", &format!("w{}", n % 3)),
+                chain(&prompt(n), n),
+            )
+            .await;
+        }
+        // Kill the leader while it is still consuming what was just published.
+        cluster.nodes[leader].kill();
+        let killed_at = Instant::now();
+        let rest: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+        let mut failed_routes = 0;
+        let new_leader = loop {
+            for &i in &rest {
+                if routed_worker(&cluster.nodes[i], &prompt(1)).await.is_err() {
+                    failed_routes += 1;
+                }
+            }
+            if let Some(l) = cluster.leader(&rest).await {
+                break l;
+            }
+            assert!(
+                killed_at.elapsed() < Duration::from_secs(20),
+                "no new leader"
+            );
+        };
+        failovers.push(killed_at.elapsed());
+        assert_ne!(new_leader, leader);
+        assert_eq!(failed_routes, 0, "surviving replicas kept answering Route");
+        all_agree(&cluster, &rest, last).await;
+        cluster.nodes[leader].restart();
+    }
+    let digest = all_agree(&cluster, &[0, 1, 2], last).await;
+    let s = cluster.nodes[0].status().await;
+    assert_eq!(s.indexed_blocks, n * 3);
+    let dropped = s.ingest.unwrap().dropped;
+    assert_eq!(dropped.get("parent_missing").copied().unwrap_or(0), 0);
+    // A standalone node reading the same stream once reaches the same state.
+    let single = cluster.add_node("single", &NodeOptions::default());
+    let one = single.wait_applied_seq(last).await;
+    assert_eq!(one.state_digest, digest);
+    eprintln!("time from leader kill to a new leader: {failovers:?}");
+}
