@@ -140,8 +140,17 @@ pub struct NodeOptions {
     pub max_batch_messages: usize,
     /// The gRPC address (Raft members need a fixed one).
     pub grpc_listen: String,
-    /// `[raft]` section: (this node's id, all members as (id, addr), bootstrap).
-    pub raft: Option<(u64, Vec<(u64, String)>, bool)>,
+    /// The `[raft]` section, for cluster members.
+    pub raft: Option<RaftOptions>,
+}
+
+/// A cluster member's Raft settings.
+#[derive(Debug, Clone)]
+pub struct RaftOptions {
+    pub id: u64,
+    /// Every member as (id, gRPC address).
+    pub peers: Vec<(u64, String)>,
+    pub bootstrap: bool,
 }
 
 impl Default for NodeOptions {
@@ -179,7 +188,12 @@ impl Node {
             o.max_batch_messages,
             o.snapshot_every_entries,
         );
-        if let Some((id, peers, bootstrap)) = &o.raft {
+        if let Some(RaftOptions {
+            id,
+            peers,
+            bootstrap,
+        }) = &o.raft
+        {
             toml.push_str(&format!(
                 "\n[raft]\nid = {id}\nbootstrap = {bootstrap}\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\n",
                 peers
@@ -367,7 +381,11 @@ impl Cluster {
                 let name = format!("kvplane-{i}");
                 let mine = NodeOptions {
                     grpc_listen: peers[i].1.clone(),
-                    raft: Some((peers[i].0, peers.clone(), i == 0)),
+                    raft: Some(RaftOptions {
+                        id: peers[i].0,
+                        peers: peers.clone(),
+                        bootstrap: i == 0,
+                    }),
                     ..o.clone()
                 };
                 Node::start(&name, &root.path().join(&name), &nats.url(), &mine)
