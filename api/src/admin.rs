@@ -2,7 +2,11 @@
 
 use std::sync::Arc;
 
-use kvplane_proto::v1::{self as pb, IngestPosition, StatusRequest, StatusResponse, WorkerStatus};
+use futures::future::BoxFuture;
+use kvplane_proto::v1::{
+    self as pb, AddMemberRequest, ClusterStatusResponse, IngestPosition, RemoveMemberRequest,
+    StatusRequest, StatusResponse, WorkerStatus,
+};
 use kvplane_state::StateHandle;
 use tonic::{Request, Response, Status};
 
@@ -17,12 +21,30 @@ pub struct IngestStatus {
 
 type Source<T> = Arc<dyn Fn() -> T + Send + Sync>;
 
+/// Why a membership change was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClusterError {
+    #[error("this node is not the leader{}", .leader.as_ref().map(|l| format!("; the leader is at {l}")).unwrap_or_default())]
+    NotLeader { leader: Option<String> },
+    #[error("membership change failed: {0}")]
+    Failed(String),
+}
+
+/// Raft membership, as the Admin service drives it.
+pub trait ClusterControl: Send + Sync {
+    fn status(&self) -> ClusterStatusResponse;
+    fn add(&self, id: u64, addr: String) -> BoxFuture<'_, Result<(), ClusterError>>;
+    fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
+}
+
 /// Node-level facts the Admin service reports next to the state.
 #[derive(Clone)]
 pub struct NodeInfo {
     pub node_id: String,
     pub role: Source<String>,
     pub ingest: Source<IngestStatus>,
+    /// Membership control; `None` on a standalone node.
+    pub cluster: Option<Arc<dyn ClusterControl>>,
 }
 
 impl std::fmt::Debug for NodeInfo {
@@ -94,5 +116,54 @@ impl pb::admin_server::Admin for AdminService {
         _request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
         Ok(Response::new(AdminService::status(self)))
+    }
+
+    async fn cluster_status(
+        &self,
+        _request: Request<StatusRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
+        Ok(Response::new(self.cluster()?.status()))
+    }
+
+    async fn add_member(
+        &self,
+        request: Request<AddMemberRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
+        let r = request.into_inner();
+        if r.addr.is_empty() || r.id == 0 {
+            return Err(Status::invalid_argument(
+                "a member needs a non-zero id and an address",
+            ));
+        }
+        let c = self.cluster()?;
+        c.add(r.id, r.addr).await.map_err(cluster_status)?;
+        Ok(Response::new(c.status()))
+    }
+
+    async fn remove_member(
+        &self,
+        request: Request<RemoveMemberRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
+        let c = self.cluster()?;
+        c.remove(request.into_inner().id)
+            .await
+            .map_err(cluster_status)?;
+        Ok(Response::new(c.status()))
+    }
+}
+
+fn cluster_status(e: ClusterError) -> Status {
+    match e {
+        ClusterError::NotLeader { .. } => Status::failed_precondition(e.to_string()),
+        ClusterError::Failed(_) => Status::aborted(e.to_string()),
+    }
+}
+
+impl AdminService {
+    fn cluster(&self) -> Result<&Arc<dyn ClusterControl>, Status> {
+        self.node
+            .cluster
+            .as_ref()
+            .ok_or_else(|| Status::unimplemented("this node is standalone (no [raft] section)"))
     }
 }

@@ -11,7 +11,7 @@ mod metrics;
 mod router;
 mod usage;
 
-pub use admin::{AdminService, IngestStatus, NodeInfo};
+pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeInfo};
 pub use cost::CostModel;
 pub use decide::{Candidate, Decision, RejectKind, RouteInput, decide};
 pub use metrics::ApiMetrics;

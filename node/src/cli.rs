@@ -37,6 +37,8 @@ enum Cmd {
     Gateway(crate::gateway_cmd::GatewayArgs),
     /// Run a local fleet end to end and compare kvplane with round-robin.
     Demo(crate::demo::DemoArgs),
+    /// Raft membership: status, add, remove.
+    Cluster(crate::cluster_cmd::ClusterArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -81,6 +83,7 @@ pub fn main() -> ExitCode {
             crate::gateway_cmd::gateway(a, shutdown_signal()).await
         }),
         Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
+        Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,6 +3,7 @@
 
 mod bridge_cmd;
 pub mod cli;
+mod cluster_cmd;
 pub mod config;
 pub mod demo;
 mod gateway_cmd;

@@ -149,3 +149,99 @@ impl RaftMember {
         }
     }
 }
+
+impl kvplane_api::ClusterControl for RaftMember {
+    fn status(&self) -> kvplane_proto::v1::ClusterStatusResponse {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let membership = m.membership_config.membership();
+        let voters: std::collections::BTreeSet<u64> = membership.voter_ids().collect();
+        let members = membership
+            .nodes()
+            .map(|(id, n)| kvplane_proto::v1::Member {
+                id: *id,
+                addr: n.addr.clone(),
+                voter: voters.contains(id),
+            })
+            .collect();
+        let leader_addr = m
+            .current_leader
+            .and_then(|l| {
+                membership
+                    .nodes()
+                    .find(|(id, _)| **id == l)
+                    .map(|(_, n)| n.addr.clone())
+            })
+            .unwrap_or_default();
+        kvplane_proto::v1::ClusterStatusResponse {
+            node: m.id,
+            leader: m.current_leader.unwrap_or(0),
+            leader_addr,
+            term: m.current_term,
+            members,
+            committed_index: m.local_committed.map_or(0, |l| l.index),
+            applied_index: m.last_applied.map_or(0, |l| l.index),
+        }
+    }
+
+    fn add(
+        &self,
+        id: u64,
+        addr: String,
+    ) -> futures::future::BoxFuture<'_, Result<(), kvplane_api::ClusterError>> {
+        Box::pin(async move {
+            self.leader_only()?;
+            self.raft
+                .add_learner(id, BasicNode::new(addr), true)
+                .await
+                .map_err(membership_error)?;
+            let ids: std::collections::BTreeSet<u64> = [id].into();
+            self.raft
+                .change_membership(openraft::ChangeMembers::AddVoterIds(ids), false)
+                .await
+                .map_err(membership_error)?;
+            tracing::info!(id, "member added");
+            Ok(())
+        })
+    }
+
+    fn remove(
+        &self,
+        id: u64,
+    ) -> futures::future::BoxFuture<'_, Result<(), kvplane_api::ClusterError>> {
+        Box::pin(async move {
+            self.leader_only()?;
+            let ids: std::collections::BTreeSet<u64> = [id].into();
+            self.raft
+                .change_membership(openraft::ChangeMembers::RemoveVoters(ids), false)
+                .await
+                .map_err(membership_error)?;
+            tracing::info!(id, "member removed");
+            Ok(())
+        })
+    }
+}
+
+impl RaftMember {
+    fn leader_only(&self) -> Result<(), kvplane_api::ClusterError> {
+        if self.is_leader() {
+            return Ok(());
+        }
+        let s = kvplane_api::ClusterControl::status(self);
+        Err(kvplane_api::ClusterError::NotLeader {
+            leader: (!s.leader_addr.is_empty()).then_some(s.leader_addr),
+        })
+    }
+}
+
+fn membership_error(
+    e: RaftError<kvplane_raft::TypeConfig, ClientWriteError<kvplane_raft::TypeConfig>>,
+) -> kvplane_api::ClusterError {
+    match e {
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+            kvplane_api::ClusterError::NotLeader {
+                leader: f.leader_node.map(|n| n.addr),
+            }
+        }
+        other => kvplane_api::ClusterError::Failed(other.to_string()),
+    }
+}

@@ -231,6 +231,9 @@ pub async fn run(
             None => Arc::new(|| "standalone".to_owned()),
             Some(m) => Arc::new(move || m.role()),
         },
+        cluster: member
+            .clone()
+            .map(|m| m as Arc<dyn kvplane_api::ClusterControl>),
         ingest: {
             let m = ingest_metrics.clone();
             Arc::new(move || IngestStatus {

@@ -184,3 +184,132 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
     assert_eq!(one.state_digest, digest);
     eprintln!("time from leader kill to a new leader: {failovers:?}");
 }
+
+fn kvplane(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
+    let mut cluster = Cluster::start_raft(3, &NodeOptions::default());
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    let mut last = 0;
+    for i in 0..20u64 {
+        last = publish(
+            &js,
+            kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    all_agree(&cluster, &[0, 1, 2], last).await;
+
+    // Route traffic on the original members for the whole test.
+    let endpoints: Vec<String> = cluster.nodes.iter().map(|n| n.endpoint()).collect();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let traffic = tokio::spawn(async move {
+        let (mut ok, mut failed) = (0u64, Vec::new());
+        while !*stop_rx.borrow() {
+            for (i, e) in endpoints.iter().enumerate() {
+                let r = async {
+                    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(e.clone())
+                        .await
+                        .ok()?;
+                    c.route(RouteRequest {
+                        token_ids: prompt(3),
+                        ..Default::default()
+                    })
+                    .await
+                    .ok()
+                }
+                .await;
+                match r {
+                    Some(_) => ok += 1,
+                    None => failed.push(i),
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (ok, failed)
+    });
+
+    // A fourth node starts empty and joins: learner, catch-up, voter.
+    let addr4 = format!("127.0.0.1:{}", harness::free_port());
+    let mut peers: Vec<(u64, String)> = cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (i as u64 + 1, n.grpc.to_string()))
+        .collect();
+    peers.push((4, addr4.clone()));
+    let o4 = NodeOptions {
+        grpc_listen: addr4.clone(),
+        raft: Some(harness::RaftOptions {
+            id: 4,
+            peers,
+            bootstrap: false,
+        }),
+        ..Default::default()
+    };
+    cluster.add_node("kvplane-3", &o4);
+    let any = cluster.nodes[0].endpoint();
+    let out = kvplane(&[
+        "cluster",
+        "add",
+        "--addr",
+        &any,
+        "--id",
+        "4",
+        "--member-addr",
+        &addr4,
+    ]);
+    assert!(out.contains("member       4"), "{out}");
+    for i in 20..30u64 {
+        last = publish(
+            &js,
+            kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    all_agree(&cluster, &[0, 1, 2, 3], last).await;
+
+    // Node 2 leaves, then stops; the other three go on.
+    let out = kvplane(&["cluster", "remove", "--addr", &any, "--id", "2"]);
+    assert!(!out.contains("member       2 "), "{out}");
+    cluster.nodes[1].kill();
+    for i in 30..40u64 {
+        last = publish(
+            &js,
+            kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    let _ = stop_tx.send(true);
+    let (ok, failed) = traffic.await.unwrap();
+    all_agree(&cluster, &[0, 2, 3], last).await;
+    let status = kvplane(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
+    let voters = status.lines().filter(|l| l.ends_with("voter")).count();
+    assert_eq!(voters, 3, "{status}");
+    // Route never failed on a live member (node 2 is only counted until it was stopped).
+    assert!(ok > 0);
+    assert!(
+        failed.iter().all(|i| *i == 1),
+        "failed routes on live members: {failed:?}"
+    );
+}

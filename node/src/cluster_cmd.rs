@@ -1,0 +1,107 @@
+//! `kvplane cluster status|add|remove`: Raft membership from the command line. Changes are
+//! sent to the leader (found through the node given with --addr); one change at a time.
+
+use anyhow::Context;
+use kvplane_proto::v1::admin_client::AdminClient;
+use kvplane_proto::v1::{
+    AddMemberRequest, ClusterStatusResponse, RemoveMemberRequest, StatusRequest,
+};
+use tonic::transport::Channel;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Any member's gRPC address.
+    #[arg(
+        long,
+        env = "KVPLANE_ADDR",
+        default_value = "http://127.0.0.1:7070",
+        global = true
+    )]
+    pub addr: String,
+    #[command(subcommand)]
+    pub command: ClusterCmd,
+}
+
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum ClusterCmd {
+    /// Members, voters, leader, term, commit and applied indexes.
+    Status,
+    /// Add a node: as a learner first, then, once it caught up, as a voter.
+    Add {
+        #[arg(long)]
+        id: u64,
+        /// The new node's gRPC address (host:port).
+        #[arg(long = "member-addr")]
+        member_addr: String,
+    },
+    /// Remove a node (its id must never come back without its data).
+    Remove {
+        #[arg(long)]
+        id: u64,
+    },
+}
+
+fn url(addr: &str) -> String {
+    if addr.starts_with("http") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
+    AdminClient::connect(url(addr))
+        .await
+        .with_context(|| format!("cannot connect to {addr}"))
+}
+
+/// A client connected to the current leader.
+async fn leader(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
+    let mut c = connect(addr).await?;
+    let s = c.cluster_status(StatusRequest {}).await?.into_inner();
+    if s.leader == s.node || s.leader_addr.is_empty() {
+        return Ok(c);
+    }
+    connect(&s.leader_addr).await
+}
+
+fn print(s: &ClusterStatusResponse) {
+    println!("node         {}", s.node);
+    println!("leader       {} {}", s.leader, s.leader_addr);
+    println!("term         {}", s.term);
+    println!("committed    {}", s.committed_index);
+    println!("applied      {}", s.applied_index);
+    for m in &s.members {
+        println!(
+            "member       {:<4} {:<24} {}",
+            m.id,
+            m.addr,
+            if m.voter { "voter" } else { "learner" }
+        );
+    }
+}
+
+pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
+    let status = match a.command {
+        ClusterCmd::Status => connect(&a.addr)
+            .await?
+            .cluster_status(StatusRequest {})
+            .await?
+            .into_inner(),
+        ClusterCmd::Add { id, member_addr } => leader(&a.addr)
+            .await?
+            .add_member(AddMemberRequest {
+                id,
+                addr: member_addr,
+            })
+            .await?
+            .into_inner(),
+        ClusterCmd::Remove { id } => leader(&a.addr)
+            .await?
+            .remove_member(RemoveMemberRequest { id })
+            .await?
+            .into_inner(),
+    };
+    print(&status);
+    Ok(())
+}
