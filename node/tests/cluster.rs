@@ -134,7 +134,7 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
     .await;
     let mut n = 0u64;
     let mut failovers = Vec::new();
-    for _round in 0..3 {
+    for _round in 0..5 {
         let leader = wait_for("a leader", Duration::from_secs(20), || {
             cluster.leader(&[0, 1, 2])
         })
