@@ -9,6 +9,8 @@
 //! Pool and worker names are 1-63 characters of `[a-z0-9-_]`. Anything else under `kvplane.`
 //! is rejected and counted (`unknown_subject`).
 
+use kvplane_state::valid_name;
+
 /// Subjects the ingest stream captures.
 pub const STREAM_SUBJECTS: &str = "kvplane.>";
 
@@ -41,17 +43,11 @@ impl<'a> Subject<'a> {
         };
         let pool = parts.next()?;
         let worker = parts.next()?;
-        if parts.next().is_some() || !valid_token(pool) || !valid_token(worker) {
+        if parts.next().is_some() || !valid_name(pool) || !valid_name(worker) {
             return None;
         }
         Some(Self { kind, pool, worker })
     }
-}
-
-fn valid_token(s: &str) -> bool {
-    (1..=63).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 pub fn kv_subject(pool: &str, worker: &str) -> String {

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvplane_ingest::bridge::{BridgeConfig, BridgeMetrics, run};
+use kvplane_state::valid_name;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
@@ -48,12 +49,6 @@ pub struct BridgeArgs {
     /// Address for the bridge's own /metrics. Port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub http_listen: String,
-}
-
-fn valid_name(s: &str) -> bool {
-    (1..=63).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 pub async fn bridge(

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use kvplane_api::CostModel;
+use kvplane_state::valid_name;
 use serde::Deserialize;
 
 /// Why the configuration cannot be used.
@@ -339,12 +340,6 @@ impl Config {
         }
         p
     }
-}
-
-fn valid_name(s: &str) -> bool {
-    (1..=63).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
 #[cfg(test)]

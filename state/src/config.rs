@@ -62,7 +62,8 @@ impl PoolConfig {
     }
 }
 
-/// Pool and worker names appear as NATS subject tokens: keep them to a safe alphabet.
+/// Pool, worker and node names appear as NATS subject tokens: 1-63 characters of
+/// `[a-z0-9-_]`. The one check every boundary uses.
 pub fn valid_name(name: &str) -> bool {
     (1..=63).contains(&name.len())
         && name

@@ -23,7 +23,7 @@ mod view;
 pub use command::{
     Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Tier, WorkerMetrics,
 };
-pub use config::{POOL_KIND, PoolConfig};
+pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;
 pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
