@@ -56,6 +56,18 @@ async fn routed_worker(
     }
 }
 
+/// Three Raft members with an elected leader, and a JetStream client with the stream created.
+async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Context) {
+    let cluster = Cluster::start_raft(3, o);
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    (cluster, js)
+}
+
 async fn all_agree(cluster: &Cluster, among: &[usize], last: u64) -> String {
     wait_for(
         "every replica to apply the stream and agree",
@@ -80,13 +92,7 @@ async fn all_agree(cluster: &Cluster, among: &[usize], last: u64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_ingest_once_agree_and_each_answer_route() {
-    let cluster = Cluster::start_raft(3, &NodeOptions::default());
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    wait_for("a leader", Duration::from_secs(20), || {
-        cluster.leader(&[0, 1, 2])
-    })
-    .await;
+    let (cluster, js) = started(&NodeOptions::default()).await;
     let mut last = 0;
     for w in 0..3u64 {
         last = publish(
@@ -119,13 +125,7 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
         max_batch_messages: 5,
         ..Default::default()
     };
-    let mut cluster = Cluster::start_raft(3, &o);
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    wait_for("a leader", Duration::from_secs(20), || {
-        cluster.leader(&[0, 1, 2])
-    })
-    .await;
+    let (mut cluster, js) = started(&o).await;
     let mut last = publish(
         &js,
         worker_subject("default", "w0"),
@@ -200,13 +200,7 @@ fn kvplane(args: &[&str]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
-    let mut cluster = Cluster::start_raft(3, &NodeOptions::default());
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    wait_for("a leader", Duration::from_secs(20), || {
-        cluster.leader(&[0, 1, 2])
-    })
-    .await;
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
     let mut last = 0;
     for i in 0..20u64 {
         last = publish(

@@ -119,6 +119,19 @@ fn leader_of(nodes: &[&TestNode]) -> Option<u64> {
     })
 }
 
+/// Declares pool "p" (block size 16).
+fn pool() -> Command {
+    Command::ConfigPut {
+        kind: POOL_KIND.into(),
+        name: "p".into(),
+        value: PoolConfig {
+            block_size: 16,
+            models: vec![],
+        }
+        .to_json(),
+    }
+}
+
 fn store(seq: u64, worker: u64) -> Command {
     let tokens: Vec<u32> = (0..32).map(|t| (seq * 100 + t) as u32).collect();
     Command::Ingest(IngestBatch {
@@ -173,19 +186,7 @@ async fn three_replicas_apply_the_same_entries_and_outlive_their_leader() {
     nodes[0].raft.initialize(members).await.unwrap();
     let leader = wait_for("a leader", || leader_of(&nodes.iter().collect::<Vec<_>>())).await;
     let l = nodes.iter().find(|n| n.id == leader).unwrap();
-    write(
-        &l.raft,
-        Command::ConfigPut {
-            kind: POOL_KIND.into(),
-            name: "p".into(),
-            value: PoolConfig {
-                block_size: 16,
-                models: vec![],
-            }
-            .to_json(),
-        },
-    )
-    .await;
+    write(&l.raft, pool()).await;
     for seq in 1..=40 {
         write(&l.raft, store(seq, seq % 3)).await;
     }
@@ -231,15 +232,7 @@ async fn three_replicas_apply_the_same_entries_and_outlive_their_leader() {
             })
             .unwrap();
     };
-    apply(Command::ConfigPut {
-        kind: POOL_KIND.into(),
-        name: "p".into(),
-        value: PoolConfig {
-            block_size: 16,
-            models: vec![],
-        }
-        .to_json(),
-    });
+    apply(pool());
     for seq in 1..=60 {
         apply(store(seq, seq % 3));
     }
@@ -281,19 +274,7 @@ async fn a_replica_behind_a_compacted_log_catches_up_through_a_snapshot_and_rest
     nodes[0].raft.initialize(members).await.unwrap();
     let leader = wait_for("a leader", || leader_of(&nodes.iter().collect::<Vec<_>>())).await;
     let li = nodes.iter().position(|n| n.id == leader).unwrap();
-    write(
-        &nodes[li].raft,
-        Command::ConfigPut {
-            kind: POOL_KIND.into(),
-            name: "p".into(),
-            value: PoolConfig {
-                block_size: 16,
-                models: vec![],
-            }
-            .to_json(),
-        },
-    )
-    .await;
+    write(&nodes[li].raft, pool()).await;
     for seq in 1..=5 {
         write(&nodes[li].raft, store(seq, seq % 3)).await;
     }
