@@ -4,10 +4,13 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use kvplane_proto::v1::{
-    self as pb, AddMemberRequest, ClusterStatusResponse, IngestPosition, RemoveMemberRequest,
-    StatusRequest, StatusResponse, WorkerStatus,
+    self as pb, AddMemberRequest, ClusterStatusResponse, DeleteConfigRequest, IngestPosition,
+    PutConfigRequest, RemoveMemberRequest, SetFaultsRequest, SetFaultsResponse, StatusRequest,
+    StatusResponse, WorkerStatus, WriteResponse,
 };
-use kvplane_state::StateHandle;
+use kvplane_state::{Command, StateHandle};
+
+use crate::{Consistency, propose_status};
 use tonic::{Request, Response, Status};
 
 /// What this node's ingest reports (it lives outside the replicated state).
@@ -28,6 +31,8 @@ pub enum ClusterError {
     NotLeader { leader: Option<String> },
     #[error("membership change failed: {0}")]
     Failed(String),
+    #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
+    FaultsDisabled,
 }
 
 /// Raft membership, as the Admin service drives it.
@@ -35,6 +40,8 @@ pub trait ClusterControl: Send + Sync {
     fn status(&self) -> ClusterStatusResponse;
     fn add(&self, id: u64, addr: String) -> BoxFuture<'_, Result<(), ClusterError>>;
     fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
+    /// Test-only fault layer: the peers this node stops sending Raft traffic to.
+    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
 }
 
 /// Node-level facts the Admin service reports next to the state.
@@ -45,6 +52,8 @@ pub struct NodeInfo {
     pub ingest: Source<IngestStatus>,
     /// Membership control; `None` on a standalone node.
     pub cluster: Option<Arc<dyn ClusterControl>>,
+    /// Writes and read barriers through this node's log.
+    pub consistency: Arc<dyn Consistency>,
 }
 
 impl std::fmt::Debug for NodeInfo {
@@ -113,9 +122,58 @@ impl AdminService {
 impl pb::admin_server::Admin for AdminService {
     async fn status(
         &self,
-        _request: Request<StatusRequest>,
+        request: Request<StatusRequest>,
     ) -> Result<Response<StatusResponse>, Status> {
+        let want = request.into_inner().consistency.unwrap_or_default();
+        crate::consistency::ensure(Some(&self.node.consistency), &self.state, &want).await?;
         Ok(Response::new(AdminService::status(self)))
+    }
+
+    async fn put_config(
+        &self,
+        request: Request<PutConfigRequest>,
+    ) -> Result<Response<WriteResponse>, Status> {
+        let r = request.into_inner();
+        if r.kind.is_empty() || r.name.is_empty() {
+            return Err(Status::invalid_argument(
+                "a config object needs a kind and a name",
+            ));
+        }
+        self.write(Command::ConfigPut {
+            kind: r.kind,
+            name: r.name,
+            value: r.value,
+        })
+        .await
+    }
+
+    async fn delete_config(
+        &self,
+        request: Request<DeleteConfigRequest>,
+    ) -> Result<Response<WriteResponse>, Status> {
+        let r = request.into_inner();
+        self.write(Command::ConfigDelete {
+            kind: r.kind,
+            name: r.name,
+        })
+        .await
+    }
+
+    async fn set_faults(
+        &self,
+        request: Request<SetFaultsRequest>,
+    ) -> Result<Response<SetFaultsResponse>, Status> {
+        let blocked = self
+            .cluster()?
+            .set_faults(request.into_inner().blocked_peers)
+            .map_err(cluster_status)?;
+        tracing::warn!(
+            ?blocked,
+            "fault injection: raft traffic to these peers is cut"
+        );
+        Ok(Response::new(SetFaultsResponse {
+            blocked_peers: blocked,
+        }))
     }
 
     async fn cluster_status(
@@ -156,10 +214,21 @@ fn cluster_status(e: ClusterError) -> Status {
     match e {
         ClusterError::NotLeader { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Failed(_) => Status::aborted(e.to_string()),
+        ClusterError::FaultsDisabled => Status::failed_precondition(e.to_string()),
     }
 }
 
 impl AdminService {
+    async fn write(&self, command: Command) -> Result<Response<WriteResponse>, Status> {
+        let index = self
+            .node
+            .consistency
+            .write(command)
+            .await
+            .map_err(|e| propose_status(&e))?;
+        Ok(Response::new(WriteResponse { index }))
+    }
+
     fn cluster(&self) -> Result<&Arc<dyn ClusterControl>, Status> {
         self.node
             .cluster

@@ -5,6 +5,7 @@
 //! the bookkeeping of requests in flight.
 
 mod admin;
+mod consistency;
 mod cost;
 mod decide;
 mod metrics;
@@ -12,6 +13,7 @@ mod router;
 mod usage;
 
 pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeInfo};
+pub use consistency::{Consistency, propose_status};
 pub use cost::CostModel;
 pub use decide::{Candidate, Decision, RejectKind, RouteInput, decide};
 pub use metrics::ApiMetrics;

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvplane_proto::v1::{
-    self as pb, CandidateExplanation, Endpoint, ExplainResponse, RejectCode, Rejection,
-    RouteRequest, RouteResponse, UsageAck, UsageReport, route_response,
+    self as pb, CandidateExplanation, Endpoint, ExplainResponse, ReadConsistency, RejectCode,
+    Rejection, RouteRequest, RouteResponse, UsageAck, UsageReport, route_response,
 };
 use kvplane_state::StateHandle;
 use kvplane_tokenize::{PromptSource, prompt_from_body};
@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 
 use crate::decide::{Candidate, Decision, RejectKind};
 use crate::usage::{Routed, UsageBook};
-use crate::{ApiMetrics, CostModel, RouteInput, decide};
+use crate::{ApiMetrics, Consistency, CostModel, RouteInput, decide};
 
 /// A request's prompt as the service resolved it.
 #[derive(Debug, Clone)]
@@ -30,6 +30,13 @@ pub struct RouterService {
     cost: CostModel,
     metrics: Arc<ApiMetrics>,
     usage: Arc<UsageBook>,
+    consistency: Option<Arc<dyn Consistency>>,
+}
+
+impl std::fmt::Debug for dyn Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Consistency")
+    }
 }
 
 impl RouterService {
@@ -39,7 +46,28 @@ impl RouterService {
             cost,
             metrics,
             usage: Arc::new(UsageBook::new(100_000, Duration::from_secs(600))),
+            consistency: None,
         }
+    }
+
+    /// Serves linearizable reads through `c` (without it, the local state is all there is: a
+    /// standalone node applies every entry before acknowledging it).
+    pub fn with_consistency(mut self, c: Arc<dyn Consistency>) -> Self {
+        self.consistency = Some(c);
+        self
+    }
+
+    /// Waits for (or refuses) the freshness the request asks for.
+    async fn fresh_enough(&self, req: &RouteRequest) -> Result<(), Status> {
+        crate::consistency::ensure(
+            self.consistency.as_ref(),
+            &self.state,
+            &ReadConsistency {
+                min_applied_index: req.min_applied_index,
+                linearizable: req.linearizable,
+            },
+        )
+        .await
     }
 
     /// Resolves the prompt: token ids from the request, else the body tokenized.
@@ -78,14 +106,8 @@ impl RouterService {
         req: &RouteRequest,
         explain: bool,
         f: impl FnOnce(&Prompted, &Decision<'_>) -> R,
-    ) -> Result<R, Status> {
+    ) -> R {
         let view = self.state.load();
-        if view.applied_index < req.min_applied_index {
-            return Err(Status::failed_precondition(format!(
-                "state is at index {}, request needs at least {}",
-                view.applied_index, req.min_applied_index
-            )));
-        }
         let prompted = match Self::prompt(req) {
             Ok(p) => p,
             Err(reason) => {
@@ -100,7 +122,7 @@ impl RouterService {
                     outcome: Err((RejectKind::InvalidRequest, reason)),
                     steps: Vec::new(),
                 };
-                return Ok(f(&p, &d));
+                return f(&p, &d);
             }
         };
         let decision = decide(
@@ -114,7 +136,7 @@ impl RouterService {
             &self.cost,
             explain,
         );
-        Ok(f(&prompted, &decision))
+        f(&prompted, &decision)
     }
 }
 
@@ -184,6 +206,7 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         let req = request.into_inner();
+        self.fresh_enough(&req).await?;
         let (resp, outcome) = self.with_decision(&req, false, |prompted, decision| {
             if let Some(c) = decision.chosen() {
                 self.usage.insert(
@@ -196,7 +219,7 @@ impl pb::router_server::Router for RouterService {
                 );
             }
             (response(prompted, decision), outcome_label(decision))
-        })?;
+        });
         self.metrics
             .decision(outcome, started.elapsed().as_secs_f64());
         Ok(Response::new(resp))
@@ -229,7 +252,8 @@ impl pb::router_server::Router for RouterService {
         request: Request<RouteRequest>,
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
-        self.with_decision(&req, true, |prompted, decision| {
+        self.fresh_enough(&req).await?;
+        Ok(self.with_decision(&req, true, |prompted, decision| {
             let candidates = decision
                 .candidates
                 .iter()
@@ -254,6 +278,6 @@ impl pb::router_server::Router for RouterService {
                 prompt_source: prompted.source.as_str().to_owned(),
                 steps: decision.steps.clone(),
             })
-        })
+        }))
     }
 }

@@ -58,11 +58,26 @@ async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
 /// A client connected to the current leader.
 async fn leader(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
     let mut c = connect(addr).await?;
-    let s = c.cluster_status(StatusRequest {}).await?.into_inner();
+    let s = c
+        .cluster_status(StatusRequest::default())
+        .await?
+        .into_inner();
     if s.leader == s.node || s.leader_addr.is_empty() {
         return Ok(c);
     }
     connect(&s.leader_addr).await
+}
+
+/// Asks the cluster reachable at `via` to add node `id` at `addr` (learner, then voter).
+pub(crate) async fn add_member(via: &str, id: u64, addr: &str) -> anyhow::Result<()> {
+    leader(via)
+        .await?
+        .add_member(AddMemberRequest {
+            id,
+            addr: addr.to_owned(),
+        })
+        .await?;
+    Ok(())
 }
 
 fn print(s: &ClusterStatusResponse) {
@@ -71,6 +86,8 @@ fn print(s: &ClusterStatusResponse) {
     println!("term         {}", s.term);
     println!("committed    {}", s.committed_index);
     println!("applied      {}", s.applied_index);
+    println!("snapshot     {}", s.snapshot_index);
+    println!("purged       {}", s.purged_index);
     for m in &s.members {
         println!(
             "member       {:<4} {:<24} {}",
@@ -85,7 +102,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     let status = match a.command {
         ClusterCmd::Status => connect(&a.addr)
             .await?
-            .cluster_status(StatusRequest {})
+            .cluster_status(StatusRequest::default())
             .await?
             .into_inner(),
         ClusterCmd::Add { id, member_addr } => leader(&a.addr)

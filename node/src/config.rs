@@ -8,6 +8,8 @@ use kvplane_api::CostModel;
 use kvplane_state::valid_name;
 use serde::Deserialize;
 
+pub use crate::raft_config::{KubernetesSection, Membership, PeerSection, RaftSection};
+
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -51,80 +53,6 @@ pub struct Config {
     pub pools: Vec<PoolSection>,
     /// Replication. Absent: a standalone node with an in-process log.
     pub raft: Option<RaftSection>,
-}
-
-/// A Raft cluster member.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PeerSection {
-    /// Raft node id: unique, never reused for a node that lost its data.
-    pub id: u64,
-    /// The member's gRPC address (`host:port`); Raft runs on the API port.
-    pub addr: String,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RaftSection {
-    /// This node's Raft id (one of `peers`).
-    pub id: u64,
-    /// The initial members, this node included.
-    pub peers: Vec<PeerSection>,
-    /// Initialize a new cluster from `peers` when this node's log is empty (set on exactly one
-    /// node, e.g. StatefulSet ordinal 0).
-    #[serde(default)]
-    pub bootstrap: bool,
-    #[serde(default = "RaftSection::default_heartbeat_ms")]
-    pub heartbeat_ms: u64,
-    #[serde(default = "RaftSection::default_election_min_ms")]
-    pub election_timeout_min_ms: u64,
-    #[serde(default = "RaftSection::default_election_max_ms")]
-    pub election_timeout_max_ms: u64,
-    /// Take a snapshot after this many entries; the log before it is then purged.
-    #[serde(default = "RaftSection::default_snapshot_logs")]
-    pub snapshot_logs: u64,
-}
-
-impl RaftSection {
-    fn default_heartbeat_ms() -> u64 {
-        100
-    }
-    fn default_election_min_ms() -> u64 {
-        500
-    }
-    fn default_election_max_ms() -> u64 {
-        1000
-    }
-    fn default_snapshot_logs() -> u64 {
-        10_000
-    }
-
-    fn problems(&self, p: &mut Vec<String>) {
-        if !self.peers.iter().any(|m| m.id == self.id) {
-            p.push(format!("raft.id {} is not among raft.peers", self.id));
-        }
-        let mut ids = std::collections::BTreeSet::new();
-        for (i, m) in self.peers.iter().enumerate() {
-            if !ids.insert(m.id) {
-                p.push(format!("raft.peers[{i}].id {} is listed twice", m.id));
-            }
-            if m.addr.parse::<SocketAddr>().is_err() && !m.addr.contains(':') {
-                p.push(format!(
-                    "raft.peers[{i}].addr {:?} is not host:port",
-                    m.addr
-                ));
-            }
-        }
-        if self.heartbeat_ms == 0 || self.election_timeout_min_ms <= self.heartbeat_ms {
-            p.push("raft.election_timeout_min_ms must exceed raft.heartbeat_ms (> 0)".into());
-        }
-        if self.election_timeout_max_ms <= self.election_timeout_min_ms {
-            p.push("raft.election_timeout_max_ms must exceed raft.election_timeout_min_ms".into());
-        }
-        if self.snapshot_logs == 0 {
-            p.push("raft.snapshot_logs must be at least 1".into());
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -318,7 +246,7 @@ impl Config {
         }
         p.extend(self.cost.problems());
         if let Some(r) = &self.raft {
-            r.problems(&mut p);
+            r.problems(&self.grpc_listen, &mut p);
         }
         let mut seen = std::collections::BTreeSet::new();
         for (i, pool) in self.pools.iter().enumerate() {

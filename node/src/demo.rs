@@ -554,7 +554,7 @@ async fn status(grpc: &str) -> Option<kvplane_proto::v1::StatusResponse> {
         .await
         .ok()?;
     Some(
-        c.status(kvplane_proto::v1::StatusRequest {})
+        c.status(kvplane_proto::v1::StatusRequest::default())
             .await
             .ok()?
             .into_inner(),

@@ -8,6 +8,7 @@ pub mod config;
 pub mod demo;
 mod gateway_cmd;
 pub mod local_log;
+mod raft_config;
 mod raft_log;
 mod route_cmd;
 pub mod serve;

@@ -88,14 +88,20 @@ fn apply_loop(
         };
         let result = sm
             .apply(&entry)
-            .map(|applied| {
-                if let Some(e) = &applied.rejected {
-                    tracing::warn!(index = entry.index, error = %e, "command refused");
-                }
+            .map_err(|e| ProposeError::Log(e.to_string()))
+            .and_then(|applied| {
                 on_applied(&applied);
-                entry.index
-            })
-            .map_err(|e| ProposeError::Log(e.to_string()));
+                match &applied.rejected {
+                    None => Ok(entry.index),
+                    Some(e) => {
+                        tracing::warn!(index = entry.index, error = %e, "command refused");
+                        Err(ProposeError::Refused {
+                            index: entry.index,
+                            reason: e.to_string(),
+                        })
+                    }
+                }
+            });
         let _ = reply.send(result);
         since_snapshot += 1;
         if since_snapshot >= policy.every_entries
@@ -117,5 +123,24 @@ impl Proposer for LocalLog {
             .await
             .map_err(|_| ProposeError::Closed)?;
         rx.await.map_err(|_| ProposeError::Closed)?
+    }
+}
+
+/// A standalone node's writes and reads: every committed entry is applied before its
+/// proposer hears back, so the local state is always linearizable.
+#[derive(Debug, Clone)]
+pub struct LocalConsistency {
+    pub log: LocalLog,
+    pub handle: StateHandle,
+}
+
+impl kvplane_api::Consistency for LocalConsistency {
+    fn write(&self, command: Command) -> futures::future::BoxFuture<'_, Result<u64, ProposeError>> {
+        Box::pin(self.log.propose(command))
+    }
+
+    fn read_barrier(&self) -> futures::future::BoxFuture<'_, Result<u64, ProposeError>> {
+        let index = self.handle.load().applied_index;
+        Box::pin(async move { Ok(index) })
     }
 }

@@ -2,22 +2,16 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use kvplane_raft::{KvRaft, LogStore, Network, Proposal, ReplicatedState};
+use futures::future::BoxFuture;
+use kvplane_raft::{Faults, KvRaft, LogStore, Network, Proposal, Replica, ReplicatedState};
 use kvplane_state::{Command, ProposeError, Proposer, StateHandle};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
 
-use crate::config::{Config, RaftSection};
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
+use crate::config::{Config, Membership, RaftSection};
 
 /// Proposes through Raft; cheap to clone.
 #[derive(Clone)]
@@ -33,15 +27,14 @@ impl std::fmt::Debug for RaftLog {
 
 impl Proposer for RaftLog {
     async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
-        match self
-            .raft
-            .client_write(Proposal {
-                timestamp_ms: now_ms(),
-                command,
-            })
-            .await
-        {
-            Ok(r) => Ok(r.log_id.index),
+        match self.raft.client_write(Proposal::now(command)).await {
+            Ok(r) => match r.data.rejected {
+                None => Ok(r.log_id.index),
+                Some(reason) => Err(ProposeError::Refused {
+                    index: r.log_id.index,
+                    reason,
+                }),
+            },
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
                 Err(ProposeError::NotLeader {
                     leader: f.leader_node.map(|n| n.addr),
@@ -57,12 +50,18 @@ pub struct RaftMember {
     pub raft: KvRaft,
     pub log: RaftLog,
     pub handle: StateHandle,
+    pub membership: Membership,
+    replica: Replica,
+    faults: Option<Faults>,
 }
 
 impl RaftMember {
     /// Opens the log and state under `data_dir`, starts Raft, and initializes a new cluster when
     /// asked to and the log is empty.
     pub async fn start(cfg: &Config, r: &RaftSection) -> anyhow::Result<Self> {
+        let membership = r
+            .membership(&cfg.grpc_listen)
+            .map_err(|e| anyhow::anyhow!(e))?;
         let dir = cfg.data_dir.join("raft");
         std::fs::create_dir_all(&dir)?;
         let log = LogStore::open(&dir.join("log.redb"))?;
@@ -74,29 +73,103 @@ impl RaftMember {
             election_timeout_min: r.election_timeout_min_ms,
             election_timeout_max: r.election_timeout_max_ms,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(r.snapshot_logs),
+            max_in_snapshot_log_to_keep: r.keep_logs_after_snapshot,
             ..Default::default()
         }
         .validate()?;
-        let raft =
-            openraft::Raft::new(r.id, Arc::new(config), Network::default(), log, state).await?;
-        if r.bootstrap {
-            let members: BTreeMap<u64, BasicNode> = r
-                .peers
+        let faults = Faults::default();
+        let network = Network::new(faults.clone());
+        let id = membership.id;
+        let raft = openraft::Raft::new(id, Arc::new(config), network.clone(), log, state).await?;
+        if !membership.initial.is_empty() {
+            let members: BTreeMap<u64, BasicNode> = membership
+                .initial
                 .iter()
                 .map(|p| (p.id, BasicNode::new(p.addr.clone())))
                 .collect();
             match raft.initialize(members).await {
-                Ok(()) => tracing::info!(id = r.id, "initialized a new raft cluster"),
+                Ok(()) => tracing::info!(id, "initialized a new raft cluster"),
                 Err(e) => {
-                    tracing::info!(id = r.id, reason = %e, "raft cluster already initialized")
+                    tracing::info!(id, reason = %e, "raft cluster already initialized")
                 }
             }
         }
         Ok(Self {
             log: RaftLog { raft: raft.clone() },
+            replica: Replica::new(
+                raft.clone(),
+                network,
+                Duration::from_millis(r.forward_timeout_ms),
+            ),
             raft,
             handle,
+            membership,
+            faults: r.fault_injection.then_some(faults),
         })
+    }
+
+    /// Whether this node belongs to a membership (its own log says so).
+    fn is_member(&self) -> bool {
+        let m = self.raft.metrics().borrow_watched().clone();
+        m.membership_config.membership().get_node(&m.id).is_some()
+    }
+
+    /// Until this node is a member: asks the `join` addresses (following leader hints) to add
+    /// it. Returns at once for a node that already is one or has nowhere to ask.
+    pub async fn join(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
+        let targets = self.membership.join.clone();
+        if targets.is_empty() {
+            return;
+        }
+        let mut attempt = 0u32;
+        while !self.is_member() && !*stop.borrow() {
+            for target in &targets {
+                match crate::cluster_cmd::add_member(
+                    target,
+                    self.membership.id,
+                    &self.membership.addr,
+                )
+                .await
+                {
+                    Ok(()) => {
+                        tracing::info!(id = self.membership.id, via = target, "joined the cluster");
+                        return;
+                    }
+                    Err(e) => {
+                        if attempt.is_multiple_of(10) {
+                            tracing::info!(via = target, error = %e, "cannot join yet; retrying");
+                        }
+                    }
+                }
+            }
+            attempt += 1;
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.changed() => {}
+            }
+        }
+    }
+
+    /// Takes a snapshot of everything applied (so a restart replays nothing), waiting at most
+    /// `timeout`.
+    pub async fn final_snapshot(&self, timeout: Duration) {
+        let applied = self.raft.metrics().borrow_watched().last_applied;
+        let Some(applied) = applied else { return };
+        if self.raft.trigger().snapshot().await.is_err() {
+            return;
+        }
+        let done = self
+            .raft
+            .wait(Some(timeout))
+            .metrics(
+                |m| m.snapshot.is_some_and(|s| s.index >= applied.index),
+                "final snapshot",
+            )
+            .await;
+        match done {
+            Ok(_) => tracing::info!(index = applied.index, "final snapshot taken"),
+            Err(e) => tracing::warn!(error = %e, "final snapshot not confirmed"),
+        }
     }
 
     /// This node's role, as Status reports it.
@@ -180,6 +253,8 @@ impl kvplane_api::ClusterControl for RaftMember {
             members,
             committed_index: m.local_committed.map_or(0, |l| l.index),
             applied_index: m.last_applied.map_or(0, |l| l.index),
+            snapshot_index: m.snapshot.map_or(0, |l| l.index),
+            purged_index: m.purged.map_or(0, |l| l.index),
         }
     }
 
@@ -218,6 +293,25 @@ impl kvplane_api::ClusterControl for RaftMember {
             tracing::info!(id, "member removed");
             Ok(())
         })
+    }
+
+    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, kvplane_api::ClusterError> {
+        let f = self
+            .faults
+            .as_ref()
+            .ok_or(kvplane_api::ClusterError::FaultsDisabled)?;
+        f.set_blocked(blocked);
+        Ok(f.blocked())
+    }
+}
+
+impl kvplane_api::Consistency for RaftMember {
+    fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>> {
+        Box::pin(self.replica.write(command))
+    }
+
+    fn read_barrier(&self) -> BoxFuture<'_, Result<u64, ProposeError>> {
+        Box::pin(self.replica.read_barrier())
     }
 }
 

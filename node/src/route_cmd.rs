@@ -200,7 +200,7 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
     let mut client = AdminClient::connect(a.addr.clone())
         .await
         .with_context(|| format!("cannot connect to {}", a.addr))?;
-    let s = client.status(StatusRequest {}).await?.into_inner();
+    let s = client.status(StatusRequest::default()).await?.into_inner();
     let ingest = s.ingest.clone().unwrap_or_default();
     if a.json {
         let workers: Vec<Value> = s

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use kvplane_api::{AdminService, ApiMetrics, IngestStatus, NodeInfo, RouterService};
+use kvplane_api::{AdminService, ApiMetrics, Consistency, IngestStatus, NodeInfo, RouterService};
 use kvplane_ingest::{IngestConfig, IngestMetrics, Ingestor};
 use kvplane_proto::v1::admin_server::AdminServer;
 use kvplane_proto::v1::router_server::RouterServer;
@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::local_log::{LocalLog, SnapshotPolicy};
+use crate::local_log::{LocalConsistency, LocalLog, SnapshotPolicy};
 use crate::raft_log::{RaftLog, RaftMember};
 use crate::snapshot_store::SnapshotStore;
 use kvplane_raft::RaftGrpc;
@@ -138,7 +138,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
 
     // The log: in-process for a standalone node, Raft for a cluster member.
-    let (log, handle, applier, member) = match &cfg.raft {
+    let (log, handle, applier, member, consistency) = match &cfg.raft {
         None => {
             let store = SnapshotStore::open(&cfg.data_dir, cfg.snapshot.keep)?;
             let sm = {
@@ -166,12 +166,23 @@ pub async fn run(
             );
             let _ = handle_slot.set(handle.clone());
             reconcile_pools(&cfg, &log, &handle).await?;
-            (Log::Local(log), handle, Some(applier), None)
+            let consistency: Arc<dyn Consistency> = Arc::new(LocalConsistency {
+                log: log.clone(),
+                handle: handle.clone(),
+            });
+            (Log::Local(log), handle, Some(applier), None, consistency)
         }
         Some(r) => {
             let member = Arc::new(RaftMember::start(&cfg, r).await?);
             let handle = member.handle.clone();
-            (Log::Raft(member.log.clone()), handle, None, Some(member))
+            let consistency: Arc<dyn Consistency> = member.clone();
+            (
+                Log::Raft(member.log.clone()),
+                handle,
+                None,
+                Some(member),
+                consistency,
+            )
         }
     };
     if member.is_some() {
@@ -224,7 +235,8 @@ pub async fn run(
     };
 
     // gRPC.
-    let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone());
+    let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone())
+        .with_consistency(consistency.clone());
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: match member.clone() {
@@ -234,6 +246,7 @@ pub async fn run(
         cluster: member
             .clone()
             .map(|m| m as Arc<dyn kvplane_api::ClusterControl>),
+        consistency,
         ingest: {
             let m = ingest_metrics.clone();
             Arc::new(move || IngestStatus {
@@ -292,11 +305,19 @@ pub async fn run(
         applied_index = handle.load().applied_index,
         "kvplane node serving"
     );
+    // A new member that is to join asks for membership once its Raft service is up.
+    let join_task = member.clone().map(|m| {
+        let rx = stop_rx.clone();
+        tokio::spawn(async move { m.join(rx).await })
+    });
     on_ready(bound);
     shutdown.await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
+    if let Some(t) = join_task {
+        let _ = t.await;
+    }
     if let Ok(Err(e)) = grpc_task.await {
         tracing::warn!(error = %e, "grpc server ended with an error");
     }
@@ -305,10 +326,11 @@ pub async fn run(
     if let Some(applier) = applier {
         tokio::task::spawn_blocking(move || applier.join()).await?;
     }
-    if let Some(m) = member
-        && let Err(e) = m.raft.shutdown().await
-    {
-        tracing::warn!(error = %e, "raft did not shut down cleanly");
+    if let Some(m) = member {
+        m.final_snapshot(Duration::from_secs(10)).await;
+        if let Err(e) = m.raft.shutdown().await {
+            tracing::warn!(error = %e, "raft did not shut down cleanly");
+        }
     }
     tracing::info!("stopped");
     Ok(())
@@ -373,7 +395,8 @@ async fn lead_ingest(
     }
 }
 
-/// Makes the pools in the state match the configuration.
+/// Declares the pools of the node configuration (creating or updating them). Pools written
+/// through `Admin.PutConfig` are left alone; they are deleted the same way.
 async fn reconcile_pools(
     cfg: &Config,
     log: &impl Proposer,
@@ -390,15 +413,6 @@ async fn reconcile_pools(
                 kind: POOL_KIND.into(),
                 name: p.name.clone(),
                 value: want.to_json(),
-            })
-            .await?;
-        }
-    }
-    for name in view.pools.keys() {
-        if !cfg.pools.iter().any(|p| &p.name == name) {
-            log.propose(Command::ConfigDelete {
-                kind: POOL_KIND.into(),
-                name: name.clone(),
             })
             .await?;
         }

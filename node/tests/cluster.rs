@@ -8,87 +8,9 @@ mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::{Cluster, NodeOptions, publish, wait_for};
-use kvplane_ingest::vllm::encode_batch;
-use kvplane_ingest::{ensure_stream, kv_subject, worker_subject};
-use kvplane_proto::v1::{RouteRequest, route_response::Decision};
-use kvplane_state::{KvBatch, KvEvent, Tier};
-
-fn chain(tokens: &[u32], salt: u64) -> Vec<u8> {
-    let n = tokens.len() / 16;
-    encode_batch(
-        0.0,
-        &KvBatch {
-            dp_rank: 0,
-            events: vec![KvEvent::Stored {
-                block_hashes: (0..n as u64).map(|i| salt * 1_000 + i).collect(),
-                parent_hash: None,
-                token_ids: tokens[..n * 16].to_vec(),
-                block_size: 16,
-                lora_name: None,
-                tier: Tier::Gpu,
-            }],
-        },
-    )
-}
-
-fn prompt(i: u64) -> Vec<u32> {
-    (0..48).map(|t| (i * 1_000 + t) as u32).collect()
-}
-
-async fn routed_worker(
-    node: &harness::Node,
-    tokens: &[u32],
-) -> Result<(String, u32), tonic::Status> {
-    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let r = c
-        .route(RouteRequest {
-            token_ids: tokens.to_vec(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    match r.decision {
-        Some(Decision::Endpoint(e)) => Ok((e.worker_id, r.matched_blocks)),
-        other => Err(tonic::Status::internal(format!("{other:?}"))),
-    }
-}
-
-/// Three Raft members with an elected leader, and a JetStream client with the stream created.
-async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Context) {
-    let cluster = Cluster::start_raft(3, o);
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    wait_for("a leader", Duration::from_secs(20), || {
-        cluster.leader(&[0, 1, 2])
-    })
-    .await;
-    (cluster, js)
-}
-
-async fn all_agree(cluster: &Cluster, among: &[usize], last: u64) -> String {
-    wait_for(
-        "every replica to apply the stream and agree",
-        Duration::from_secs(30),
-        || async {
-            let mut digests = Vec::new();
-            for &i in among {
-                let s = cluster.nodes[i].status().await;
-                if s.ingest.as_ref().map_or(0, |g| g.applied_stream_sequence) < last {
-                    return None;
-                }
-                digests.push((s.state_digest, s.indexed_blocks));
-            }
-            digests
-                .windows(2)
-                .all(|w| w[0] == w[1])
-                .then(|| digests[0].0.clone())
-        },
-    )
-    .await
-}
+use harness::{NodeOptions, chain, prompt, publish, routed_worker, started, wait_for};
+use kvplane_ingest::{kv_subject, worker_subject};
+use kvplane_proto::v1::RouteRequest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_ingest_once_agree_and_each_answer_route() {
@@ -110,7 +32,7 @@ async fn three_replicas_ingest_once_agree_and_each_answer_route() {
         )
         .await;
     }
-    all_agree(&cluster, &[0, 1, 2], last).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
     for node in &cluster.nodes {
         for i in [0u64, 7, 29] {
             let (w, matched) = routed_worker(node, &prompt(i)).await.unwrap();
@@ -170,10 +92,10 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
         failovers.push(killed_at.elapsed());
         assert_ne!(new_leader, leader);
         assert_eq!(failed_routes, 0, "surviving replicas kept answering Route");
-        all_agree(&cluster, &rest, last).await;
+        cluster.all_agree(&rest, last).await;
         cluster.nodes[leader].restart();
     }
-    let digest = all_agree(&cluster, &[0, 1, 2], last).await;
+    let digest = cluster.all_agree(&[0, 1, 2], last).await;
     let s = cluster.nodes[0].status().await;
     assert_eq!(s.indexed_blocks, n * 3);
     let dropped = s.ingest.unwrap().dropped;
@@ -210,7 +132,7 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
         )
         .await;
     }
-    all_agree(&cluster, &[0, 1, 2], last).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
 
     // Route traffic on the original members for the whole test.
     let endpoints: Vec<String> = cluster.nodes.iter().map(|n| n.endpoint()).collect();
@@ -256,6 +178,7 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
             id: 4,
             peers,
             bootstrap: false,
+            ..Default::default()
         }),
         ..Default::default()
     };
@@ -280,7 +203,7 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
         )
         .await;
     }
-    all_agree(&cluster, &[0, 1, 2, 3], last).await;
+    cluster.all_agree(&[0, 1, 2, 3], last).await;
 
     // Node 2 leaves, then stops; the other three go on.
     let out = kvplane(&["cluster", "remove", "--addr", &any, "--id", "2"]);
@@ -296,7 +219,7 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
     }
     let _ = stop_tx.send(true);
     let (ok, failed) = traffic.await.unwrap();
-    all_agree(&cluster, &[0, 2, 3], last).await;
+    cluster.all_agree(&[0, 2, 3], last).await;
     let status = kvplane(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
     let voters = status.lines().filter(|l| l.ends_with("voter")).count();
     assert_eq!(voters, 3, "{status}");

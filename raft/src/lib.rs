@@ -12,13 +12,19 @@
 //! - [`Network`] / [`RaftGrpc`]: Raft RPCs over tonic (`kvplane.v1.Raft`), one long-lived lazily
 //!   connecting channel per peer, a timeout on every call, snapshots streamed in chunks.
 //!
-//! Membership commands and the node wiring are the rest of the Raft issue.
+//! - [`Replica`]: writes and linearizable reads from any member (a follower forwards to the
+//!   leader, then waits until it applied the result).
+//! - [`Faults`]: a switchable fault layer in the transport, for partition tests.
 
+mod faults;
+mod forward;
 mod log_store;
 mod network;
 mod proposal;
 mod state_machine;
 
+pub use faults::Faults;
+pub use forward::{ForwardError, Replica};
 pub use log_store::{LogStore, LogStoreError};
 pub use network::{Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};

@@ -24,15 +24,17 @@ use serde::de::DeserializeOwned;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
-use crate::{KvRaft, TypeConfig};
+use crate::faults::Faults;
+use crate::forward::{ForwardError, ForwardReply, ReadIndexReply};
+use crate::{KvRaft, Proposal, TypeConfig};
 
 const SNAPSHOT_CHUNK: usize = 1 << 20;
 
-fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     rmp_serde::to_vec_named(v).unwrap_or_default()
 }
 
-fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
+pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
     rmp_serde::from_slice(b).map_err(|e| e.to_string())
 }
 
@@ -40,9 +42,25 @@ fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
 #[derive(Debug, Clone, Default)]
 pub struct Network {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    faults: Faults,
 }
 
 impl Network {
+    pub fn new(faults: Faults) -> Self {
+        Self {
+            channels: Arc::default(),
+            faults,
+        }
+    }
+
+    /// A client for `peer` at `addr`, unless the fault layer cuts it off.
+    pub(crate) fn peer(&self, peer: u64, addr: &str) -> Result<RaftClient<Channel>, String> {
+        if self.faults.is_blocked(peer) {
+            return Err(format!("peer {peer} is cut off by fault injection"));
+        }
+        self.channel(addr).map(RaftClient::new)
+    }
+
     fn channel(&self, addr: &str) -> Result<Channel, String> {
         let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = map.get(addr) {
@@ -68,6 +86,7 @@ impl Network {
 pub struct Connection {
     target: u64,
     client: Result<RaftClient<Channel>, String>,
+    faults: Faults,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -77,6 +96,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         Connection {
             target,
             client: self.channel(&node.addr).map(RaftClient::new),
+            faults: self.faults.clone(),
         }
     }
 }
@@ -96,6 +116,12 @@ fn status_error<E: std::error::Error>(s: &Status) -> RPCError<TypeConfig, E> {
 
 impl Connection {
     fn client(&self) -> Result<RaftClient<Channel>, Unreachable<TypeConfig>> {
+        if self.faults.is_blocked(self.target) {
+            return Err(Unreachable::from_string(format!(
+                "peer {} is cut off by fault injection",
+                self.target
+            )));
+        }
         self.client.clone().map_err(Unreachable::from_string)
     }
 
@@ -266,6 +292,47 @@ impl raft_server::Raft for RaftGrpc {
             .await;
         Ok(Response::new(RaftPayload {
             data: encode(&result),
+        }))
+    }
+
+    async fn propose(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
+        let command = decode(&request.into_inner().data).map_err(bad_request)?;
+        let reply: ForwardReply = match self.raft.client_write(Proposal::now(command)).await {
+            Ok(r) => Ok(r.data),
+            Err(RaftError::APIError(openraft::errors::ClientWriteError::ForwardToLeader(f))) => {
+                Err(ForwardError::NotLeader {
+                    leader: f.leader_id,
+                })
+            }
+            Err(e) => Err(ForwardError::Failed(e.to_string())),
+        };
+        Ok(Response::new(RaftPayload {
+            data: encode(&reply),
+        }))
+    }
+
+    async fn read_index(
+        &self,
+        _request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
+        let reply: ReadIndexReply = match self
+            .raft
+            .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
+            .await
+        {
+            Ok(read) => Ok(read.log_id().index),
+            Err(RaftError::APIError(openraft::errors::LinearizableReadError::ForwardToLeader(
+                f,
+            ))) => Err(ForwardError::NotLeader {
+                leader: f.leader_id,
+            }),
+            Err(e) => Err(ForwardError::Failed(e.to_string())),
+        };
+        Ok(Response::new(RaftPayload {
+            data: encode(&reply),
         }))
     }
 }

@@ -1,6 +1,7 @@
 //! What a Raft entry carries for kvplane.
 
 use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvplane_state::Command;
 use serde::{Deserialize, Serialize};
@@ -11,6 +12,20 @@ use serde::{Deserialize, Serialize};
 pub struct Proposal {
     pub timestamp_ms: u64,
     pub command: Command,
+}
+
+impl Proposal {
+    /// A proposal stamped with this node's clock (only a leader proposes).
+    pub fn now(command: Command) -> Self {
+        let timestamp_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        Self {
+            timestamp_ms,
+            command,
+        }
+    }
 }
 
 impl fmt::Display for Proposal {

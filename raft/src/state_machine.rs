@@ -206,7 +206,13 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
         inner.sm = restored;
         inner.last_applied = meta.last_log_id;
         inner.membership = meta.last_membership.clone();
+        let bytes = snapshot.len();
         inner.keep(meta.clone(), snapshot)?;
+        tracing::info!(
+            index = meta.last_log_id.as_ref().map_or(0, |l| l.index),
+            bytes,
+            "installed a snapshot from the leader"
+        );
         Ok(())
     }
 

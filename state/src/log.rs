@@ -13,6 +13,13 @@ pub enum ProposeError {
     NotLeader { leader: Option<String> },
     #[error("the log is shut down")]
     Closed,
+    /// No leader could be reached in time: this replica may be cut off from a quorum.
+    #[error("no quorum reachable: {0}")]
+    Unavailable(String),
+    /// The entry was committed at `index`, but the state machine refused the command (every
+    /// replica refuses it identically).
+    #[error("refused at index {index}: {reason}")]
+    Refused { index: u64, reason: String },
     #[error("log failure: {0}")]
     Log(String),
 }

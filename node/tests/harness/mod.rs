@@ -1,7 +1,7 @@
 //! Test harness: real `nats-server` and real `kvplane` processes on free loopback ports, each
 //! with its own directory. Waits are on conditions (polled), never fixed sleeps.
 
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(dead_code, unused_imports, clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -15,6 +15,9 @@ use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{StatusRequest, StatusResponse};
 use tempfile::TempDir;
 use tonic::transport::Channel;
+
+mod raft;
+pub use raft::{chain, prompt, routed_worker, started};
 
 /// Polls `f` until it returns `Some`, or panics after `timeout` naming `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
@@ -144,13 +147,17 @@ pub struct NodeOptions {
     pub raft: Option<RaftOptions>,
 }
 
-/// A cluster member's Raft settings.
-#[derive(Debug, Clone)]
+/// A cluster member's Raft settings (the fault layer is always enabled in tests).
+#[derive(Debug, Clone, Default)]
 pub struct RaftOptions {
     pub id: u64,
     /// Every member as (id, gRPC address).
     pub peers: Vec<(u64, String)>,
     pub bootstrap: bool,
+    /// Addresses to ask for membership when the log is empty.
+    pub join: Vec<String>,
+    /// `(snapshot_logs, keep_logs_after_snapshot)` when not the defaults.
+    pub compaction: Option<(u64, u64)>,
 }
 
 impl Default for NodeOptions {
@@ -174,6 +181,8 @@ pub struct Node {
     pub grpc: SocketAddr,
     pub http: SocketAddr,
     pub dir: PathBuf,
+    /// The Raft id, for cluster members.
+    pub raft_id: Option<u64>,
     config: PathBuf,
     starts: u32,
 }
@@ -192,16 +201,27 @@ impl Node {
             id,
             peers,
             bootstrap,
+            join,
+            compaction,
         }) = &o.raft
         {
             toml.push_str(&format!(
-                "\n[raft]\nid = {id}\nbootstrap = {bootstrap}\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\n",
+                "\n[raft]\nid = {id}\nbootstrap = {bootstrap}\nfault_injection = true\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\njoin = [{}]\n",
                 peers
                     .iter()
                     .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
                     .collect::<Vec<_>>()
+                    .join(", "),
+                join.iter()
+                    .map(|a| format!("{a:?}"))
+                    .collect::<Vec<_>>()
                     .join(", ")
             ));
+            if let Some((every, keep)) = compaction {
+                toml.push_str(&format!(
+                    "snapshot_logs = {every}\nkeep_logs_after_snapshot = {keep}\n"
+                ));
+            }
         }
         let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
         for (pool, bs) in &o.pools {
@@ -224,6 +244,7 @@ impl Node {
             grpc: "0.0.0.0:0".parse().unwrap(),
             http: "0.0.0.0:0".parse().unwrap(),
             dir: dir.to_owned(),
+            raft_id: o.raft.as_ref().map(|r| r.id),
             config,
             starts: 0,
         };
@@ -283,18 +304,48 @@ impl Node {
 
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal("-TERM");
         let mut c = self.child.take().expect("node is not running");
-        let status = Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
         c.wait().unwrap()
     }
 
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the node before restarting it");
         self.spawn();
+    }
+
+    fn signal(&self, sig: &str) {
+        let c = self.child.as_ref().expect("node is not running");
+        let status = Command::new("kill")
+            .args([sig, &c.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// SIGSTOP: the process freezes (its sockets stay open, nothing answers).
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after `pause`.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// The fault layer: this node stops sending Raft traffic to these Raft ids.
+    pub async fn block(&self, peers: Vec<u64>) {
+        self.admin()
+            .await
+            .set_faults(kvplane_proto::v1::SetFaultsRequest {
+                blocked_peers: peers,
+            })
+            .await
+            .unwrap();
+    }
+
+    pub async fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::connect(self.endpoint()).await.unwrap()
     }
 
     pub fn endpoint(&self) -> String {
@@ -307,7 +358,10 @@ impl Node {
 
     pub async fn status(&self) -> StatusResponse {
         let mut c = AdminClient::connect(self.endpoint()).await.unwrap();
-        c.status(StatusRequest {}).await.unwrap().into_inner()
+        c.status(StatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
     }
 
     /// Waits until the node has applied the stream up to `seq`.
@@ -385,6 +439,7 @@ impl Cluster {
                         id: peers[i].0,
                         peers: peers.clone(),
                         bootstrap: i == 0,
+                        ..o.raft.clone().unwrap_or_default()
                     }),
                     ..o.clone()
                 };
@@ -399,13 +454,39 @@ impl Cluster {
         let mut leaders = Vec::new();
         for &i in among {
             if let Ok(mut c) = AdminClient::connect(self.nodes[i].endpoint()).await
-                && let Ok(s) = c.status(StatusRequest {}).await
+                && let Ok(s) = c.status(StatusRequest::default()).await
                 && s.into_inner().role == "leader"
             {
                 leaders.push(i);
             }
         }
         (leaders.len() == 1).then(|| leaders[0])
+    }
+
+    /// Cuts node `i` off from every other running member (both directions).
+    pub async fn isolate(&mut self, i: usize) {
+        let id = self.nodes[i].raft_id.unwrap();
+        let others: Vec<u64> = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.raft_id)
+            .filter(|o| *o != id)
+            .collect();
+        self.nodes[i].block(others).await;
+        for j in 0..self.nodes.len() {
+            if j != i && self.nodes[j].raft_id.is_some() && self.nodes[j].is_running() {
+                self.nodes[j].block(vec![id]).await;
+            }
+        }
+    }
+
+    /// Removes every cut.
+    pub async fn heal(&mut self) {
+        for n in &mut self.nodes {
+            if n.raft_id.is_some() && n.is_running() {
+                n.block(Vec::new()).await;
+            }
+        }
     }
 
     /// Starts one more node on the same NATS, with its own empty directory.

@@ -1,0 +1,333 @@
+//! The `[raft]` section: who this member is and how it finds the cluster, from a static peer
+//! list, a join list, or a Kubernetes StatefulSet's ordinal and headless-service names.
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+/// A Raft cluster member.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PeerSection {
+    /// Raft node id: unique, never reused for a node that lost its data.
+    pub id: u64,
+    /// The member's gRPC address (`host:port`); Raft runs on the API port.
+    pub addr: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RaftSection {
+    /// This node's Raft id (derived from the pod ordinal with `kubernetes`).
+    #[serde(default)]
+    pub id: Option<u64>,
+    /// The initial members, this node included (static clusters).
+    #[serde(default)]
+    pub peers: Vec<PeerSection>,
+    /// Initialize a new cluster from `peers` when this node's log is empty (set on exactly one
+    /// node).
+    #[serde(default)]
+    pub bootstrap: bool,
+    /// Members to ask for membership when this node's log is empty and it does not bootstrap:
+    /// it is added as a learner, catches up, then becomes a voter.
+    #[serde(default)]
+    pub join: Vec<String>,
+    /// This node's address as its peers reach it (default: its entry in `peers`, else
+    /// `grpc_listen`).
+    #[serde(default)]
+    pub advertise_addr: Option<String>,
+    /// Derive id, address, bootstrap and join from the StatefulSet pod name.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesSection>,
+    /// Test only: accept `Admin.SetFaults`, which cuts Raft traffic to chosen peers.
+    #[serde(default)]
+    pub fault_injection: bool,
+    /// Bound on a forwarded write or a linearizable read, leader changes included.
+    #[serde(default = "RaftSection::default_forward_timeout_ms")]
+    pub forward_timeout_ms: u64,
+    #[serde(default = "RaftSection::default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    #[serde(default = "RaftSection::default_election_min_ms")]
+    pub election_timeout_min_ms: u64,
+    #[serde(default = "RaftSection::default_election_max_ms")]
+    pub election_timeout_max_ms: u64,
+    /// Take a snapshot after this many entries; the log before it is then purged.
+    #[serde(default = "RaftSection::default_snapshot_logs")]
+    pub snapshot_logs: u64,
+    /// Entries kept in the log behind a snapshot, so that a briefly lagging follower catches up
+    /// from the log rather than a whole snapshot.
+    #[serde(default = "RaftSection::default_keep_logs")]
+    pub keep_logs_after_snapshot: u64,
+}
+
+/// A StatefulSet member: pod `<statefulset>-<ordinal>` behind a headless Service.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSection {
+    /// The pod name (default: the `HOSTNAME` environment variable, which Kubernetes sets to it).
+    #[serde(default)]
+    pub pod_name: Option<String>,
+    /// The headless Service that gives each pod a DNS name.
+    pub service: String,
+    pub namespace: String,
+    #[serde(default = "KubernetesSection::default_cluster_domain")]
+    pub cluster_domain: String,
+    /// The gRPC port peers use (default: `grpc_listen`'s port).
+    #[serde(default)]
+    pub port: Option<u16>,
+}
+
+impl KubernetesSection {
+    fn default_cluster_domain() -> String {
+        "cluster.local".into()
+    }
+
+    fn pod_name(&self) -> Result<String, String> {
+        match &self.pod_name {
+            Some(p) => Ok(p.clone()),
+            None => std::env::var("HOSTNAME").map_err(|_| {
+                "raft.kubernetes.pod_name is not set and HOSTNAME is not in the environment"
+                    .to_owned()
+            }),
+        }
+    }
+
+    fn addr(&self, pod: &str, port: u16) -> String {
+        format!(
+            "{pod}.{}.{}.svc.{}:{port}",
+            self.service, self.namespace, self.cluster_domain
+        )
+    }
+}
+
+/// Who this member is and how it enters the cluster, resolved from the section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Membership {
+    pub id: u64,
+    /// The address peers reach this node at.
+    pub addr: String,
+    /// Members of a new cluster this node initializes when its log is empty (empty: never).
+    pub initial: Vec<PeerSection>,
+    /// Addresses to ask for membership when the log is empty and nothing is initialized.
+    pub join: Vec<String>,
+}
+
+impl RaftSection {
+    fn default_forward_timeout_ms() -> u64 {
+        5_000
+    }
+    fn default_heartbeat_ms() -> u64 {
+        100
+    }
+    fn default_election_min_ms() -> u64 {
+        500
+    }
+    fn default_election_max_ms() -> u64 {
+        1000
+    }
+    fn default_snapshot_logs() -> u64 {
+        10_000
+    }
+    fn default_keep_logs() -> u64 {
+        1_000
+    }
+
+    /// Resolves this member's identity. With `kubernetes`, pod `<set>-<n>` has id `n + 1` (ids
+    /// start at 1), ordinal 0 initializes a one-member cluster, and ordinal `n` joins through
+    /// ordinals `0..n`.
+    pub fn membership(&self, grpc_listen: &str) -> Result<Membership, String> {
+        if let Some(k) = &self.kubernetes {
+            let pod = k.pod_name()?;
+            let (set, ordinal) = pod
+                .rsplit_once('-')
+                .and_then(|(set, n)| Some((set, n.parse::<u64>().ok()?)))
+                .ok_or_else(|| format!("pod name {pod:?} is not <statefulset>-<ordinal>"))?;
+            let port = match k.port {
+                Some(p) => p,
+                None => grpc_listen
+                    .parse::<SocketAddr>()
+                    .map(|a| a.port())
+                    .map_err(|_| format!("grpc_listen {grpc_listen:?} has no port"))?,
+            };
+            let id = ordinal + 1;
+            let addr = k.addr(&pod, port);
+            return Ok(Membership {
+                id,
+                initial: if ordinal == 0 {
+                    vec![PeerSection {
+                        id,
+                        addr: addr.clone(),
+                    }]
+                } else {
+                    Vec::new()
+                },
+                join: (0..ordinal)
+                    .map(|o| k.addr(&format!("{set}-{o}"), port))
+                    .collect(),
+                addr,
+            });
+        }
+        let id = self
+            .id
+            .ok_or("raft.id is required unless raft.kubernetes is set")?;
+        let addr = self
+            .advertise_addr
+            .clone()
+            .or_else(|| {
+                self.peers
+                    .iter()
+                    .find(|p| p.id == id)
+                    .map(|p| p.addr.clone())
+            })
+            .unwrap_or_else(|| grpc_listen.to_owned());
+        let initial = if self.bootstrap {
+            let mut peers = self.peers.clone();
+            if !peers.iter().any(|p| p.id == id) {
+                peers.push(PeerSection {
+                    id,
+                    addr: addr.clone(),
+                });
+            }
+            peers
+        } else {
+            Vec::new()
+        };
+        Ok(Membership {
+            id,
+            addr,
+            initial,
+            join: self.join.clone(),
+        })
+    }
+
+    pub(crate) fn problems(&self, grpc_listen: &str, p: &mut Vec<String>) {
+        if self.kubernetes.is_some()
+            && (self.id.is_some()
+                || !self.peers.is_empty()
+                || self.bootstrap
+                || !self.join.is_empty())
+        {
+            p.push(
+                "raft.kubernetes derives id, peers, bootstrap and join: set none of them".into(),
+            );
+        }
+        if let Err(e) = self.membership(grpc_listen) {
+            p.push(e);
+        }
+        if let Some(id) = self.id
+            && !self.peers.is_empty()
+            && !self.peers.iter().any(|m| m.id == id)
+        {
+            p.push(format!("raft.id {id} is not among raft.peers"));
+        }
+        if self.kubernetes.is_none() && self.peers.is_empty() && self.join.is_empty() {
+            p.push("raft needs peers (static), join addresses, or kubernetes".into());
+        }
+        let mut ids = std::collections::BTreeSet::new();
+        for (i, m) in self.peers.iter().enumerate() {
+            if !ids.insert(m.id) {
+                p.push(format!("raft.peers[{i}].id {} is listed twice", m.id));
+            }
+            if !is_host_port(&m.addr) {
+                p.push(format!(
+                    "raft.peers[{i}].addr {:?} is not host:port",
+                    m.addr
+                ));
+            }
+        }
+        for (i, a) in self.join.iter().enumerate() {
+            if !is_host_port(a) {
+                p.push(format!("raft.join[{i}] {a:?} is not host:port"));
+            }
+        }
+        if self.forward_timeout_ms == 0 {
+            p.push("raft.forward_timeout_ms must be at least 1".into());
+        }
+        if self.heartbeat_ms == 0 || self.election_timeout_min_ms <= self.heartbeat_ms {
+            p.push("raft.election_timeout_min_ms must exceed raft.heartbeat_ms (> 0)".into());
+        }
+        if self.election_timeout_max_ms <= self.election_timeout_min_ms {
+            p.push("raft.election_timeout_max_ms must exceed raft.election_timeout_min_ms".into());
+        }
+        if self.snapshot_logs == 0 {
+            p.push("raft.snapshot_logs must be at least 1".into());
+        }
+    }
+}
+
+fn is_host_port(a: &str) -> bool {
+    a.parse::<SocketAddr>().is_ok()
+        || a.rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(toml_text: &str) -> RaftSection {
+        toml::from_str(toml_text).unwrap()
+    }
+
+    fn k8s(pod: &str) -> RaftSection {
+        section(&format!(
+            "[kubernetes]\npod_name = \"{pod}\"\nservice = \"kvplane-peers\"\nnamespace = \"infra\"\n"
+        ))
+    }
+
+    #[test]
+    fn ordinal_zero_initializes_a_one_member_cluster() {
+        let m = k8s("kvplane-0").membership("0.0.0.0:7070").unwrap();
+        let addr = "kvplane-0.kvplane-peers.infra.svc.cluster.local:7070";
+        assert_eq!(m.id, 1);
+        assert_eq!(m.addr, addr);
+        assert_eq!(
+            m.initial,
+            vec![PeerSection {
+                id: 1,
+                addr: addr.into()
+            }]
+        );
+        assert!(m.join.is_empty());
+    }
+
+    #[test]
+    fn higher_ordinals_join_through_the_lower_ones() {
+        let m = k8s("kvplane-2").membership("0.0.0.0:7070").unwrap();
+        assert_eq!(m.id, 3);
+        assert!(m.initial.is_empty());
+        assert_eq!(
+            m.join,
+            vec![
+                "kvplane-0.kvplane-peers.infra.svc.cluster.local:7070",
+                "kvplane-1.kvplane-peers.infra.svc.cluster.local:7070",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_pod_name_without_an_ordinal_is_a_config_problem() {
+        let mut p = Vec::new();
+        k8s("kvplane").problems("0.0.0.0:7070", &mut p);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].contains("<statefulset>-<ordinal>"), "{p:?}");
+    }
+
+    #[test]
+    fn static_bootstrap_uses_the_peer_list() {
+        let s = section(
+            "id = 2\nbootstrap = true\npeers = [{ id = 1, addr = \"a:1\" }, { id = 2, addr = \"b:2\" }]\n",
+        );
+        let m = s.membership("0.0.0.0:7070").unwrap();
+        assert_eq!((m.id, m.addr.as_str(), m.initial.len()), (2, "b:2", 2));
+    }
+
+    #[test]
+    fn kubernetes_and_static_settings_are_not_mixed() {
+        let mut s = k8s("kvplane-1");
+        s.id = Some(4);
+        let mut p = Vec::new();
+        s.problems("0.0.0.0:7070", &mut p);
+        assert!(p.iter().any(|e| e.contains("set none of them")), "{p:?}");
+    }
+}

@@ -1,0 +1,275 @@
+//! Faults a Raft cluster of real `kvplane serve` processes must survive: a follower cut off by
+//! the network, a frozen (SIGSTOP) leader, a member away while the log was compacted, and
+//! members that join an existing cluster on their own.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use harness::{Cluster, Nats, Node, NodeOptions, RaftOptions, chain, prompt, publish};
+use harness::{routed_worker, started, wait_for};
+use kvplane_ingest::{ensure_stream, kv_subject};
+use kvplane_proto::v1::{
+    PutConfigRequest, ReadConsistency, RouteRequest, StatusRequest, route_response::Decision,
+};
+
+/// Publishes KV chains `from..to` (three workers) and returns the last stream sequence.
+async fn publish_chains(js: &async_nats::jetstream::Context, from: u64, to: u64) -> u64 {
+    let mut last = 0;
+    for i in from..to {
+        last = publish(
+            js,
+            kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    last
+}
+
+fn pool_object(block_size: u32, model: &str) -> Vec<u8> {
+    format!(r#"{{"block_size":{block_size},"models":["{model}"]}}"#).into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_follower_serves_stale_reads_refuses_writes_and_converges_after_heal() {
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let last = publish_chains(&js, 0, 10).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let (cut, other) = {
+        let f: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+        (f[0], f[1])
+    };
+    cluster.isolate(cut).await;
+    let before = cluster.nodes[cut].status().await.applied_index;
+
+    // The majority goes on ingesting.
+    let last = publish_chains(&js, 10, 20).await;
+    cluster.all_agree(&[leader, other], last).await;
+    let majority_index = cluster.nodes[other].status().await.applied_index;
+    assert!(majority_index > before);
+
+    // The cut-off follower still answers Route, from its older state, and says how old.
+    let mut router = cluster.nodes[cut].router().await;
+    let stale = router
+        .route(RouteRequest {
+            token_ids: prompt(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(stale.decision, Some(Decision::Endpoint(_))));
+    assert_eq!(stale.applied_index, before);
+    // Asking for a fresher state than it has is refused, not answered wrongly.
+    let err = router
+        .route(RouteRequest {
+            token_ids: prompt(3),
+            min_applied_index: majority_index,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+
+    // Writes and linearizable reads there fail clearly and within the forward timeout.
+    let started_at = Instant::now();
+    let err = cluster.nodes[cut]
+        .admin()
+        .await
+        .put_config(PutConfigRequest {
+            kind: "pool".into(),
+            name: "extra".into(),
+            value: pool_object(16, "m"),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(err.message().contains("no quorum reachable"), "{err}");
+    assert!(started_at.elapsed() < Duration::from_secs(6));
+    let err = router
+        .route(RouteRequest {
+            token_ids: prompt(3),
+            linearizable: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+
+    // A follower on the majority side forwards a write to the leader and reads it back.
+    let mut admin = cluster.nodes[other].admin().await;
+    let written = admin
+        .put_config(PutConfigRequest {
+            kind: "pool".into(),
+            name: "extra".into(),
+            value: pool_object(16, "m"),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .index;
+    assert!(written > majority_index);
+    let s = admin
+        .status(StatusRequest {
+            consistency: Some(ReadConsistency {
+                min_applied_index: written,
+                linearizable: true,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.applied_index >= written && s.config_index == written);
+    // An invalid object is committed and refused identically everywhere: a clear error.
+    let err = admin
+        .put_config(PutConfigRequest {
+            kind: "pool".into(),
+            name: "bad".into(),
+            value: pool_object(0, "m"),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    assert!(err.message().contains("block_size"), "{err}");
+
+    // Healed, the follower catches up to the same state, new pool included.
+    cluster.heal().await;
+    let last = publish_chains(&js, 20, 25).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let s = cluster.nodes[cut].status().await;
+    assert!(s.config_index >= written, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_is_replaced_and_follows_after_it_resumes() {
+    let (cluster, js) = started(&NodeOptions::default()).await;
+    let last = publish_chains(&js, 0, 10).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let rest: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+
+    cluster.nodes[leader].pause();
+    let paused_at = Instant::now();
+    let new_leader = wait_for("a new leader", Duration::from_secs(20), || {
+        cluster.leader(&rest)
+    })
+    .await;
+    eprintln!("new leader after SIGSTOP in {:?}", paused_at.elapsed());
+    // Ingest resumes on the new leader; Route answers on both live members.
+    let last = publish_chains(&js, 10, 20).await;
+    cluster.all_agree(&rest, last).await;
+    for &i in &rest {
+        let (w, matched) = routed_worker(&cluster.nodes[i], &prompt(15)).await.unwrap();
+        assert_eq!((w.as_str(), matched), ("w0", 3));
+    }
+
+    // Resumed, the old leader learns of the new term and catches up as a follower.
+    cluster.nodes[leader].resume();
+    let last = publish_chains(&js, 20, 25).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    assert_eq!(cluster.leader(&[0, 1, 2]).await, Some(new_leader));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot() {
+    let o = NodeOptions {
+        max_batch_messages: 1,
+        raft: Some(RaftOptions {
+            compaction: Some((20, 0)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (mut cluster, js) = started(&o).await;
+    let last = publish_chains(&js, 0, 5).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let away = (0..3).find(|i| *i != leader).unwrap();
+    let away_applied = cluster.nodes[away].status().await.applied_index;
+    cluster.nodes[away].kill();
+
+    // One entry per message: well past two snapshots while the member is away.
+    let last = publish_chains(&js, 5, 80).await;
+    let rest: Vec<usize> = (0..3).filter(|i| *i != away).collect();
+    cluster.all_agree(&rest, last).await;
+    let purged = wait_for(
+        "the leader to purge its log",
+        Duration::from_secs(20),
+        || async {
+            let mut admin = cluster.nodes[leader].admin().await;
+            let s = admin
+                .cluster_status(StatusRequest::default())
+                .await
+                .ok()?
+                .into_inner();
+            (s.purged_index > away_applied + 1).then_some(s.purged_index)
+        },
+    )
+    .await;
+
+    cluster.nodes[away].restart();
+    cluster.all_agree(&[0, 1, 2], last).await;
+    assert!(
+        cluster.nodes[away]
+            .log()
+            .contains("installed a snapshot from the leader"),
+        "the member caught up from before purged index {purged}:\n{}",
+        cluster.nodes[away].log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_started_with_join_addresses_form_one_cluster() {
+    let nats = Nats::start();
+    let root = tempfile::tempdir().unwrap();
+    let addrs: Vec<String> = (0..3)
+        .map(|_| format!("127.0.0.1:{}", harness::free_port()))
+        .collect();
+    let nodes: Vec<Node> = (0..3)
+        .map(|i| {
+            let name = format!("kvplane-{i}");
+            let raft = if i == 0 {
+                // Like StatefulSet ordinal 0: a new one-member cluster.
+                RaftOptions {
+                    id: 1,
+                    peers: vec![(1, addrs[0].clone())],
+                    bootstrap: true,
+                    ..Default::default()
+                }
+            } else {
+                // Like ordinal i: ask the lower ordinals for membership.
+                RaftOptions {
+                    id: i as u64 + 1,
+                    peers: vec![(i as u64 + 1, addrs[i].clone())],
+                    join: addrs[..i].to_vec(),
+                    ..Default::default()
+                }
+            };
+            let o = NodeOptions {
+                grpc_listen: addrs[i].clone(),
+                raft: Some(raft),
+                ..Default::default()
+            };
+            Node::start(&name, &root.path().join(&name), &nats.url(), &o)
+        })
+        .collect();
+    let cluster = Cluster { nats, nodes, root };
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("three voters", Duration::from_secs(30), || async {
+        let mut admin = cluster.nodes[2].admin().await;
+        let s = admin
+            .cluster_status(StatusRequest::default())
+            .await
+            .ok()?
+            .into_inner();
+        (s.members.iter().filter(|m| m.voter).count() == 3).then_some(())
+    })
+    .await;
+    let last = publish_chains(&js, 0, 10).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+}

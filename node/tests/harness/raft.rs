@@ -1,0 +1,87 @@
+//! Helpers for Raft cluster tests: a stream of KV events, Route calls, agreement checks.
+
+use std::time::Duration;
+
+use kvplane_ingest::ensure_stream;
+use kvplane_ingest::vllm::encode_batch;
+use kvplane_proto::v1::{RouteRequest, route_response::Decision};
+use kvplane_state::{KvBatch, KvEvent, Tier};
+
+use super::{Cluster, Node, NodeOptions, wait_for};
+
+pub fn chain(tokens: &[u32], salt: u64) -> Vec<u8> {
+    let n = tokens.len() / 16;
+    encode_batch(
+        0.0,
+        &KvBatch {
+            dp_rank: 0,
+            events: vec![KvEvent::Stored {
+                block_hashes: (0..n as u64).map(|i| salt * 1_000 + i).collect(),
+                parent_hash: None,
+                token_ids: tokens[..n * 16].to_vec(),
+                block_size: 16,
+                lora_name: None,
+                tier: Tier::Gpu,
+            }],
+        },
+    )
+}
+
+pub fn prompt(i: u64) -> Vec<u32> {
+    (0..48).map(|t| (i * 1_000 + t) as u32).collect()
+}
+
+pub async fn routed_worker(node: &Node, tokens: &[u32]) -> Result<(String, u32), tonic::Status> {
+    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let r = c
+        .route(RouteRequest {
+            token_ids: tokens.to_vec(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    match r.decision {
+        Some(Decision::Endpoint(e)) => Ok((e.worker_id, r.matched_blocks)),
+        other => Err(tonic::Status::internal(format!("{other:?}"))),
+    }
+}
+
+/// Three Raft members with an elected leader, and a JetStream client with the stream created.
+pub async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Context) {
+    let cluster = Cluster::start_raft(3, o);
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    wait_for("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    (cluster, js)
+}
+
+impl Cluster {
+    /// Waits until every node in `among` applied the stream up to `last` and all report the
+    /// same digest and index size; returns the digest.
+    pub async fn all_agree(&self, among: &[usize], last: u64) -> String {
+        wait_for(
+            "every replica to apply the stream and agree",
+            Duration::from_secs(30),
+            || async {
+                let mut digests = Vec::new();
+                for &i in among {
+                    let s = self.nodes[i].status().await;
+                    if s.ingest.as_ref().map_or(0, |g| g.applied_stream_sequence) < last {
+                        return None;
+                    }
+                    digests.push((s.state_digest, s.indexed_blocks));
+                }
+                digests
+                    .windows(2)
+                    .all(|w| w[0] == w[1])
+                    .then(|| digests[0].0.clone())
+            },
+        )
+        .await
+    }
+}
