@@ -39,6 +39,9 @@ enum Cmd {
     Demo(crate::demo::DemoArgs),
     /// Raft membership: status, add, remove.
     Cluster(crate::cluster_cmd::ClusterArgs),
+    /// Benchmarks (JSON on stdout).
+    #[command(subcommand)]
+    Bench(crate::bench::BenchCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -84,6 +87,7 @@ pub fn main() -> ExitCode {
         }),
         Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
         Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
+        Cmd::Bench(c) => rt.block_on(crate::bench::run(c)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

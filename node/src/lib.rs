@@ -1,6 +1,7 @@
 //! The kvplane node: configuration, wiring of state, ingest and API, telemetry, and the
 //! subcommands of the `kvplane` binary.
 
+mod bench;
 mod bridge_cmd;
 pub mod cli;
 mod cluster_cmd;

@@ -147,11 +147,19 @@ impl PoolIndex {
 
     /// Waits until every event queued so far is visible to readers.
     pub fn flush(&self) {
-        futures::executor::block_on(self.tree.flush());
+        block_on(self.tree.flush());
     }
 
     /// The whole tree as router events, for snapshots.
     pub(crate) fn dump(&self) -> Vec<RouterEvent> {
-        futures::executor::block_on(self.tree.dump_events()).unwrap_or_default()
+        block_on(self.tree.dump_events()).unwrap_or_default()
     }
+}
+
+/// Waits for the indexer from synchronous code. The indexer answers through tokio channels,
+/// which charge the caller's cooperative budget: when `apply` runs inside a tokio task (Raft's
+/// state-machine task), an exhausted budget would make every poll return pending and this
+/// wait spin forever. Unconstrained, the wait never touches the budget.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    futures::executor::block_on(tokio::task::unconstrained(f))
 }

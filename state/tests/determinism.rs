@@ -361,3 +361,66 @@ fn out_of_order_entries_are_refused() {
     let mut sm = run(&es);
     assert!(sm.apply(&es[0]).is_err());
 }
+
+/// Raft applies entries inside a tokio task. Hundreds of entries in one task poll used to
+/// exhaust tokio's cooperative budget inside the index flush and spin forever.
+#[test]
+fn applying_many_entries_inside_one_async_task_completes() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let applied = rt.block_on(async {
+            let mut sm = StateMachine::new();
+            let mut index = 0;
+            let mut next = |command| {
+                index += 1;
+                Entry {
+                    index,
+                    timestamp_ms: 0,
+                    command,
+                }
+            };
+            sm.apply(&next(Command::ConfigPut {
+                kind: POOL_KIND.into(),
+                name: "p".into(),
+                value: PoolConfig {
+                    block_size: BS,
+                    models: Vec::new(),
+                }
+                .to_json(),
+            }))
+            .unwrap();
+            for seq in 1..=500u64 {
+                let entry = next(Command::Ingest(IngestBatch {
+                    first_seq: seq,
+                    last_seq: seq,
+                    items: vec![IngestItem {
+                        seq,
+                        pool: "p".into(),
+                        worker: "w".into(),
+                        payload: IngestPayload::Kv(KvBatch {
+                            dp_rank: 0,
+                            events: vec![KvEvent::Stored {
+                                block_hashes: vec![seq],
+                                parent_hash: None,
+                                token_ids: (0..BS).map(|t| seq as u32 * 10 + t).collect(),
+                                block_size: BS,
+                                lora_name: None,
+                                tier: Tier::Gpu,
+                            }],
+                        }),
+                    }],
+                }));
+                sm.apply(&entry).unwrap();
+            }
+            sm.applied_index()
+        });
+        let _ = tx.send(applied);
+    });
+    let applied = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("apply inside a tokio task did not finish");
+    assert_eq!(applied, 501);
+}

@@ -1,0 +1,16 @@
+//! `kvplane bench ...`: benchmarks that print JSON.
+
+pub mod cluster;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCmd {
+    /// Raft's cost: committed events/s through three members vs a bare state machine, and
+    /// leader-stop to first-commit times.
+    Cluster(cluster::ClusterBenchArgs),
+}
+
+pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Cluster(a) => cluster::run(a).await,
+    }
+}

@@ -1,0 +1,34 @@
+//! `kvplane bench cluster` runs end to end and reports what it measured, in JSON.
+
+#![allow(clippy::unwrap_used)]
+
+#[test]
+fn the_cluster_benchmark_commits_everything_and_measures_failover() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(["bench", "cluster", "--entries", "200", "--kills", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["workload"]["kv_events"], 200 * 16);
+    assert_eq!(r["cluster"]["digests_agree"], true);
+    assert_eq!(r["cluster"]["indexed_blocks"], 200 * 16 * 4);
+    assert!(
+        r["cluster"]["committed"]["kv_events_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(r["single_node_apply"]["kv_events_per_s"].as_f64().unwrap() > 0.0);
+    let kills = r["failover"]["kill_to_first_commit_ms"].as_array().unwrap();
+    assert_eq!(kills.len(), 2);
+    // A new leader needs at least one election timeout and commits within a few.
+    for k in kills {
+        let ms = k.as_f64().unwrap();
+        assert!((500.0..10_000.0).contains(&ms), "{ms} ms");
+    }
+}
