@@ -74,6 +74,9 @@ impl RaftMember {
             election_timeout_max: r.election_timeout_max_ms,
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(r.snapshot_logs),
             max_in_snapshot_log_to_keep: r.keep_logs_after_snapshot,
+            // Ingest entries can be large (up to `ingest.max_batch_messages` messages): keep one
+            // AppendEntries message well under the gRPC message limit.
+            max_payload_entries: 64,
             ..Default::default()
         }
         .validate()?;

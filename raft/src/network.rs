@@ -231,7 +231,7 @@ impl RaftGrpc {
     }
 
     pub fn into_service(self) -> raft_server::RaftServer<Self> {
-        raft_server::RaftServer::new(self).max_decoding_message_size(64 << 20)
+        raft_server::RaftServer::new(self).max_decoding_message_size(256 << 20)
     }
 }
 

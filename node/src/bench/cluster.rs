@@ -376,8 +376,8 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
     let mut times = Vec::new();
     for _ in 0..a.kills {
         let leader = wait_leader(&members, Duration::from_secs(20)).await?;
-        members[leader].stop().await;
         let stopped = Instant::now();
+        members[leader].stop().await;
         'commit: loop {
             for m in members.iter().filter(|m| m.leads()) {
                 let r = m.raft().context("a leader is up")?;

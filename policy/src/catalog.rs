@@ -1,0 +1,442 @@
+//! A consistent set of policy objects, and every way it can be inconsistent.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::kinds::{
+    EmptyAction, GatewayBackendSpec, InferencePolicySpec, InferencePoolSpec, InferenceProviderSpec,
+    InferenceWorkerSetSpec, Rule, Targets,
+};
+use crate::object::{Kind, Object, Spec};
+
+/// Every object by kind and name (sorted: iteration is deterministic).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Catalog {
+    pub worker_sets: BTreeMap<String, InferenceWorkerSetSpec>,
+    pub pools: BTreeMap<String, InferencePoolSpec>,
+    pub providers: BTreeMap<String, InferenceProviderSpec>,
+    pub policies: BTreeMap<String, InferencePolicySpec>,
+    pub backends: BTreeMap<String, GatewayBackendSpec>,
+}
+
+/// One inconsistency, located by object and field path.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    pub kind: Kind,
+    pub name: String,
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{} {}: {}",
+            self.kind, self.name, self.path, self.message
+        )
+    }
+}
+
+struct Check<'a> {
+    kind: Kind,
+    name: &'a str,
+    out: &'a mut Vec<Problem>,
+}
+
+impl Check<'_> {
+    fn fail(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.out.push(Problem {
+            kind: self.kind,
+            name: self.name.to_owned(),
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn positive(&mut self, path: &str, v: f64) {
+        if !(v.is_finite() && v > 0.0) {
+            self.fail(path, format!("must be a positive number, got {v}"));
+        }
+    }
+
+    fn fraction(&mut self, path: &str, v: f64) {
+        if !(0.0..=1.0).contains(&v) {
+            self.fail(path, format!("must be within 0..1, got {v}"));
+        }
+    }
+}
+
+impl Catalog {
+    pub fn is_empty(&self) -> bool {
+        self.worker_sets.is_empty()
+            && self.pools.is_empty()
+            && self.providers.is_empty()
+            && self.policies.is_empty()
+            && self.backends.is_empty()
+    }
+
+    /// Adds `o`, replacing an object of the same kind and name; returns whether it replaced one.
+    pub fn insert(&mut self, o: Object) -> bool {
+        let name = o.name;
+        match o.spec {
+            Spec::WorkerSet(s) => self.worker_sets.insert(name, s).is_some(),
+            Spec::Pool(s) => self.pools.insert(name, s).is_some(),
+            Spec::Provider(s) => self.providers.insert(name, s).is_some(),
+            Spec::Policy(s) => self.policies.insert(name, s).is_some(),
+            Spec::Backend(s) => self.backends.insert(name, s).is_some(),
+        }
+    }
+
+    pub fn remove(&mut self, kind: Kind, name: &str) -> bool {
+        match kind {
+            Kind::WorkerSet => self.worker_sets.remove(name).is_some(),
+            Kind::Pool => self.pools.remove(name).is_some(),
+            Kind::Provider => self.providers.remove(name).is_some(),
+            Kind::Policy => self.policies.remove(name).is_some(),
+            Kind::Backend => self.backends.remove(name).is_some(),
+        }
+    }
+
+    /// The backend whose public name is `model`.
+    pub fn backend_for(&self, model: &str) -> Option<(&str, &GatewayBackendSpec)> {
+        self.backends
+            .iter()
+            .find(|(_, b)| b.public_model == model)
+            .map(|(n, b)| (n.as_str(), b))
+    }
+
+    /// Whether some worker set serves `model`, or some backend publishes it.
+    pub fn knows_model(&self, model: &str) -> bool {
+        self.worker_sets.values().any(|w| w.model == model) || self.backend_for(model).is_some()
+    }
+
+    /// Every inconsistency: values out of range, references that do not resolve, alias cycles,
+    /// rules that can never apply. Sorted.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        for (name, ws) in &self.worker_sets {
+            self.check_worker_set(
+                &mut Check {
+                    kind: Kind::WorkerSet,
+                    name,
+                    out: &mut out,
+                },
+                ws,
+            );
+        }
+        for (name, p) in &self.pools {
+            let mut c = Check {
+                kind: Kind::Pool,
+                name,
+                out: &mut out,
+            };
+            if p.worker_sets.is_empty() {
+                c.fail("spec.workerSets", "a pool needs at least one worker set");
+            }
+            for (i, ws) in p.worker_sets.iter().enumerate() {
+                if !self.worker_sets.contains_key(ws) {
+                    c.fail(
+                        format!("spec.workerSets[{i}]"),
+                        format!("InferenceWorkerSet {ws:?} does not exist"),
+                    );
+                }
+            }
+        }
+        for (name, p) in &self.providers {
+            let mut c = Check {
+                kind: Kind::Provider,
+                name,
+                out: &mut out,
+            };
+            if !(p.endpoint.starts_with("http://") || p.endpoint.starts_with("https://")) {
+                c.fail(
+                    "spec.endpoint",
+                    format!("{:?} is not an http(s) URL", p.endpoint),
+                );
+            }
+            if p.model.is_empty() {
+                c.fail("spec.model", "must not be empty");
+            }
+            c.positive("spec.expectedTtftMs", p.expected_ttft_ms);
+            if let Some(r) = &p.rate_limit {
+                if r.requests_per_minute == Some(0) {
+                    c.fail("spec.rateLimit.requestsPerMinute", "must be at least 1");
+                }
+                if r.tokens_per_minute == Some(0) {
+                    c.fail("spec.rateLimit.tokensPerMinute", "must be at least 1");
+                }
+            }
+            if let Some(cost) = &p.cost {
+                cost_problems(&mut c, cost);
+            }
+        }
+        for (name, p) in &self.policies {
+            self.check_policy(
+                &mut Check {
+                    kind: Kind::Policy,
+                    name,
+                    out: &mut out,
+                },
+                p,
+            );
+        }
+        for (name, b) in &self.backends {
+            self.check_backend(
+                &mut Check {
+                    kind: Kind::Backend,
+                    name,
+                    out: &mut out,
+                },
+                name,
+                b,
+            );
+        }
+        out.sort();
+        out
+    }
+
+    fn check_worker_set(&self, c: &mut Check<'_>, ws: &InferenceWorkerSetSpec) {
+        if ws.model.is_empty() {
+            c.fail("spec.model", "must not be empty");
+        }
+        if !(1..=1024).contains(&ws.block_size) {
+            c.fail(
+                "spec.blockSize",
+                format!("must be within 1..=1024, got {}", ws.block_size),
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for (i, e) in ws.endpoints.iter().enumerate() {
+            if !crate::valid_object_name(&e.worker) {
+                c.fail(
+                    format!("spec.endpoints[{i}].worker"),
+                    format!("{:?} is not a valid worker id", e.worker),
+                );
+            }
+            if !seen.insert(&e.worker) {
+                c.fail(
+                    format!("spec.endpoints[{i}].worker"),
+                    format!("{:?} is listed twice", e.worker),
+                );
+            }
+        }
+        if let Some(r) = ws.prefill_tokens_per_second {
+            c.positive("spec.prefillTokensPerSecond", r);
+        }
+        if let Some(cost) = &ws.cost {
+            cost_problems(c, cost);
+        }
+        if !ws.endpoints.is_empty() && ws.selector.is_some() {
+            c.fail("spec.selector", "give endpoints or a selector, not both");
+        }
+    }
+
+    fn check_targets(&self, c: &mut Check<'_>, path: &str, t: &Targets) {
+        for (i, p) in t.pools.iter().enumerate() {
+            if !self.pools.contains_key(p) {
+                c.fail(
+                    format!("{path}.pools[{i}]"),
+                    format!("InferencePool {p:?} does not exist"),
+                );
+            }
+        }
+        for (i, w) in t.worker_sets.iter().enumerate() {
+            if !self.worker_sets.contains_key(w) {
+                c.fail(
+                    format!("{path}.workerSets[{i}]"),
+                    format!("InferenceWorkerSet {w:?} does not exist"),
+                );
+            }
+        }
+        for (i, p) in t.providers.iter().enumerate() {
+            if !self.providers.contains_key(p) {
+                c.fail(
+                    format!("{path}.providers[{i}]"),
+                    format!("InferenceProvider {p:?} does not exist"),
+                );
+            }
+        }
+    }
+
+    fn check_policy(&self, c: &mut Check<'_>, p: &InferencePolicySpec) {
+        if p.rules.is_empty() {
+            c.fail("spec.rules", "a policy needs at least one rule");
+        }
+        let mut names = BTreeSet::new();
+        for (i, r) in p.rules.iter().enumerate() {
+            let at = format!("spec.rules[{i}]");
+            if r.name.is_empty() {
+                c.fail(format!("{at}.name"), "must not be empty");
+            } else if !names.insert(r.name.as_str()) {
+                c.fail(
+                    format!("{at}.name"),
+                    format!("rule {:?} is defined twice", r.name),
+                );
+            }
+            self.check_rule(c, &at, r);
+            // A rule after one that matches every request, or after one with the very same
+            // match, can never apply.
+            if let Some(earlier) = p.rules[..i]
+                .iter()
+                .find(|e| e.matches.is_catch_all() || e.matches == r.matches)
+            {
+                c.fail(
+                    format!("{at}.match"),
+                    format!(
+                        "unreachable: rule {:?} before it matches every request this one matches",
+                        earlier.name
+                    ),
+                );
+            }
+        }
+    }
+
+    fn check_rule(&self, c: &mut Check<'_>, at: &str, r: &Rule) {
+        self.check_targets(c, &format!("{at}.candidates"), &r.candidates);
+        for (j, cond) in r.matches.pool_state.iter().enumerate() {
+            let p = format!("{at}.match.poolState[{j}]");
+            if !self.pools.contains_key(&cond.pool) {
+                c.fail(
+                    format!("{p}.pool"),
+                    format!("InferencePool {:?} does not exist", cond.pool),
+                );
+            }
+            if let Some(v) = cond.max_average_waiting
+                && !(v.is_finite() && v >= 0.0)
+            {
+                c.fail(
+                    format!("{p}.maxAverageWaiting"),
+                    format!("must be zero or more, got {v}"),
+                );
+            }
+            if let Some(v) = cond.max_average_kv_cache_usage {
+                c.fraction(&format!("{p}.maxAverageKvCacheUsage"), v);
+            }
+        }
+        if let Some(v) = r.filter.max_kv_cache_usage {
+            c.fraction(&format!("{at}.filter.maxKvCacheUsage"), v);
+        }
+        match r.on_empty.action {
+            EmptyAction::Fallback if r.on_empty.fallback.is_empty() => {
+                c.fail(
+                    format!("{at}.onEmpty.fallback"),
+                    "Fallback needs fallback targets",
+                );
+            }
+            EmptyAction::Reject if !r.on_empty.fallback.is_empty() => {
+                c.fail(
+                    format!("{at}.onEmpty.fallback"),
+                    "fallback targets are only used with action Fallback",
+                );
+            }
+            _ => {}
+        }
+        self.check_targets(c, &format!("{at}.onEmpty.fallback"), &r.on_empty.fallback);
+    }
+
+    fn check_backend(&self, c: &mut Check<'_>, name: &str, b: &GatewayBackendSpec) {
+        if b.public_model.is_empty() {
+            c.fail("spec.publicModel", "must not be empty");
+        }
+        if let Some((other, _)) = self
+            .backends
+            .iter()
+            .find(|(n, o)| n.as_str() < name && o.public_model == b.public_model)
+        {
+            c.fail(
+                "spec.publicModel",
+                format!(
+                    "{:?} is already published by GatewayBackend {other:?}",
+                    b.public_model
+                ),
+            );
+        }
+        if b.backends.is_empty() {
+            c.fail("spec.backends", "a backend needs at least one target");
+        }
+        for (i, t) in b.backends.iter().enumerate() {
+            let at = format!("spec.backends[{i}]");
+            let set = [t.pool.is_some(), t.worker_set.is_some(), t.model.is_some()];
+            if set.iter().filter(|s| **s).count() != 1 {
+                c.fail(at.clone(), "give exactly one of pool, workerSet or model");
+            }
+            c.positive(&format!("{at}.weight"), t.weight);
+            if let Some(p) = &t.pool
+                && !self.pools.contains_key(p)
+            {
+                c.fail(
+                    format!("{at}.pool"),
+                    format!("InferencePool {p:?} does not exist"),
+                );
+            }
+            if let Some(w) = &t.worker_set
+                && !self.worker_sets.contains_key(w)
+            {
+                c.fail(
+                    format!("{at}.workerSet"),
+                    format!("InferenceWorkerSet {w:?} does not exist"),
+                );
+            }
+            if let Some(m) = &t.model
+                && !self.knows_model(m)
+            {
+                c.fail(
+                    format!("{at}.model"),
+                    format!("no worker set serves and no backend publishes {m:?}"),
+                );
+            }
+        }
+        if let Some(cycle) = self.alias_cycle(&b.public_model) {
+            c.fail(
+                "spec.backends",
+                format!("model aliases form a cycle: {}", cycle.join(" -> ")),
+            );
+        }
+        for (i, p) in b.policies.iter().enumerate() {
+            if !self.policies.contains_key(p) {
+                c.fail(
+                    format!("spec.policies[{i}]"),
+                    format!("InferencePolicy {p:?} does not exist"),
+                );
+            }
+        }
+    }
+
+    /// The chain of public names that leads from `model` back to itself, if any.
+    fn alias_cycle(&self, model: &str) -> Option<Vec<String>> {
+        fn walk(cat: &Catalog, start: &str, at: &str, path: &mut Vec<String>) -> bool {
+            let Some((_, b)) = cat.backend_for(at) else {
+                return false;
+            };
+            for t in &b.backends {
+                let Some(next) = &t.model else { continue };
+                if next == start {
+                    path.push(next.clone());
+                    return true;
+                }
+                if path.contains(next) {
+                    continue;
+                }
+                path.push(next.clone());
+                if walk(cat, start, next, path) {
+                    return true;
+                }
+                path.pop();
+            }
+            false
+        }
+        let mut path = vec![model.to_owned()];
+        walk(self, model, model, &mut path).then_some(path)
+    }
+}
+
+fn cost_problems(c: &mut Check<'_>, cost: &crate::kinds::TokenCost) {
+    for (p, v) in [
+        ("spec.cost.inputPerMillion", cost.input_per_million),
+        ("spec.cost.outputPerMillion", cost.output_per_million),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            c.fail(p, format!("must be zero or more, got {v}"));
+        }
+    }
+}

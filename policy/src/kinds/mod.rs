@@ -1,0 +1,20 @@
+//! The five kinds, as Rust types from which the CRDs are generated.
+
+mod backend;
+mod common;
+mod policy;
+mod pool;
+mod provider;
+mod worker_set;
+
+pub use backend::{Backend, GatewayBackend, GatewayBackendSpec};
+pub use common::{GROUP, Labels, ObjectStatus, TokenCost, VERSION};
+pub use policy::{
+    EmptyAction, Filter, InferencePolicy, InferencePolicySpec, Match, Objective, OnEmpty,
+    PoolCondition, Rule, Targets,
+};
+pub use pool::{InferencePool, InferencePoolSpec};
+pub use provider::{
+    InferenceProvider, InferenceProviderSpec, ProviderApi, RateLimit, SecretKeyRef,
+};
+pub use worker_set::{InferenceWorkerSet, InferenceWorkerSetSpec, PodSelector, StaticEndpoint};

@@ -1,0 +1,67 @@
+//! `InferenceProvider`: an external model API.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::{Labels, ObjectStatus, TokenCost};
+
+/// An external OpenAI-compatible or Bedrock-style provider. Always external: `excludeExternal`
+/// filters remove it.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "kvplane.io",
+    version = "v1alpha1",
+    kind = "InferenceProvider",
+    namespaced,
+    status = "ObjectStatus",
+    shortname = "iprov"
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InferenceProviderSpec {
+    /// Base URL, e.g. `https://api.openai.com/v1`.
+    pub endpoint: String,
+    #[serde(default)]
+    pub api: ProviderApi,
+    /// The provider's model name (the body's `model` is rewritten to it).
+    pub model: String,
+    /// Where the gateway finds the credentials (kvplane never reads them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<SecretKeyRef>,
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    pub labels: Labels,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<TokenCost>,
+    /// Typical time to first token, for `PredictedTTFT` comparisons with local workers.
+    #[serde(default = "default_ttft_ms")]
+    pub expected_ttft_ms: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimit>,
+}
+
+fn default_ttft_ms() -> f64 {
+    800.0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema, Default)]
+pub enum ProviderApi {
+    #[default]
+    OpenAI,
+    Bedrock,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SecretKeyRef {
+    pub name: String,
+    pub key: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RateLimit {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_minute: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+}

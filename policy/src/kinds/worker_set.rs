@@ -1,0 +1,63 @@
+//! `InferenceWorkerSet`: vLLM engines serving one model.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::{Labels, ObjectStatus, TokenCost};
+
+/// A set of vLLM engines serving one model. Its name is the `<pool>` token of its engines' NATS
+/// subjects (`kvplane.{kv,metrics,worker}.<name>.<worker>`), where their KV events and metrics
+/// arrive; each set has its own prefix index.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "kvplane.io",
+    version = "v1alpha1",
+    kind = "InferenceWorkerSet",
+    namespaced,
+    status = "ObjectStatus",
+    shortname = "iws",
+    printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model"}"#
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InferenceWorkerSetSpec {
+    /// The model the engines serve (vLLM's `--served-model-name`).
+    pub model: String,
+    /// Tokens per KV block (vLLM's `--block-size`).
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// Engines at fixed addresses (otherwise they announce themselves over NATS).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<StaticEndpoint>,
+    /// Engines found as pods with these labels, on this port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<PodSelector>,
+    /// GPU type, cluster, region...: what rule filters match on.
+    #[serde(default, skip_serializing_if = "Labels::is_empty")]
+    pub labels: Labels,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<TokenCost>,
+    /// Prefill speed of one engine, for predicted TTFT (default: the node's cost model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_tokens_per_second: Option<f64>,
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticEndpoint {
+    /// The worker id in NATS subjects.
+    pub worker: String,
+    /// Where to send requests, e.g. `http://10.0.0.7:8000`.
+    pub address: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PodSelector {
+    pub match_labels: Labels,
+    pub port: u16,
+}

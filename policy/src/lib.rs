@@ -1,0 +1,22 @@
+//! kvplane's policies: the five kinds as Kubernetes custom resources (group `kvplane.io`,
+//! version `v1alpha1`), their validation, and rule evaluation. Pure: no I/O, no clock; the
+//! live fleet comes in through [`Fleet`].
+//!
+//! - [`kinds`]: `InferenceWorkerSet`, `InferencePool`, `InferenceProvider`, `InferencePolicy`,
+//!   `GatewayBackend`, with kube's `CustomResource` derive ([`crds_yaml`] prints the CRDs).
+//! - [`Documents`]: YAML files to objects, every problem named by file, document and field path.
+//! - [`Catalog`]: a consistent set of objects ([`Catalog::problems`] says why a set is not);
+//!   [`Catalog::evaluate`] decides one request.
+
+mod catalog;
+mod documents;
+mod eval;
+pub mod kinds;
+mod object;
+
+pub use catalog::{Catalog, Problem};
+pub use documents::{Documents, Located, Source};
+pub use eval::{
+    Candidate, Evaluation, Fleet, RejectKind, Request, Target, WorkerState, target_name,
+};
+pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
