@@ -39,6 +39,10 @@ enum Cmd {
     Demo(crate::demo::DemoArgs),
     /// Raft membership: status, add, remove.
     Cluster(crate::cluster_cmd::ClusterArgs),
+    /// Check policy YAML offline: every problem, with file, document and field path.
+    Validate(crate::policy_cmd::ValidateArgs),
+    /// Print the CustomResourceDefinitions of the five policy kinds.
+    Crds,
     /// Benchmarks (JSON on stdout).
     #[command(subcommand)]
     Bench(crate::bench::BenchCmd),
@@ -88,6 +92,11 @@ pub fn main() -> ExitCode {
         Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
         Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
         Cmd::Bench(c) => rt.block_on(crate::bench::run(c)),
+        Cmd::Validate(a) => crate::policy_cmd::validate(&a),
+        Cmd::Crds => {
+            crate::policy_cmd::crds();
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

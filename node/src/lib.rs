@@ -9,6 +9,7 @@ pub mod config;
 pub mod demo;
 mod gateway_cmd;
 pub mod local_log;
+mod policy_cmd;
 mod raft_config;
 mod raft_log;
 mod route_cmd;

@@ -179,13 +179,14 @@ impl Catalog {
             && self.pool_state_holds(fleet, m)
     }
 
-    /// The policies that apply, in order: the backend's, else all of them by name.
+    /// The policies that apply, in order: a backend's own list (none: the default rule), or,
+    /// for a model addressed directly, every policy by name.
     fn policies_for<'a>(
         &'a self,
         backend: Option<&'a crate::kinds::GatewayBackendSpec>,
     ) -> Vec<(&'a str, &'a InferencePolicySpec)> {
         match backend {
-            Some(b) if !b.policies.is_empty() => b
+            Some(b) => b
                 .policies
                 .iter()
                 .filter_map(|n| self.policies.get_key_value(n))
@@ -335,6 +336,22 @@ impl Catalog {
                 weights.keys().collect::<Vec<_>>()
             )),
         }
+        if !req.model.is_empty() && !self.knows_model(req.model) {
+            let reason = format!(
+                "no backend publishes and no worker set serves model {:?}",
+                req.model
+            );
+            steps.push(reason.clone());
+            return Evaluation {
+                backend: None,
+                rule: None,
+                objective: Objective::PredictedTTFT,
+                candidates: Vec::new(),
+                outcome: Err((RejectKind::UnknownModel, reason)),
+                rewrite_model: None,
+                steps,
+            };
+        }
         let default_rule = Rule {
             name: "default".into(),
             matches: Match::default(),
@@ -368,18 +385,8 @@ impl Catalog {
         };
         let mut cands = self.candidates(fleet, req, &targets, &weights, false);
         if cands.is_empty() {
-            let kind = if self.knows_model(req.model) {
-                RejectKind::NoCapacity
-            } else {
-                RejectKind::UnknownModel
-            };
-            let reason = match kind {
-                RejectKind::UnknownModel => format!(
-                    "no backend publishes and no worker set serves model {:?}",
-                    req.model
-                ),
-                _ => format!("model {:?} has no workers", req.model),
-            };
+            let kind = RejectKind::NoCapacity;
+            let reason = format!("model {:?} has no workers", req.model);
             steps.push(reason.clone());
             return Evaluation {
                 backend: backend.map(|(n, _)| n.to_owned()),

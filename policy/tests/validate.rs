@@ -1,0 +1,81 @@
+//! Validation reports every problem of a directory at once, each located by file, document
+//! and field path.
+
+#![allow(clippy::unwrap_used)]
+
+use kvplane_policy::Documents;
+
+fn problems() -> Vec<String> {
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/policies-broken/broken.yaml"
+    );
+    let mut docs = Documents::default();
+    docs.add_file("broken.yaml", &std::fs::read_to_string(file).unwrap());
+    let (_, problems) = docs.check();
+    problems.iter().map(ToString::to_string).collect()
+}
+
+#[test]
+fn every_problem_of_the_broken_examples_is_reported_with_its_path() {
+    let p = problems();
+    let expect = [
+        "broken.yaml (document 1) InferenceWorkerSet/gpu-a spec.blockSize: must be within 1..=1024, got 0",
+        "broken.yaml (document 2) InferencePool/pool-a spec.workerSets[1]: InferenceWorkerSet \"gpu-missing\" does not exist",
+        "broken.yaml (document 3) InferencePolicy/rules spec.rules[0].filter.maxKvCacheUsage: must be within 0..1, got 1.5",
+        "broken.yaml (document 3) InferencePolicy/rules spec.rules[1].match: unreachable: rule \"everything\" before it matches every request this one matches",
+        "broken.yaml (document 3) InferencePolicy/rules spec.rules[1].onEmpty.fallback: Fallback needs fallback targets",
+        "broken.yaml (document 4) InferencePolicy/typo spec.rules[0].filter.maxQueud: unknown field `maxQueud`",
+        "broken.yaml (document 5) GatewayBackend/loop-a spec.backends: model aliases form a cycle: a -> b -> a",
+        "broken.yaml (document 6) GatewayBackend/loop-b spec.policies[0]: InferencePolicy \"missing-policy\" does not exist",
+        "broken.yaml (document 7) InferencePool/pool-a metadata.name: defined twice (first in broken.yaml document 2)",
+        "broken.yaml (document 8) InferencePool/wrong-version apiVersion: \"kvplane.io/v2\" is not \"kvplane.io/v1alpha1\"",
+    ];
+    for e in expect {
+        assert!(
+            p.iter().any(|x| x.starts_with(e)),
+            "missing {e:?} in\n{}",
+            p.join("\n")
+        );
+    }
+}
+
+#[test]
+fn the_examples_directory_is_valid() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
+    let mut docs = Documents::default();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let f = f.unwrap().path();
+        docs.add_file(
+            &f.display().to_string(),
+            &std::fs::read_to_string(&f).unwrap(),
+        );
+    }
+    let (catalog, problems) = docs.check();
+    assert!(problems.is_empty(), "{problems:#?}");
+    assert_eq!(
+        (
+            catalog.worker_sets.len(),
+            catalog.pools.len(),
+            catalog.providers.len()
+        ),
+        (2, 3, 1)
+    );
+    assert_eq!((catalog.policies.len(), catalog.backends.len()), (4, 3));
+}
+
+#[test]
+fn the_generated_crds_cover_the_five_kinds_in_our_group_with_status() {
+    let yaml = kvplane_policy::crds_yaml();
+    for kind in [
+        "InferenceWorkerSet",
+        "InferencePool",
+        "InferenceProvider",
+        "InferencePolicy",
+        "GatewayBackend",
+    ] {
+        assert!(yaml.contains(&format!("kind: {kind}\n")), "{kind}");
+    }
+    assert_eq!(yaml.matches("group: kvplane.io").count(), 5);
+    assert_eq!(yaml.matches("status: {}").count(), 5, "status subresources");
+}
