@@ -114,6 +114,14 @@ impl AdminService {
                     .collect(),
             }),
             config_index: view.config_index,
+            policy_objects: view
+                .catalog
+                .objects()
+                .iter()
+                .fold(Default::default(), |mut m, o| {
+                    *m.entry(o.kind().as_str().to_owned()).or_insert(0) += 1;
+                    m
+                }),
         }
     }
 }

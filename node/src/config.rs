@@ -49,8 +49,13 @@ pub struct Config {
     pub ingest: IngestSection,
     pub snapshot: SnapshotSection,
     pub cost: CostModel,
-    /// The pools this node declares in the state at start (replacing any others).
+    /// The pools this node declares in the state at start.
     pub pools: Vec<PoolSection>,
+    /// Policy objects (YAML, see `kvplane validate`) that the leader keeps the replicated state
+    /// in line with: a valid change of the directory is applied as one entry.
+    pub policy_dir: Option<PathBuf>,
+    /// How often the leader rereads `policy_dir`.
+    pub policy_poll_ms: u64,
     /// Replication. Absent: a standalone node with an in-process log.
     pub raft: Option<RaftSection>,
 }
@@ -102,6 +107,8 @@ impl Default for Config {
                 models: Vec::new(),
             }],
             raft: None,
+            policy_dir: None,
+            policy_poll_ms: 1000,
         }
     }
 }
@@ -245,6 +252,9 @@ impl Config {
             p.push("snapshot.keep must be at least 1".into());
         }
         p.extend(self.cost.problems());
+        if self.policy_poll_ms == 0 {
+            p.push("policy_poll_ms must be at least 1".into());
+        }
         if let Some(r) = &self.raft {
             r.problems(&self.grpc_listen, &mut p);
         }

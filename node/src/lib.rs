@@ -10,6 +10,7 @@ pub mod demo;
 mod gateway_cmd;
 pub mod local_log;
 mod policy_cmd;
+mod policy_source;
 mod raft_config;
 mod raft_log;
 mod route_cmd;

@@ -187,7 +187,7 @@ impl RaftMember {
         .to_owned()
     }
 
-    fn is_leader(&self) -> bool {
+    pub(crate) fn is_leader(&self) -> bool {
         let m = self.raft.metrics().borrow_watched().clone();
         m.state == ServerState::Leader && m.current_leader == Some(m.id)
     }

@@ -134,6 +134,8 @@ pub async fn run(
     api_metrics.register(&mut registry);
     let state_metrics = Arc::new(StateMetrics::default());
     state_metrics.register(&mut registry);
+    let policy_metrics = Arc::new(crate::policy_source::PolicySourceMetrics::default());
+    policy_metrics.register(&mut registry);
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
 
@@ -305,6 +307,22 @@ pub async fn run(
         applied_index = handle.load().applied_index,
         "kvplane node serving"
     );
+    // The policy directory, kept in the state by whoever leads.
+    let policy_task = cfg.policy_dir.clone().map(|dir| {
+        let leading: Box<dyn Fn() -> bool + Send> = match member.clone() {
+            None => Box::new(|| true),
+            Some(m) => Box::new(move || m.is_leader()),
+        };
+        tokio::spawn(crate::policy_source::run(
+            dir,
+            Duration::from_millis(cfg.policy_poll_ms),
+            log.clone(),
+            handle.clone(),
+            leading,
+            policy_metrics.clone(),
+            stop_rx.clone(),
+        ))
+    });
     // A new member that is to join asks for membership once its Raft service is up.
     let join_task = member.clone().map(|m| {
         let rx = stop_rx.clone();
@@ -315,7 +333,7 @@ pub async fn run(
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
-    if let Some(t) = join_task {
+    for t in [join_task, policy_task].into_iter().flatten() {
         let _ = t.await;
     }
     if let Ok(Err(e)) = grpc_task.await {

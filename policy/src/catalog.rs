@@ -97,6 +97,63 @@ impl Catalog {
         }
     }
 
+    /// Every object, kinds in dependency order (worker sets first), names sorted.
+    pub fn objects(&self) -> Vec<Object> {
+        let mut out = Vec::new();
+        for (n, s) in &self.worker_sets {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::WorkerSet(s.clone()),
+            });
+        }
+        for (n, s) in &self.pools {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::Pool(s.clone()),
+            });
+        }
+        for (n, s) in &self.providers {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::Provider(s.clone()),
+            });
+        }
+        for (n, s) in &self.policies {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::Policy(s.clone()),
+            });
+        }
+        for (n, s) in &self.backends {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::Backend(s.clone()),
+            });
+        }
+        out
+    }
+
+    /// What turns `self` into `desired`: objects to put (new or changed) and to delete.
+    pub fn diff(&self, desired: &Catalog) -> (Vec<Object>, Vec<(Kind, String)>) {
+        let mine = self.objects();
+        let theirs = desired.objects();
+        let puts = theirs
+            .iter()
+            .filter(|o| !mine.contains(o))
+            .cloned()
+            .collect();
+        let deletes = mine
+            .iter()
+            .filter(|o| {
+                !theirs
+                    .iter()
+                    .any(|t| t.kind() == o.kind() && t.name == o.name)
+            })
+            .map(|o| (o.kind(), o.name.clone()))
+            .collect();
+        (puts, deletes)
+    }
+
     /// The backend whose public name is `model`.
     pub fn backend_for(&self, model: &str) -> Option<(&str, &GatewayBackendSpec)> {
         self.backends

@@ -40,6 +40,13 @@ impl fmt::Display for Proposal {
             ),
             Command::ConfigPut { kind, name, .. } => format!("config put {kind}/{name}"),
             Command::ConfigDelete { kind, name } => format!("config delete {kind}/{name}"),
+            Command::ConfigApply { puts, deletes } => {
+                format!(
+                    "config apply ({} puts, {} deletes)",
+                    puts.len(),
+                    deletes.len()
+                )
+            }
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

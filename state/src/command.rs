@@ -27,6 +27,38 @@ pub enum Command {
     },
     /// Removes one configuration object.
     ConfigDelete { kind: String, name: String },
+    /// Puts and deletes applied together, or not at all: a policy change takes effect at one
+    /// log index on every replica, and the resulting set of objects is always consistent.
+    ConfigApply {
+        puts: Vec<ConfigObject>,
+        deletes: Vec<ConfigKey>,
+    },
+}
+
+/// A configuration object: its kind (`pool`, or one of the policy kinds such as
+/// `InferencePolicy`), name and JSON value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigObject {
+    pub kind: String,
+    pub name: String,
+    pub value: Vec<u8>,
+}
+
+impl ConfigObject {
+    /// A policy object as the state stores it.
+    pub fn policy(o: &kvplane_policy::Object) -> Self {
+        Self {
+            kind: o.kind().as_str().to_owned(),
+            name: o.name.clone(),
+            value: o.to_json(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigKey {
+    pub kind: String,
+    pub name: String,
 }
 
 /// A run of consecutive stream messages. `first_seq..=last_seq` covers every message the

@@ -62,6 +62,14 @@ impl PoolConfig {
     }
 }
 
+/// The index an `InferenceWorkerSet` owns: its block size, serving its model.
+pub fn worker_set_pool(ws: &kvplane_policy::kinds::InferenceWorkerSetSpec) -> PoolConfig {
+    PoolConfig {
+        block_size: ws.block_size,
+        models: vec![ws.model.clone()],
+    }
+}
+
 /// Pool, worker and node names appear as NATS subject tokens: 1-63 characters of
 /// `[a-z0-9-_]`. The one check every boundary uses.
 pub fn valid_name(name: &str) -> bool {

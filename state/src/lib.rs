@@ -21,7 +21,8 @@ mod snapshot;
 mod view;
 
 pub use command::{
-    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Tier, WorkerMetrics,
+    Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch,
+    KvEvent, Tier, WorkerMetrics,
 };
 pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;

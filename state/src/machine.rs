@@ -6,13 +6,14 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::blocks::{Change, RankBlocks};
-use crate::config::{POOL_KIND, PoolConfig};
+use crate::config::{POOL_KIND, PoolConfig, worker_set_pool};
 use crate::digest::{Digest, Hasher};
 use crate::view::{PoolView, StateHandle, View, WorkerView};
 use crate::{
-    ApplyError, Command, Entry, IngestBatch, IngestItem, IngestPayload, KvEvent, PoolIndex, Tier,
-    WorkerMetrics,
+    ApplyError, Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload,
+    KvEvent, PoolIndex, Tier, WorkerMetrics,
 };
+use kvplane_policy::{Catalog, Kind, Object};
 
 /// Why the state machine dropped part of an entry. Counted identically on every replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -92,6 +93,8 @@ pub struct StateMachine {
     pub(crate) blocks_digest: u128,
     pub(crate) indexed_blocks: u64,
     pub(crate) dropped: BTreeMap<DropReason, u64>,
+    /// The policy-kind objects of `config`, parsed.
+    pub(crate) catalog: Arc<Catalog>,
     pub(crate) handle: StateHandle,
 }
 
@@ -116,6 +119,7 @@ impl StateMachine {
             blocks_digest: 0,
             indexed_blocks: 0,
             dropped: BTreeMap::new(),
+            catalog: Arc::default(),
             handle: StateHandle::new(View::empty()),
         };
         sm.publish();
@@ -167,11 +171,23 @@ impl StateMachine {
             Command::Noop => {}
             Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out, &mut touched),
             Command::ConfigPut { kind, name, value } => {
-                if let Err(e) = self.config_put(entry.index, kind, name, value) {
-                    out.rejected = Some(e);
-                }
+                let put = ConfigObject {
+                    kind: kind.clone(),
+                    name: name.clone(),
+                    value: value.clone(),
+                };
+                out.rejected = self.config_change(entry.index, &[put], &[]).err();
             }
-            Command::ConfigDelete { kind, name } => self.config_delete(entry.index, kind, name),
+            Command::ConfigDelete { kind, name } => {
+                let key = ConfigKey {
+                    kind: kind.clone(),
+                    name: name.clone(),
+                };
+                out.rejected = self.config_change(entry.index, &[], &[key]).err();
+            }
+            Command::ConfigApply { puts, deletes } => {
+                out.rejected = self.config_change(entry.index, puts, deletes).err();
+            }
         }
         for (reason, n) in &out.dropped {
             *self.dropped.entry(*reason).or_default() += n;
@@ -383,21 +399,106 @@ impl StateMachine {
         index.clear(wid, dp, event_id);
     }
 
-    fn config_put(
+    /// Applies puts and deletes together after checking that the result is consistent;
+    /// refuses all of them otherwise.
+    fn config_change(
         &mut self,
         index: u64,
-        kind: &str,
-        name: &str,
-        value: &[u8],
+        puts: &[ConfigObject],
+        deletes: &[ConfigKey],
     ) -> Result<(), ApplyError> {
-        if kind != POOL_KIND {
-            return Err(ApplyError::InvalidConfig {
-                kind: kind.into(),
-                name: name.into(),
-                reason: format!("unknown config kind (known: {POOL_KIND})"),
-            });
+        let invalid = |kind: &str, name: &str, reason: String| ApplyError::InvalidConfig {
+            kind: kind.into(),
+            name: name.into(),
+            reason,
+        };
+        let unknown = |kind: &str, name: &str| {
+            invalid(
+                kind,
+                name,
+                format!(
+                    "unknown config kind (known: {POOL_KIND}, {})",
+                    Kind::ALL.map(Kind::as_str).join(", ")
+                ),
+            )
+        };
+        // Dry run: the catalog and the pool set as they would be.
+        let mut catalog = (*self.catalog).clone();
+        let mut pool_names: BTreeSet<String> = self
+            .config
+            .keys()
+            .filter(|(k, _)| k == POOL_KIND)
+            .map(|(_, n)| n.clone())
+            .collect();
+        for d in deletes {
+            match Kind::parse(&d.kind) {
+                Some(k) => {
+                    catalog.remove(k, &d.name);
+                }
+                None if d.kind == POOL_KIND => {
+                    pool_names.remove(&d.name);
+                }
+                None => return Err(unknown(&d.kind, &d.name)),
+            }
         }
-        let cfg = PoolConfig::parse(name, value)?;
+        let mut pool_puts = Vec::new();
+        for p in puts {
+            match Kind::parse(&p.kind) {
+                Some(k) => {
+                    let o = Object::from_json(k, &p.name, &p.value)
+                        .map_err(|e| invalid(&p.kind, &p.name, e.to_string()))?;
+                    catalog.insert(o);
+                }
+                None if p.kind == POOL_KIND => {
+                    pool_puts.push((p, PoolConfig::parse(&p.name, &p.value)?));
+                    pool_names.insert(p.name.clone());
+                }
+                None => return Err(unknown(&p.kind, &p.name)),
+            }
+        }
+        if let Some(problem) = catalog.problems().first() {
+            return Err(invalid(
+                problem.kind.as_str(),
+                &problem.name,
+                format!("{}: {}", problem.path, problem.message),
+            ));
+        }
+        if let Some(clash) = catalog.worker_sets.keys().find(|n| pool_names.contains(*n)) {
+            return Err(invalid(
+                Kind::WorkerSet.as_str(),
+                clash,
+                format!("a {POOL_KIND} of the same name exists (both would own one index)"),
+            ));
+        }
+        // Apply: it can no longer fail.
+        for d in deletes {
+            self.config_delete(&d.kind, &d.name);
+        }
+        for (p, cfg) in pool_puts {
+            self.pool_put(&p.name, cfg);
+        }
+        for p in puts.iter().filter(|p| p.kind != POOL_KIND) {
+            if let Some(ws) = catalog.worker_sets.get(&p.name)
+                && p.kind == Kind::WorkerSet.as_str()
+            {
+                self.ensure_index(&p.name, worker_set_pool(ws));
+            }
+            self.config
+                .insert((p.kind.clone(), p.name.clone()), p.value.clone());
+        }
+        self.catalog = Arc::new(catalog);
+        self.config_index = index;
+        Ok(())
+    }
+
+    fn pool_put(&mut self, name: &str, cfg: PoolConfig) {
+        self.config
+            .insert((POOL_KIND.to_owned(), name.to_owned()), cfg.to_json());
+        self.ensure_index(name, cfg);
+    }
+
+    /// Makes `name`'s index match `cfg` (a new block size starts an empty index).
+    fn ensure_index(&mut self, name: &str, cfg: PoolConfig) {
         let replace_index = match self.pools.get(name) {
             Some(p) => p.config.block_size != cfg.block_size,
             None => true,
@@ -412,17 +513,13 @@ impl StateMachine {
         self.pools.insert(
             name.to_owned(),
             Pool {
-                config: cfg.clone(),
+                config: cfg,
                 index: index_arc,
             },
         );
-        self.config
-            .insert((kind.to_owned(), name.to_owned()), cfg.to_json());
-        self.config_index = index;
-        Ok(())
     }
 
-    fn config_delete(&mut self, index: u64, kind: &str, name: &str) {
+    fn config_delete(&mut self, kind: &str, name: &str) {
         if self
             .config
             .remove(&(kind.to_owned(), name.to_owned()))
@@ -430,12 +527,11 @@ impl StateMachine {
         {
             return;
         }
-        if kind == POOL_KIND {
+        if kind == POOL_KIND || kind == Kind::WorkerSet.as_str() {
             self.drop_pool_blocks(name);
             self.pools.remove(name);
             self.workers.retain(|(pool, _), _| pool != name);
         }
-        self.config_index = index;
     }
 
     /// Forgets every block of every worker in `pool` (its index is about to be replaced).
@@ -525,6 +621,7 @@ impl StateMachine {
             indexed_blocks: self.indexed_blocks,
             pools,
             dropped: self.dropped.iter().map(|(r, n)| (r.as_str(), *n)).collect(),
+            catalog: self.catalog.clone(),
         });
     }
 }

@@ -129,10 +129,24 @@ impl StateMachine {
         sm.next_worker_id = p.next_worker_id;
         sm.next_event_id = p.next_event_id;
         let mut trees: BTreeMap<String, Vec<u8>> = p.trees.into_iter().collect();
+        let mut catalog = kvplane_policy::Catalog::default();
         for (kind, name, value) in p.config {
-            if kind == POOL_KIND {
-                let cfg = PoolConfig::parse(&name, &value)
+            let policy_kind = kvplane_policy::Kind::parse(&kind);
+            let mut pool = None;
+            if let Some(k) = policy_kind {
+                let o = kvplane_policy::Object::from_json(k, &name, &value)
                     .map_err(|e| SnapshotError::Decode(e.to_string()))?;
+                if let kvplane_policy::Spec::WorkerSet(ws) = &o.spec {
+                    pool = Some(crate::config::worker_set_pool(ws));
+                }
+                catalog.insert(o);
+            } else if kind == POOL_KIND {
+                pool = Some(
+                    PoolConfig::parse(&name, &value)
+                        .map_err(|e| SnapshotError::Decode(e.to_string()))?,
+                );
+            }
+            if let Some(cfg) = pool {
                 let index = PoolIndex::new(cfg.block_size);
                 if let Some(tree) = trees.remove(&name) {
                     let events: Vec<RouterEvent> = rmp_serde::from_slice(&tree)
@@ -152,6 +166,7 @@ impl StateMachine {
             }
             sm.config.insert((kind, name), value);
         }
+        sm.catalog = Arc::new(catalog);
         sm.workers = p.workers.into_iter().map(|(p, n, w)| ((p, n), w)).collect();
         for r in p.ranks {
             let mut rank = RankBlocks::default();

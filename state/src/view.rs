@@ -19,6 +19,8 @@ pub struct View {
     pub indexed_blocks: u64,
     pub pools: BTreeMap<String, PoolView>,
     pub dropped: BTreeMap<&'static str, u64>,
+    /// The policy objects (always consistent); `config_index` is their generation.
+    pub catalog: Arc<kvplane_policy::Catalog>,
 }
 
 #[derive(Debug, Clone)]
@@ -55,6 +57,7 @@ impl View {
             indexed_blocks: 0,
             pools: BTreeMap::new(),
             dropped: BTreeMap::new(),
+            catalog: Arc::default(),
         }
     }
 

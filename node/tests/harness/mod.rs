@@ -145,6 +145,8 @@ pub struct NodeOptions {
     pub grpc_listen: String,
     /// The `[raft]` section, for cluster members.
     pub raft: Option<RaftOptions>,
+    /// A policy directory the leader keeps the state in line with (reread every 100 ms).
+    pub policy_dir: Option<PathBuf>,
 }
 
 /// A cluster member's Raft settings (the fault layer is always enabled in tests).
@@ -166,6 +168,7 @@ impl Default for NodeOptions {
             pools: vec![("default".into(), 16)],
             grpc_listen: "127.0.0.1:0".into(),
             raft: None,
+            policy_dir: None,
             pool_models: Vec::new(),
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
@@ -189,8 +192,13 @@ pub struct Node {
 
 impl Node {
     fn write_config(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> PathBuf {
+        let policy = o
+            .policy_dir
+            .as_ref()
+            .map(|d| format!("policy_dir = \"{}\"\npolicy_poll_ms = 100\n", d.display()))
+            .unwrap_or_default();
         let mut toml = format!(
-            "node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
+            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
             dir.join("data").display(),
             o.grpc_listen,
             o.max_message_bytes,
