@@ -1,8 +1,7 @@
 //! `kvplane validate DIR...` and `kvplane crds`: policies checked offline, CRDs from the types.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::Context;
 use kvplane_policy::{Catalog, Documents, Located};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -12,35 +11,9 @@ pub struct ValidateArgs {
     pub paths: Vec<PathBuf>,
 }
 
-/// The YAML files under `path`, sorted (a file is taken as given).
-fn yaml_files(path: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    if path.is_file() {
-        return Ok(vec![path.to_owned()]);
-    }
-    let mut files = Vec::new();
-    for e in std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))? {
-        let p = e?.path();
-        if p.is_dir() {
-            files.extend(yaml_files(&p)?);
-        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
-            files.push(p);
-        }
-    }
-    files.sort();
-    Ok(files)
-}
-
 /// Reads and checks every policy file under `paths`.
 pub fn load(paths: &[PathBuf]) -> anyhow::Result<(Catalog, Vec<Located>)> {
-    let mut docs = Documents::default();
-    for path in paths {
-        for f in yaml_files(path)? {
-            let text = std::fs::read_to_string(&f)
-                .with_context(|| format!("cannot read {}", f.display()))?;
-            docs.add_file(&f.display().to_string(), &text);
-        }
-    }
-    Ok(docs.check())
+    Ok(Documents::read(paths)?.check())
 }
 
 pub fn validate(a: &ValidateArgs) -> anyhow::Result<()> {

@@ -48,6 +48,43 @@ pub struct Documents {
 }
 
 impl Documents {
+    /// Reads every `*.yaml` / `*.yml` file under `paths` (directories recursively, files as
+    /// given), in sorted order: the one place this crate touches the file system.
+    pub fn read(paths: &[std::path::PathBuf]) -> std::io::Result<Documents> {
+        fn files(p: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> std::io::Result<()> {
+            if p.is_file() {
+                out.push(p.to_owned());
+                return Ok(());
+            }
+            let mut here = Vec::new();
+            for e in std::fs::read_dir(p)? {
+                let e = e?.path();
+                if e.is_dir() {
+                    files(&e, &mut here)?;
+                } else if e.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+                    here.push(e);
+                }
+            }
+            here.sort();
+            out.extend(here);
+            Ok(())
+        }
+        let mut all = Vec::new();
+        for p in paths {
+            files(p, &mut all).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot read {}: {e}", p.display()))
+            })?;
+        }
+        let mut docs = Documents::default();
+        for f in all {
+            let text = std::fs::read_to_string(&f).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("cannot read {}: {e}", f.display()))
+            })?;
+            docs.add_file(&f.display().to_string(), &text);
+        }
+        Ok(docs)
+    }
+
     /// Adds every document of one file's `text`.
     pub fn add_file(&mut self, file: &str, text: &str) {
         for (i, de) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {

@@ -1,6 +1,6 @@
 //! kvplane's policies: the five kinds as Kubernetes custom resources (group `kvplane.io`,
-//! version `v1alpha1`), their validation, and rule evaluation. Pure: no I/O, no clock; the
-//! live fleet comes in through [`Fleet`].
+//! version `v1alpha1`), their validation, and rule evaluation. Pure: no clock, and no I/O but
+//! [`Documents::read`] of the files it is given; the live fleet comes in through [`Fleet`].
 //!
 //! - [`kinds`]: `InferenceWorkerSet`, `InferencePool`, `InferenceProvider`, `InferencePolicy`,
 //!   `GatewayBackend`, with kube's `CustomResource` derive ([`crds_yaml`] prints the CRDs).

@@ -12,18 +12,7 @@ use kvplane_policy::{
 /// The examples directory, loaded and checked like `kvplane validate` does.
 fn catalog() -> Catalog {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
-    let mut docs = Documents::default();
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    for f in files {
-        docs.add_file(
-            &f.display().to_string(),
-            &std::fs::read_to_string(&f).unwrap(),
-        );
-    }
+    let docs = Documents::read(&[dir.into()]).unwrap();
     let (catalog, problems) = docs.check();
     assert!(problems.is_empty(), "{problems:#?}");
     catalog

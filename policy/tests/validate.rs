@@ -43,14 +43,7 @@ fn every_problem_of_the_broken_examples_is_reported_with_its_path() {
 #[test]
 fn the_examples_directory_is_valid() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
-    let mut docs = Documents::default();
-    for f in std::fs::read_dir(dir).unwrap() {
-        let f = f.unwrap().path();
-        docs.add_file(
-            &f.display().to_string(),
-            &std::fs::read_to_string(&f).unwrap(),
-        );
-    }
+    let docs = Documents::read(&[dir.into()]).unwrap();
     let (catalog, problems) = docs.check();
     assert!(problems.is_empty(), "{problems:#?}");
     assert_eq!(

@@ -8,14 +8,7 @@ use kvplane_state::{Command, ConfigKey, ConfigObject, Entry, StateMachine};
 
 fn examples() -> Catalog {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
-    let mut docs = Documents::default();
-    for f in std::fs::read_dir(dir).unwrap() {
-        let f = f.unwrap().path();
-        docs.add_file(
-            &f.display().to_string(),
-            &std::fs::read_to_string(&f).unwrap(),
-        );
-    }
+    let docs = Documents::read(&[dir.into()]).unwrap();
     let (catalog, problems) = docs.check();
     assert!(problems.is_empty());
     catalog
