@@ -9,6 +9,7 @@ mod consistency;
 mod cost;
 mod decide;
 mod metrics;
+mod policy_route;
 mod router;
 mod usage;
 

@@ -100,6 +100,39 @@ impl RouterService {
         })
     }
 
+    /// Decides through the policy catalog when the state holds one (and the prompt is valid).
+    fn with_policies(
+        &self,
+        req: &RouteRequest,
+    ) -> Option<(kvplane_policy::Evaluation, RouteResponse)> {
+        let view = self.state.load();
+        if view.catalog.is_empty() {
+            return None;
+        }
+        let p = Self::prompt(req).ok()?;
+        let tenant = if req.tenant.is_empty() {
+            view.catalog
+                .backend_for(&p.model)
+                .and_then(|(_, b)| req.headers.get(&b.tenant_header))
+                .map_or("", String::as_str)
+        } else {
+            req.tenant.as_str()
+        };
+        let fleet = crate::policy_route::ViewFleet::new(&view, &p.tokens, &self.cost);
+        let e = view.catalog.evaluate(
+            &fleet,
+            &kvplane_policy::Request {
+                tenant,
+                model: &p.model,
+                tags: &req.tags,
+                prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
+                max_output_tokens: req.max_output_tokens,
+            },
+        );
+        let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
+        Some((e, resp))
+    }
+
     /// Runs the decision for a request (no side effects) and hands it to `f`.
     pub fn with_decision<R>(
         &self,
@@ -152,6 +185,7 @@ fn endpoint(c: &Candidate<'_>) -> Endpoint {
         worker_id: c.worker.to_owned(),
         pool: c.pool.to_owned(),
         dp_rank: c.dp_rank,
+        provider: String::new(),
     }
 }
 
@@ -207,6 +241,27 @@ impl pb::router_server::Router for RouterService {
         let started = Instant::now();
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
+        if let Some((e, resp)) = self.with_policies(&req) {
+            if let Some(c) = e.chosen() {
+                self.usage.insert(
+                    &req.request_id,
+                    Routed {
+                        worker_id: 0,
+                        predicted_ttft_ms: c.predicted_ttft_ms,
+                        at: Instant::now(),
+                    },
+                );
+            }
+            let outcome = match &e.outcome {
+                Ok(_) => "routed",
+                Err((kvplane_policy::RejectKind::UnknownModel, _)) => "unknown_model",
+                Err((kvplane_policy::RejectKind::NoCapacity, _)) => "no_capacity",
+                Err((kvplane_policy::RejectKind::Policy, _)) => "policy",
+            };
+            self.metrics
+                .decision(outcome, started.elapsed().as_secs_f64());
+            return Ok(Response::new(resp));
+        }
         let (resp, outcome) = self.with_decision(&req, false, |prompted, decision| {
             if let Some(c) = decision.chosen() {
                 self.usage.insert(
@@ -253,6 +308,23 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
+        if let Some((e, resp)) = self.with_policies(&req) {
+            let mut steps = e.steps.clone();
+            if let Some(rule) = &e.rule {
+                steps.insert(
+                    0,
+                    format!("policy routing (rule {rule}, minimize {:?})", e.objective),
+                );
+            }
+            return Ok(Response::new(ExplainResponse {
+                decision: Some(resp),
+                candidates: crate::policy_route::explained(&e),
+                prompt_source: Self::prompt(&req)
+                    .map(|p| p.source.as_str().to_owned())
+                    .unwrap_or_default(),
+                steps,
+            }));
+        }
         Ok(self.with_decision(&req, true, |prompted, decision| {
             let candidates = decision
                 .candidates
