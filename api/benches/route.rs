@@ -203,7 +203,7 @@ fn measure_memory(which: &str) {
     let (events, _) = workload();
     let base = rss_bytes();
     if which == "state" {
-        let mut sm = state_from(Vec::new());
+        let mut sm = state_from(Vec::new(), false);
         let mut index = 2;
         let mut seq = 0;
         for chunk in events.chunks(512) {
@@ -269,12 +269,47 @@ fn entries_of(events: &[(u64, KvEvent)], seq: &mut u64) -> Vec<Command> {
     entries
 }
 
-fn state_from(entries: Vec<Command>) -> StateMachine {
-    let mut sm = StateMachine::new();
-    sm.apply(&Entry {
-        index: 1,
-        timestamp_ms: 0,
-        command: Command::ConfigPut {
+/// Ten rules: nine that do not match the benchmark's requests (each tests tags), then the one
+/// that applies: the worst case, every rule is tried.
+const POLICIES: &str = r#"
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: p}
+spec: {model: m, blockSize: 16}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePool
+metadata: {name: all}
+spec: {workerSets: [p]}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: GatewayBackend
+metadata: {name: m}
+spec: {publicModel: m, backends: [{pool: all}], policies: [ten-rules]}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePolicy
+metadata: {name: ten-rules}
+spec:
+  rules:
+    - {name: r0, match: {tags: [t0]}, filter: {maxQueued: 1}}
+    - {name: r1, match: {tags: [t1]}, filter: {maxQueued: 1}}
+    - {name: r2, match: {tags: [t2]}, filter: {maxQueued: 1}}
+    - {name: r3, match: {tags: [t3]}, filter: {maxQueued: 1}}
+    - {name: r4, match: {tags: [t4]}, filter: {maxQueued: 1}}
+    - {name: r5, match: {tags: [t5]}, filter: {maxQueued: 1}}
+    - {name: r6, match: {tags: [t6]}, filter: {maxQueued: 1}}
+    - {name: r7, match: {tags: [t7]}, filter: {maxQueued: 1}}
+    - {name: r8, match: {tags: [t8]}, filter: {maxQueued: 1}}
+    - name: last
+      filter: {maxQueued: 8, maxKvCacheUsage: 0.95}
+      minimize: PredictedTTFT
+"#;
+
+/// The first entry: a plain pool `p`, or the same index as worker set `p` behind ten rules.
+fn first_entry(policies: bool) -> Command {
+    if !policies {
+        return Command::ConfigPut {
             kind: POOL_KIND.into(),
             name: "p".into(),
             value: PoolConfig {
@@ -282,9 +317,32 @@ fn state_from(entries: Vec<Command>) -> StateMachine {
                 models: vec![],
             }
             .to_json(),
-        },
-    })
-    .unwrap();
+        };
+    }
+    let mut docs = kvplane_policy::Documents::default();
+    docs.add_file("bench.yaml", POLICIES);
+    let (catalog, problems) = docs.check();
+    assert!(problems.is_empty(), "{problems:?}");
+    Command::ConfigApply {
+        puts: catalog
+            .objects()
+            .iter()
+            .map(kvplane_state::ConfigObject::policy)
+            .collect(),
+        deletes: Vec::new(),
+    }
+}
+
+fn state_from(entries: Vec<Command>, policies: bool) -> StateMachine {
+    let mut sm = StateMachine::new();
+    let first = sm
+        .apply(&Entry {
+            index: 1,
+            timestamp_ms: 0,
+            command: first_entry(policies),
+        })
+        .unwrap();
+    assert!(first.rejected.is_none(), "{:?}", first.rejected);
     for (i, command) in entries.into_iter().enumerate() {
         sm.apply(&Entry {
             index: i as u64 + 2,
@@ -317,8 +375,9 @@ fn main() {
     //    message, 512 messages per log entry (built before the clock starts).
     let mut seq = 0;
     let entries = entries_of(&events, &mut seq);
+    let policy_entries = entries.clone();
     let t = Instant::now();
-    let sm = state_from(entries);
+    let sm = state_from(entries, false);
     let state_apply_s = t.elapsed().as_secs_f64();
     let indexed = sm.indexed_blocks();
 
@@ -409,6 +468,36 @@ fn main() {
     }
     let route_s = t.elapsed().as_secs_f64();
 
+    // 4. The same Route through ten policy rules (same index contents, same queries).
+    let psm = state_from(policy_entries, true);
+    assert_eq!(psm.indexed_blocks(), indexed);
+    let pservice = RouterService::new(psm.handle(), cost, Default::default());
+    let mut policy_ns = Vec::with_capacity(QUERIES);
+    let mut policy_hits = 0usize;
+    let t = Instant::now();
+    for (i, q) in queries.iter().enumerate() {
+        let req = RouteRequest {
+            request_id: format!("q{i}"),
+            model: "m".into(),
+            tags: vec!["batch".into()],
+            token_ids: q.clone(),
+            ..Default::default()
+        };
+        let s = Instant::now();
+        let r = futures::executor::block_on(pservice.route(tonic::Request::new(req)))
+            .unwrap()
+            .into_inner();
+        policy_ns.push(s.elapsed().as_nanos() as u64);
+        if r.matched_blocks > 0 {
+            policy_hits += 1;
+        }
+    }
+    let policy_s = t.elapsed().as_secs_f64();
+    assert_eq!(
+        policy_hits, hits,
+        "policy routing finds the same cache hits"
+    );
+
     let bare_p50 = {
         let mut v = bare_ns.clone();
         v.sort_unstable();
@@ -418,6 +507,21 @@ fn main() {
         let mut v = route_ns.clone();
         v.sort_unstable();
         percentile(&v, 0.5)
+    };
+    let policy_p50 = {
+        let mut v = policy_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.5)
+    };
+    let route_p99 = {
+        let mut v = route_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.99)
+    };
+    let policy_p99 = {
+        let mut v = policy_ns.clone();
+        v.sort_unstable();
+        percentile(&v, 0.99)
     };
     let decide_p50 = {
         let mut v = decide_ns.clone();
@@ -446,6 +550,12 @@ fn main() {
             "kvplane_route_in_process": latency_stats(route_ns, route_s),
             "ratio_route_p50_to_bare_p50": route_p50 / bare_p50,
             "ratio_decide_p50_to_bare_p50": decide_p50 / bare_p50,
+        },
+        "policies": {
+            "rules": 10,
+            "kvplane_route_through_ten_rules": latency_stats(policy_ns, policy_s),
+            "ratio_p50_to_route_without_policies": policy_p50 / route_p50,
+            "ratio_p99_to_route_without_policies": policy_p99 / route_p99,
         },
         "memory": {
             "measured": "resident set growth while building each index, each in a fresh process",
