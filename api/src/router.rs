@@ -104,7 +104,7 @@ impl RouterService {
     fn with_policies(
         &self,
         req: &RouteRequest,
-    ) -> Option<(kvplane_policy::Evaluation, RouteResponse)> {
+    ) -> Option<(kvplane_policy::Evaluation, RouteResponse, Prompted)> {
         let view = self.state.load();
         if view.catalog.is_empty() {
             return None;
@@ -130,7 +130,7 @@ impl RouterService {
             },
         );
         let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
-        Some((e, resp))
+        Some((e, resp, p))
     }
 
     /// Runs the decision for a request (no side effects) and hands it to `f`.
@@ -241,12 +241,12 @@ impl pb::router_server::Router for RouterService {
         let started = Instant::now();
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        if let Some((e, resp)) = self.with_policies(&req) {
+        if let Some((e, resp, _)) = self.with_policies(&req) {
             if let Some(c) = e.chosen() {
                 self.usage.insert(
                     &req.request_id,
                     Routed {
-                        worker_id: 0,
+                        target: kvplane_policy::target_name(&c.target),
                         predicted_ttft_ms: c.predicted_ttft_ms,
                         at: Instant::now(),
                     },
@@ -267,7 +267,7 @@ impl pb::router_server::Router for RouterService {
                 self.usage.insert(
                     &req.request_id,
                     Routed {
-                        worker_id: c.worker_id,
+                        target: format!("{}/{}", c.pool, c.worker),
                         predicted_ttft_ms: c.cost,
                         at: Instant::now(),
                     },
@@ -290,7 +290,7 @@ impl pb::router_server::Router for RouterService {
         if let Some(r) = &routed {
             tracing::debug!(
                 request_id = report.request_id,
-                worker_id = r.worker_id,
+                target = r.target,
                 predicted_ttft_ms = r.predicted_ttft_ms,
                 observed_ttft_ms = report.observed_ttft_ms,
                 "usage reported"
@@ -308,7 +308,7 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        if let Some((e, resp)) = self.with_policies(&req) {
+        if let Some((e, resp, prompted)) = self.with_policies(&req) {
             let mut steps = e.steps.clone();
             if let Some(rule) = &e.rule {
                 steps.insert(
@@ -319,9 +319,7 @@ impl pb::router_server::Router for RouterService {
             return Ok(Response::new(ExplainResponse {
                 decision: Some(resp),
                 candidates: crate::policy_route::explained(&e),
-                prompt_source: Self::prompt(&req)
-                    .map(|p| p.source.as_str().to_owned())
-                    .unwrap_or_default(),
+                prompt_source: prompted.source.as_str().to_owned(),
                 steps,
             }));
         }

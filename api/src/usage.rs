@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 /// What this node remembers about a routed request.
 #[derive(Debug, Clone)]
 pub(crate) struct Routed {
-    pub(crate) worker_id: u64,
+    /// `pool/worker`, or `provider:name`.
+    pub(crate) target: String,
     pub(crate) predicted_ttft_ms: f64,
     pub(crate) at: Instant,
 }

@@ -2,18 +2,12 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod harness;
+
 #[test]
 fn the_cluster_benchmark_commits_everything_and_measures_failover() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
-        .args(["bench", "cluster", "--entries", "200", "--kills", "2"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = harness::kvplane_ok(&["bench", "cluster", "--entries", "200", "--kills", "2"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["workload"]["kv_events"], 200 * 16);
     assert_eq!(r["cluster"]["digests_agree"], true);
     assert_eq!(r["cluster"]["indexed_blocks"], 200 * 16 * 4);

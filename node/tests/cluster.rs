@@ -8,30 +8,25 @@ mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::{NodeOptions, chain, prompt, publish, routed_worker, started, wait_for};
+use harness::{
+    NodeOptions, chain, kvplane_ok, prompt, publish, publish_chains, routed_worker, started,
+    wait_for,
+};
 use kvplane_ingest::{kv_subject, worker_subject};
 use kvplane_proto::v1::RouteRequest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_ingest_once_agree_and_each_answer_route() {
     let (cluster, js) = started(&NodeOptions::default()).await;
-    let mut last = 0;
     for w in 0..3u64 {
-        last = publish(
+        publish(
             &js,
             worker_subject("default", &format!("w{w}")),
             br#"{"status":"up","address":"http://e"}"#.to_vec(),
         )
         .await;
     }
-    for i in 0..30u64 {
-        last = publish(
-            &js,
-            kv_subject("default", &format!("w{}", i % 3)),
-            chain(&prompt(i), i + 1),
-        )
-        .await;
-    }
+    let last = publish_chains(&js, 0, 30).await;
     cluster.all_agree(&[0, 1, 2], last).await;
     for node in &cluster.nodes {
         for i in [0u64, 7, 29] {
@@ -107,31 +102,10 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
     eprintln!("time from leader kill to a new leader: {failovers:?}");
 }
 
-fn kvplane(args: &[&str]) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
     let (mut cluster, js) = started(&NodeOptions::default()).await;
-    let mut last = 0;
-    for i in 0..20u64 {
-        last = publish(
-            &js,
-            kv_subject("default", &format!("w{}", i % 3)),
-            chain(&prompt(i), i + 1),
-        )
-        .await;
-    }
+    let mut last = publish_chains(&js, 0, 20).await;
     cluster.all_agree(&[0, 1, 2], last).await;
 
     // Route traffic on the original members for the whole test.
@@ -184,7 +158,7 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
     };
     cluster.add_node("kvplane-3", &o4);
     let any = cluster.nodes[0].endpoint();
-    let out = kvplane(&[
+    let out = kvplane_ok(&[
         "cluster",
         "add",
         "--addr",
@@ -195,32 +169,18 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
         &addr4,
     ]);
     assert!(out.contains("member       4"), "{out}");
-    for i in 20..30u64 {
-        last = publish(
-            &js,
-            kv_subject("default", &format!("w{}", i % 3)),
-            chain(&prompt(i), i + 1),
-        )
-        .await;
-    }
+    last = publish_chains(&js, 20, 30).await;
     cluster.all_agree(&[0, 1, 2, 3], last).await;
 
     // Node 2 leaves, then stops; the other three go on.
-    let out = kvplane(&["cluster", "remove", "--addr", &any, "--id", "2"]);
+    let out = kvplane_ok(&["cluster", "remove", "--addr", &any, "--id", "2"]);
     assert!(!out.contains("member       2 "), "{out}");
     cluster.nodes[1].kill();
-    for i in 30..40u64 {
-        last = publish(
-            &js,
-            kv_subject("default", &format!("w{}", i % 3)),
-            chain(&prompt(i), i + 1),
-        )
-        .await;
-    }
+    last = publish_chains(&js, 30, 40).await;
     let _ = stop_tx.send(true);
     let (ok, failed) = traffic.await.unwrap();
     cluster.all_agree(&[0, 2, 3], last).await;
-    let status = kvplane(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
+    let status = kvplane_ok(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
     let voters = status.lines().filter(|l| l.ends_with("voter")).count();
     assert_eq!(voters, 3, "{status}");
     // Route never failed on a live member (node 2 is only counted until it was stopped).

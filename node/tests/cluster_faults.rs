@@ -8,26 +8,12 @@ mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::{Cluster, Nats, Node, NodeOptions, RaftOptions, chain, prompt, publish};
+use harness::{Cluster, Nats, Node, NodeOptions, RaftOptions, prompt, publish_chains};
 use harness::{routed_worker, started, wait_for};
-use kvplane_ingest::{ensure_stream, kv_subject};
+use kvplane_ingest::ensure_stream;
 use kvplane_proto::v1::{
     PutConfigRequest, ReadConsistency, RouteRequest, StatusRequest, route_response::Decision,
 };
-
-/// Publishes KV chains `from..to` (three workers) and returns the last stream sequence.
-async fn publish_chains(js: &async_nats::jetstream::Context, from: u64, to: u64) -> u64 {
-    let mut last = 0;
-    for i in from..to {
-        last = publish(
-            js,
-            kv_subject("default", &format!("w{}", i % 3)),
-            chain(&prompt(i), i + 1),
-        )
-        .await;
-    }
-    last
-}
 
 fn pool_object(block_size: u32, model: &str) -> Vec<u8> {
     format!(r#"{{"block_size":{block_size},"models":["{model}"]}}"#).into_bytes()

@@ -17,7 +17,21 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 
 mod raft;
-pub use raft::{chain, prompt, routed_worker, started};
+pub use raft::{chain, prompt, publish_chains, routed_worker, started};
+
+/// Runs the `kvplane` binary with `args`, asserts it succeeded, and returns its stdout.
+pub fn kvplane_ok(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
 
 /// Polls `f` until it returns `Some`, or panics after `timeout` naming `what`.
 pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T

@@ -7,7 +7,22 @@ use kvplane_ingest::vllm::encode_batch;
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use kvplane_state::{KvBatch, KvEvent, Tier};
 
-use super::{Cluster, Node, NodeOptions, wait_for};
+use super::{Cluster, Node, NodeOptions, publish, wait_for};
+
+/// Publishes KV chains `from..to` (worker `w{i % 3}` of pool `default`, salt `i + 1`) and
+/// returns the last stream sequence.
+pub async fn publish_chains(js: &async_nats::jetstream::Context, from: u64, to: u64) -> u64 {
+    let mut last = 0;
+    for i in from..to {
+        last = publish(
+            js,
+            kvplane_ingest::kv_subject("default", &format!("w{}", i % 3)),
+            chain(&prompt(i), i + 1),
+        )
+        .await;
+    }
+    last
+}
 
 pub fn chain(tokens: &[u32], salt: u64) -> Vec<u8> {
     let n = tokens.len() / 16;
