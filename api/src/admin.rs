@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use kvplane_proto::v1::{
-    self as pb, AddMemberRequest, ClusterStatusResponse, DeleteConfigRequest, IngestPosition,
-    PutConfigRequest, RemoveMemberRequest, SetFaultsRequest, SetFaultsResponse, StatusRequest,
-    StatusResponse, WorkerStatus, WriteResponse,
+    self as pb, AddMemberRequest, ClusterStatusResponse, DeleteConfigRequest, ExportStateRequest,
+    IngestPosition, PutConfigRequest, RemoveMemberRequest, SetFaultsRequest, SetFaultsResponse,
+    StateChunk, StatusRequest, StatusResponse, WorkerStatus, WriteResponse,
 };
 use kvplane_state::{Command, StateHandle};
 
@@ -126,8 +126,38 @@ impl AdminService {
     }
 }
 
+/// Bytes per `StateChunk` (well under the gRPC message limit).
+const EXPORT_CHUNK: usize = 4 << 20;
+
 #[tonic::async_trait]
 impl pb::admin_server::Admin for AdminService {
+    type ExportStateStream =
+        std::pin::Pin<Box<dyn futures::Stream<Item = Result<StateChunk, Status>> + Send>>;
+
+    async fn export_state(
+        &self,
+        _request: Request<ExportStateRequest>,
+    ) -> Result<Response<Self::ExportStateStream>, Status> {
+        let (index, bytes) = self
+            .node
+            .consistency
+            .export_state()
+            .await
+            .map_err(|e| propose_status(&e))?;
+        tracing::info!(index, bytes = bytes.len(), "state exported");
+        let chunks: Vec<Result<StateChunk, Status>> = bytes
+            .chunks(EXPORT_CHUNK)
+            .enumerate()
+            .map(|(i, c)| {
+                Ok(StateChunk {
+                    data: c.to_vec(),
+                    applied_index: if i == 0 { index } else { 0 },
+                })
+            })
+            .collect();
+        Ok(Response::new(Box::pin(futures::stream::iter(chunks))))
+    }
+
     async fn status(
         &self,
         request: Request<StatusRequest>,

@@ -14,6 +14,8 @@ pub trait Consistency: Send + Sync {
     fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>>;
     /// Resolves once this node has applied every entry committed before the call.
     fn read_barrier(&self) -> BoxFuture<'_, Result<u64, ProposeError>>;
+    /// This node's whole state as snapshot bytes, with the index it was taken at.
+    fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>>;
 }
 
 /// The gRPC status for a write or barrier that failed.

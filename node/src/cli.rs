@@ -24,8 +24,9 @@ enum Cmd {
     Serve(Overrides),
     /// Ask a node where one request should go.
     Route(RouteArgs),
-    /// Show every candidate a node considered for a request, and why it won or lost.
-    Explain(RouteArgs),
+    /// Show every candidate a node considered for a request, and why it won or lost; offline
+    /// with `--state SNAPSHOT_OR_ADDR` and/or `--policies DIR`.
+    Explain(crate::explain_cmd::ExplainArgs),
     /// Show a node's state: applied index, digest, workers, ingest position.
     Status(StatusArgs),
     /// Simulators.
@@ -75,7 +76,7 @@ pub fn main() -> ExitCode {
             }
         },
         Cmd::Route(a) => rt.block_on(route_cmd::route(a, false)),
-        Cmd::Explain(a) => rt.block_on(route_cmd::route(a, true)),
+        Cmd::Explain(a) => rt.block_on(crate::explain_cmd::run(a)),
         Cmd::Status(a) => rt.block_on(route_cmd::status(a)),
         Cmd::Sim(SimCmd::Engine(a)) => rt.block_on(async {
             crate::telemetry::init(crate::config::LogFormat::Text);

@@ -56,6 +56,8 @@ pub struct Config {
     pub policy_dir: Option<PathBuf>,
     /// How often the leader rereads `policy_dir`.
     pub policy_poll_ms: u64,
+    /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
+    pub policy_kubernetes: Option<crate::kube_source::KubeSourceSection>,
     /// Replication. Absent: a standalone node with an in-process log.
     pub raft: Option<RaftSection>,
 }
@@ -109,6 +111,7 @@ impl Default for Config {
             raft: None,
             policy_dir: None,
             policy_poll_ms: 1000,
+            policy_kubernetes: None,
         }
     }
 }
@@ -254,6 +257,20 @@ impl Config {
         p.extend(self.cost.problems());
         if self.policy_poll_ms == 0 {
             p.push("policy_poll_ms must be at least 1".into());
+        }
+        if self.policy_dir.is_some() && self.policy_kubernetes.is_some() {
+            p.push(
+                "policy_dir and policy_kubernetes are two sources of the same objects: set one"
+                    .into(),
+            );
+        }
+        if let Some(k) = &self.policy_kubernetes {
+            if k.resync_ms == 0 {
+                p.push("policy_kubernetes.resync_ms must be at least 1".into());
+            }
+            if k.namespace.as_deref() == Some("") {
+                p.push("policy_kubernetes.namespace must not be empty".into());
+            }
         }
         if let Some(r) = &self.raft {
             r.problems(&self.grpc_listen, &mut p);

@@ -10,7 +10,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::snapshot_store::SnapshotStore;
 
-type Request = (Command, oneshot::Sender<Result<u64, ProposeError>>);
+enum Request {
+    Propose(Command, oneshot::Sender<Result<u64, ProposeError>>),
+    Export(oneshot::Sender<(u64, Vec<u8>)>),
+}
 
 /// When the applier takes snapshots.
 #[derive(Debug, Clone, Copy)]
@@ -80,7 +83,14 @@ fn apply_loop(
         Ok(bytes) => tracing::info!(index = sm.applied_index(), bytes, why, "snapshot written"),
         Err(e) => tracing::error!(error = %e, "snapshot failed"),
     };
-    while let Some((command, reply)) = rx.blocking_recv() {
+    while let Some(request) = rx.blocking_recv() {
+        let (command, reply) = match request {
+            Request::Propose(command, reply) => (command, reply),
+            Request::Export(reply) => {
+                let _ = reply.send((sm.applied_index(), sm.snapshot()));
+                continue;
+            }
+        };
         let entry = Entry {
             index: sm.applied_index() + 1,
             timestamp_ms: now_ms(),
@@ -119,10 +129,22 @@ impl Proposer for LocalLog {
     async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
         let (tx, rx) = oneshot::channel();
         self.tx
-            .send((command, tx))
+            .send(Request::Propose(command, tx))
             .await
             .map_err(|_| ProposeError::Closed)?;
         rx.await.map_err(|_| ProposeError::Closed)?
+    }
+}
+
+impl LocalLog {
+    /// The applier's whole state as snapshot bytes, between two entries.
+    pub async fn export(&self) -> Result<(u64, Vec<u8>), ProposeError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Request::Export(tx))
+            .await
+            .map_err(|_| ProposeError::Closed)?;
+        rx.await.map_err(|_| ProposeError::Closed)
     }
 }
 
@@ -142,5 +164,9 @@ impl kvplane_api::Consistency for LocalConsistency {
     fn read_barrier(&self) -> futures::future::BoxFuture<'_, Result<u64, ProposeError>> {
         let index = self.handle.load().applied_index;
         Box::pin(async move { Ok(index) })
+    }
+
+    fn export_state(&self) -> futures::future::BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>> {
+        Box::pin(self.log.export())
     }
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvplane_policy::Catalog;
 use kvplane_state::{Command, ConfigKey, ConfigObject, Proposer, StateHandle};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -63,6 +64,26 @@ pub async fn run(
     }
 }
 
+/// The one `ConfigApply` that turns `current` into `desired`, with its numbers of puts and
+/// deletes; `None` when they are equal.
+pub(crate) fn change(current: &Catalog, desired: &Catalog) -> Option<(Command, usize, usize)> {
+    let (puts, deletes) = current.diff(desired);
+    if puts.is_empty() && deletes.is_empty() {
+        return None;
+    }
+    let command = Command::ConfigApply {
+        puts: puts.iter().map(ConfigObject::policy).collect(),
+        deletes: deletes
+            .iter()
+            .map(|(k, n)| ConfigKey {
+                kind: k.as_str().to_owned(),
+                name: n.clone(),
+            })
+            .collect(),
+    };
+    Some((command, puts.len(), deletes.len()))
+}
+
 async fn sync_once(
     dir: &std::path::Path,
     log: &impl Proposer,
@@ -92,29 +113,13 @@ async fn sync_once(
         return;
     }
     last_problems.clear();
-    let (puts, deletes) = state.load().catalog.diff(&desired);
-    if puts.is_empty() && deletes.is_empty() {
+    let Some((command, puts, deletes)) = change(&state.load().catalog, &desired) else {
         return;
-    }
-    let command = Command::ConfigApply {
-        puts: puts.iter().map(ConfigObject::policy).collect(),
-        deletes: deletes
-            .iter()
-            .map(|(k, n)| ConfigKey {
-                kind: k.as_str().to_owned(),
-                name: n.clone(),
-            })
-            .collect(),
     };
     match log.propose(command).await {
         Ok(index) => {
             metrics.applied.inc();
-            tracing::info!(
-                index,
-                puts = puts.len(),
-                deletes = deletes.len(),
-                "policy change applied"
-            );
+            tracing::info!(index, puts, deletes, "policy change applied");
         }
         Err(e) => tracing::warn!(error = %e, "policy change not applied"),
     }

@@ -46,11 +46,15 @@ impl Proposer for RaftLog {
 }
 
 /// A started Raft member.
+/// Where a Raft node keeps its state snapshots, under its data directory.
+pub(crate) const STATE_DIR: &str = "raft/state";
+
 pub struct RaftMember {
     pub raft: KvRaft,
     pub log: RaftLog,
     pub handle: StateHandle,
     pub membership: Membership,
+    state: ReplicatedState,
     replica: Replica,
     faults: Option<Faults>,
 }
@@ -65,7 +69,7 @@ impl RaftMember {
         let dir = cfg.data_dir.join("raft");
         std::fs::create_dir_all(&dir)?;
         let log = LogStore::open(&dir.join("log.redb"))?;
-        let state = ReplicatedState::open(&dir.join("state"))?;
+        let state = ReplicatedState::open(&cfg.data_dir.join(STATE_DIR))?;
         let handle = state.handle();
         let config = openraft::Config {
             cluster_name: "kvplane".into(),
@@ -83,7 +87,8 @@ impl RaftMember {
         let faults = Faults::default();
         let network = Network::new(faults.clone());
         let id = membership.id;
-        let raft = openraft::Raft::new(id, Arc::new(config), network.clone(), log, state).await?;
+        let raft =
+            openraft::Raft::new(id, Arc::new(config), network.clone(), log, state.clone()).await?;
         if !membership.initial.is_empty() {
             let members: BTreeMap<u64, BasicNode> = membership
                 .initial
@@ -107,6 +112,7 @@ impl RaftMember {
             raft,
             handle,
             membership,
+            state,
             faults: r.fault_injection.then_some(faults),
         })
     }
@@ -315,6 +321,10 @@ impl kvplane_api::Consistency for RaftMember {
 
     fn read_barrier(&self) -> BoxFuture<'_, Result<u64, ProposeError>> {
         Box::pin(self.replica.read_barrier())
+    }
+
+    fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>> {
+        Box::pin(async { Ok(self.state.export().await) })
     }
 }
 

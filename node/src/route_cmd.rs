@@ -6,7 +6,8 @@ use anyhow::Context;
 use kvplane_proto::v1::admin_client::AdminClient;
 use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{
-    RejectCode, RouteRequest, RouteResponse, StatusRequest, route_response::Decision,
+    ExplainResponse, RejectCode, RouteRequest, RouteResponse, StatusRequest,
+    route_response::Decision,
 };
 use serde_json::{Value, json};
 
@@ -19,6 +20,9 @@ pub struct RouteArgs {
     pub model: String,
     #[arg(long, default_value = "")]
     pub tenant: String,
+    /// A semantic tag for the policies (repeatable), e.g. `--tag pii --tag complexity=low`.
+    #[arg(long = "tag")]
+    pub tags: Vec<String>,
     #[arg(long, default_value = "")]
     pub request_id: String,
     /// Prompt text (sent as a /v1/completions body).
@@ -48,7 +52,7 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-fn request(a: &RouteArgs) -> anyhow::Result<RouteRequest> {
+pub(crate) fn request(a: &RouteArgs) -> anyhow::Result<RouteRequest> {
     let body = match (&a.prompt, &a.body) {
         (Some(p), _) => serde_json::to_vec(&json!({"model": a.model, "prompt": p}))?,
         (None, Some(path)) => {
@@ -60,6 +64,7 @@ fn request(a: &RouteArgs) -> anyhow::Result<RouteRequest> {
         request_id: a.request_id.clone(),
         tenant: a.tenant.clone(),
         model: a.model.clone(),
+        tags: a.tags.clone(),
         body,
         token_ids: a.tokens.clone().unwrap_or_default(),
         max_output_tokens: a.max_tokens,
@@ -71,7 +76,10 @@ fn request(a: &RouteArgs) -> anyhow::Result<RouteRequest> {
 pub(crate) fn decision_json(r: &RouteResponse) -> Value {
     let decision = match &r.decision {
         Some(Decision::Endpoint(e)) => json!({
-            "endpoint": {"address": e.address, "worker_id": e.worker_id, "pool": e.pool, "dp_rank": e.dp_rank}
+            "endpoint": {
+                "address": e.address, "worker_id": e.worker_id, "pool": e.pool,
+                "dp_rank": e.dp_rank, "provider": e.provider,
+            }
         }),
         Some(Decision::Rejection(x)) => json!({
             "rejection": {
@@ -88,6 +96,7 @@ pub(crate) fn decision_json(r: &RouteResponse) -> Value {
     v["prompt_blocks"] = json!(r.prompt_blocks);
     v["prompt_tokens"] = json!(r.prompt_tokens);
     v["applied_index"] = json!(r.applied_index);
+    v["model"] = json!(r.model);
     v["body_rewritten"] = json!(r.rewritten_body.is_some());
     v
 }
@@ -97,15 +106,17 @@ fn print_decision(r: &RouteResponse) {
         Some(Decision::Endpoint(e)) => {
             println!("decision     routed");
             println!(
-                "endpoint     {}/{}{}",
-                e.pool,
-                e.worker_id,
+                "endpoint     {}{}",
+                target(e),
                 if e.address.is_empty() {
                     String::new()
                 } else {
                     format!("  {}", e.address)
                 }
             );
+            if !r.model.is_empty() {
+                println!("model        {}", r.model);
+            }
             println!(
                 "matched      {} of {} blocks",
                 r.matched_blocks, r.prompt_blocks
@@ -125,6 +136,15 @@ fn print_decision(r: &RouteResponse) {
     println!("state index  {}", r.applied_index);
 }
 
+/// `pool/worker`, or `provider NAME` for an external provider.
+fn target(e: &kvplane_proto::v1::Endpoint) -> String {
+    if e.provider.is_empty() {
+        format!("{}/{}", e.pool, e.worker_id)
+    } else {
+        format!("provider {}", e.provider)
+    }
+}
+
 pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
     let req = request(&a)?;
     let mut client = RouterClient::connect(a.addr.clone())
@@ -140,7 +160,12 @@ pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     let x = client.explain(req).await?.into_inner();
-    if a.json {
+    print_explain(&x, a.json)
+}
+
+/// Prints an Explain answer: a table and the steps, or JSON.
+pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Result<()> {
+    if as_json {
         let candidates: Vec<Value> = x
             .candidates
             .iter()
@@ -148,6 +173,7 @@ pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
                 let e = c.endpoint.clone().unwrap_or_default();
                 json!({
                     "pool": e.pool, "worker_id": e.worker_id, "address": e.address,
+                    "provider": e.provider, "predicted_ttft_ms": c.predicted_ttft_ms,
                     "overlap_blocks": c.overlap_blocks, "uncached_blocks": c.uncached_blocks,
                     "running": c.running, "waiting": c.waiting, "kv_cache_usage": c.kv_cache_usage,
                     "prefill_cost": c.prefill_cost, "load_cost": c.load_cost, "cost": c.cost,
@@ -178,7 +204,7 @@ pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
         println!(
             "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1}  {}",
             if c.chosen { "->" } else { "" },
-            format!("{}/{}", e.pool, e.worker_id),
+            target(&e),
             c.overlap_blocks,
             c.uncached_blocks,
             c.running,

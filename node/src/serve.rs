@@ -136,6 +136,21 @@ pub async fn run(
     state_metrics.register(&mut registry);
     let policy_metrics = Arc::new(crate::policy_source::PolicySourceMetrics::default());
     policy_metrics.register(&mut registry);
+    let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
+    let kube_client = match &cfg.policy_kubernetes {
+        None => None,
+        Some(k) => {
+            kube_metrics.register(&mut registry);
+            let client = kube::Client::try_default()
+                .await
+                .map_err(|e| anyhow::anyhow!("policy_kubernetes: no kubernetes client: {e}"))?;
+            let namespace = k
+                .namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_owned());
+            Some((client, namespace, Duration::from_millis(k.resync_ms)))
+        }
+    };
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
 
@@ -309,17 +324,26 @@ pub async fn run(
     );
     // The policy directory, kept in the state by whoever leads.
     let policy_task = cfg.policy_dir.clone().map(|dir| {
-        let leading: Box<dyn Fn() -> bool + Send> = match member.clone() {
-            None => Box::new(|| true),
-            Some(m) => Box::new(move || m.is_leader()),
-        };
         tokio::spawn(crate::policy_source::run(
             dir,
             Duration::from_millis(cfg.policy_poll_ms),
             log.clone(),
             handle.clone(),
-            leading,
+            leading(&member),
             policy_metrics.clone(),
+            stop_rx.clone(),
+        ))
+    });
+    // The policy custom resources of the Kubernetes cluster, likewise.
+    let kube_task = kube_client.map(|(client, namespace, resync)| {
+        tokio::spawn(crate::kube_source::run(
+            client,
+            namespace,
+            resync,
+            log.clone(),
+            handle.clone(),
+            leading(&member),
+            kube_metrics.clone(),
             stop_rx.clone(),
         ))
     });
@@ -333,7 +357,7 @@ pub async fn run(
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
-    for t in [join_task, policy_task].into_iter().flatten() {
+    for t in [join_task, policy_task, kube_task].into_iter().flatten() {
         let _ = t.await;
     }
     if let Ok(Err(e)) = grpc_task.await {
@@ -468,4 +492,12 @@ fn http_app(registry: Arc<Registry>) -> axum::Router {
         )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ready" }))
+}
+
+/// Whether this node is the one that should act for the cluster now (a standalone node always is).
+fn leading(member: &Option<Arc<RaftMember>>) -> Box<dyn Fn() -> bool + Send> {
+    match member.clone() {
+        None => Box::new(|| true),
+        Some(m) => Box::new(move || m.is_leader()),
+    }
 }

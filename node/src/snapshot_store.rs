@@ -17,6 +17,9 @@ pub enum SnapshotStoreError {
     },
 }
 
+/// The snapshot directory of a standalone node, under its data directory.
+pub const SNAPSHOT_DIR: &str = "snapshots";
+
 #[derive(Debug, Clone)]
 pub struct SnapshotStore {
     dir: PathBuf,
@@ -25,7 +28,7 @@ pub struct SnapshotStore {
 
 impl SnapshotStore {
     pub fn open(data_dir: &Path, keep: usize) -> Result<Self, SnapshotStoreError> {
-        let dir = data_dir.join("snapshots");
+        let dir = data_dir.join(SNAPSHOT_DIR);
         fs::create_dir_all(&dir).map_err(|source| SnapshotStoreError::Io {
             path: dir.clone(),
             source,

@@ -134,3 +134,120 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
             .any(|c| c.filtered_reason == "external providers are excluded")
     );
 }
+
+fn explain_json(args: &[&str]) -> serde_json::Value {
+    let out = harness::kvplane_ok(&[&["explain", "--json"], args].concat());
+    serde_json::from_str(&out).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_explain_decides_from_a_live_node_or_its_data_dir_with_other_policies() {
+    let mut cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(EXAMPLES.into()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    for (ws, w) in [("large-a100", "a0"), ("small-l4", "l0")] {
+        publish(
+            &js,
+            worker_subject(ws, w),
+            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
+        )
+        .await;
+    }
+    let last = publish(&js, kv_subject("large-a100", "a0"), chain(&prompt(7), 7)).await;
+    cluster.nodes[0].wait_applied_seq(last).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let req = dir.path().join("request.json");
+    std::fs::write(
+        &req,
+        serde_json::json!({
+            "model": "standard-model",
+            "token_ids": prompt(7),
+            "body": {"model": "standard-model", "prompt": "hello", "max_tokens": 8},
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let req = req.to_str().unwrap();
+    // Other policies: the public name backed by the small model only.
+    let other = dir.path().join("policies");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::copy(format!("{EXAMPLES}/fleet.yaml"), other.join("fleet.yaml")).unwrap();
+    std::fs::write(
+        other.join("alias.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata:\n  name: standard\nspec:\n  publicModel: standard-model\n  backends:\n    - model: llama-8b\n",
+    )
+    .unwrap();
+    let other = other.to_str().unwrap();
+
+    let addr = format!("http://{}", cluster.nodes[0].grpc);
+    let live = explain_json(&["--state", &addr, req]);
+    assert_eq!(live["decision"]["endpoint"]["worker_id"], "a0", "{live}");
+    assert_eq!(live["decision"]["model"], "llama-70b", "{live}");
+    assert_eq!(live["decision"]["matched_blocks"], 3, "{live}");
+    let what_if = explain_json(&["--state", &addr, "--policies", other, req]);
+    assert_eq!(
+        what_if["decision"]["endpoint"]["worker_id"], "l0",
+        "{what_if}"
+    );
+    assert_eq!(what_if["decision"]["model"], "llama-8b", "{what_if}");
+    assert!(
+        what_if["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s.as_str().unwrap().contains("standard-model")),
+        "{what_if}"
+    );
+
+    // The data directory of the stopped node holds the same state.
+    assert!(cluster.nodes[0].terminate().success());
+    let data = cluster.nodes[0]
+        .dir
+        .join("data")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let stopped = explain_json(&["--state", &data, req]);
+    assert_eq!(stopped["decision"], live["decision"], "{stopped}");
+    let what_if = explain_json(&["--state", &data, "--policies", other, req]);
+    assert_eq!(
+        what_if["decision"]["endpoint"]["worker_id"], "l0",
+        "{what_if}"
+    );
+
+    // Not a data directory: said so.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(["explain", "--state", dir.path().to_str().unwrap(), req])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not a kvplane data directory"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Broken policies: every problem, and no decision.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(["explain", "--state", &data, "--policies"])
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/policies-broken"
+        ))
+        .arg(req)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the policies have 11 problem(s)"),
+        "{stderr}"
+    );
+}

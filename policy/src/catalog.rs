@@ -37,14 +37,14 @@ impl std::fmt::Display for Problem {
     }
 }
 
-struct Check<'a> {
-    kind: Kind,
-    name: &'a str,
-    out: &'a mut Vec<Problem>,
+pub(crate) struct Check<'a> {
+    pub(crate) kind: Kind,
+    pub(crate) name: &'a str,
+    pub(crate) out: &'a mut Vec<Problem>,
 }
 
 impl Check<'_> {
-    fn fail(&mut self, path: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn fail(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.out.push(Problem {
             kind: self.kind,
             name: self.name.to_owned(),
@@ -85,6 +85,21 @@ impl Catalog {
             Spec::Policy(s) => self.policies.insert(name, s).is_some(),
             Spec::Backend(s) => self.backends.insert(name, s).is_some(),
         }
+    }
+
+    /// The object of `kind` named `name`.
+    pub fn get(&self, kind: Kind, name: &str) -> Option<Object> {
+        let spec = match kind {
+            Kind::WorkerSet => self.worker_sets.get(name).cloned().map(Spec::WorkerSet),
+            Kind::Pool => self.pools.get(name).cloned().map(Spec::Pool),
+            Kind::Provider => self.providers.get(name).cloned().map(Spec::Provider),
+            Kind::Policy => self.policies.get(name).cloned().map(Spec::Policy),
+            Kind::Backend => self.backends.get(name).cloned().map(Spec::Backend),
+        }?;
+        Some(Object {
+            name: name.to_owned(),
+            spec,
+        })
     }
 
     pub fn remove(&mut self, kind: Kind, name: &str) -> bool {
@@ -237,6 +252,7 @@ impl Catalog {
                 p,
             );
         }
+        self.check_limits(&mut out);
         for (name, b) in &self.backends {
             self.check_backend(
                 &mut Check {
@@ -316,8 +332,11 @@ impl Catalog {
     }
 
     fn check_policy(&self, c: &mut Check<'_>, p: &InferencePolicySpec) {
-        if p.rules.is_empty() {
-            c.fail("spec.rules", "a policy needs at least one rule");
+        if p.rules.is_empty() && p.limits.is_empty() {
+            c.fail("spec.rules", "a policy needs at least one rule or limit");
+        }
+        for (i, l) in p.limits.iter().enumerate() {
+            crate::limits::check(c, i, l);
         }
         let mut names = BTreeSet::new();
         for (i, r) in p.rules.iter().enumerate() {

@@ -42,7 +42,8 @@ impl std::fmt::Debug for ReplicatedState {
     }
 }
 
-const SNAPSHOT_FILE: &str = "snapshot.bin";
+/// The snapshot file in a state directory.
+pub const SNAPSHOT_FILE: &str = "snapshot.bin";
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct SnapshotFile {
@@ -107,6 +108,19 @@ impl ReplicatedState {
     pub fn handle(&self) -> StateHandle {
         self.handle.clone()
     }
+
+    /// The whole state as [`StateMachine::snapshot`] bytes, with its applied index.
+    pub async fn export(&self) -> (u64, Vec<u8>) {
+        let inner = self.inner.lock().await;
+        (inner.sm.applied_index(), inner.sm.snapshot())
+    }
+}
+
+/// Reads the state out of a node's Raft snapshot file (`<data_dir>/raft/state/snapshot.bin`).
+pub fn read_snapshot_file(path: &Path) -> io::Result<StateMachine> {
+    let bytes = std::fs::read(path)?;
+    let file: SnapshotFile = rmp_serde::from_slice(&bytes).map_err(io::Error::other)?;
+    StateMachine::restore(&file.data).map_err(|e| io::Error::other(e.to_string()))
 }
 
 impl Inner {

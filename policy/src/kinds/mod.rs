@@ -2,6 +2,7 @@
 
 mod backend;
 mod common;
+mod limit;
 mod policy;
 mod pool;
 mod provider;
@@ -9,6 +10,7 @@ mod worker_set;
 
 pub use backend::{Backend, GatewayBackend, GatewayBackendSpec};
 pub use common::{GROUP, Labels, ObjectStatus, TokenCost, VERSION};
+pub use limit::TenantLimit;
 pub use policy::{
     EmptyAction, Filter, InferencePolicy, InferencePolicySpec, Match, Objective, OnEmpty,
     PoolCondition, Rule, Targets,

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::common::{Labels, ObjectStatus};
 
-/// Ordered rules; the first whose `match` holds decides the request.
+/// Ordered rules, the first whose `match` holds decides the request; and tenant limits.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "kvplane.io",
@@ -18,7 +18,11 @@ use super::common::{Labels, ObjectStatus};
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct InferencePolicySpec {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<Rule>,
+    /// Token and request budgets of tenants, the same for every replica and gateway.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub limits: Vec<super::TenantLimit>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

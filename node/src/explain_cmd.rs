@@ -1,0 +1,186 @@
+//! `kvplane explain`: online, a node's Explain; offline (`--state` and/or `--policies`), the
+//! same decision computed here, from a state read out of a snapshot file, a node's data
+//! directory or a live node (`Admin.ExportState`), with the policies of a directory applied to
+//! it the way the cluster would apply them (one `ConfigApply` entry, validated by `apply`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use kvplane_api::{ApiMetrics, CostModel, RouterService};
+use kvplane_proto::v1::admin_client::AdminClient;
+use kvplane_proto::v1::router_server::Router;
+use kvplane_proto::v1::{ExportStateRequest, RouteRequest};
+use kvplane_state::{Entry, StateMachine};
+use serde::Deserialize;
+
+use crate::route_cmd::{self, RouteArgs};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExplainArgs {
+    #[command(flatten)]
+    pub route: RouteArgs,
+    /// Offline: decide with the policies in these directories (or files) instead of the
+    /// state's own.
+    #[arg(long)]
+    pub policies: Vec<PathBuf>,
+    /// Offline: the state to decide from: a snapshot file, a node's data directory, or a
+    /// node's gRPC address (`http://...`). Without it, an empty fleet.
+    #[arg(long, value_name = "SNAPSHOT_OR_ADDR")]
+    pub state: Option<String>,
+    /// The request as JSON: `{"tenant", "model", "tags", "headers", "body", "token_ids",
+    /// "max_output_tokens"}` (`body` is the OpenAI request body). Else the flags above.
+    #[arg(value_name = "REQUEST.json")]
+    pub request: Option<PathBuf>,
+}
+
+/// The request file of `kvplane explain`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RequestFile {
+    request_id: String,
+    tenant: String,
+    model: String,
+    tags: Vec<String>,
+    headers: BTreeMap<String, String>,
+    body: Option<serde_json::Value>,
+    token_ids: Vec<u32>,
+    max_output_tokens: u32,
+}
+
+fn read_request(path: &Path) -> anyhow::Result<RouteRequest> {
+    let text = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let f: RequestFile = serde_json::from_slice(&text)
+        .with_context(|| format!("{} is not a request file", path.display()))?;
+    Ok(RouteRequest {
+        request_id: f.request_id,
+        tenant: f.tenant,
+        model: f.model,
+        tags: f.tags,
+        headers: f.headers.into_iter().collect(),
+        body: match f.body {
+            Some(b) => serde_json::to_vec(&b)?,
+            None => Vec::new(),
+        },
+        token_ids: f.token_ids,
+        max_output_tokens: f.max_output_tokens,
+        ..Default::default()
+    })
+}
+
+pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
+    if a.state.is_none() && a.policies.is_empty() {
+        anyhow::ensure!(
+            a.request.is_none(),
+            "a request file is for offline explain: give --state and/or --policies"
+        );
+        return route_cmd::route(a.route, true).await;
+    }
+    let req = match &a.request {
+        Some(path) => read_request(path)?,
+        None => route_cmd::request(&a.route)?,
+    };
+    let mut sm = match &a.state {
+        Some(s) => load_state(s).await?,
+        None => StateMachine::new(),
+    };
+    if !a.policies.is_empty() {
+        apply_policies(&mut sm, &a.policies)?;
+    }
+    let service = RouterService::new(
+        sm.handle(),
+        CostModel::default(),
+        Arc::new(ApiMetrics::default()),
+    );
+    let x = service
+        .explain(tonic::Request::new(req))
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+        .into_inner();
+    route_cmd::print_explain(&x, a.route.json)
+}
+
+/// Replaces the state's policy catalog with the one in `paths`, through `apply`.
+fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()> {
+    let (desired, problems) = crate::policy_cmd::load(paths)?;
+    for p in &problems {
+        eprintln!("{p}");
+    }
+    anyhow::ensure!(
+        problems.is_empty(),
+        "the policies have {} problem(s)",
+        problems.len()
+    );
+    let current = sm.handle().load().catalog.clone();
+    let Some((command, _, _)) = crate::policy_source::change(&current, &desired) else {
+        return Ok(());
+    };
+    let entry = Entry {
+        index: sm.applied_index() + 1,
+        timestamp_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        command,
+    };
+    let applied = sm.apply(&entry)?;
+    if let Some(e) = applied.rejected {
+        anyhow::bail!("these policies do not fit the state: {e}");
+    }
+    Ok(())
+}
+
+/// The state behind `--state`.
+async fn load_state(s: &str) -> anyhow::Result<StateMachine> {
+    if s.starts_with("http://") || s.starts_with("https://") {
+        return fetch_state(s).await;
+    }
+    let path = Path::new(s);
+    if path.is_dir() {
+        let raft = path
+            .join(crate::raft_log::STATE_DIR)
+            .join(kvplane_raft::SNAPSHOT_FILE);
+        if raft.exists() {
+            return kvplane_raft::read_snapshot_file(&raft)
+                .with_context(|| format!("cannot read {}", raft.display()));
+        }
+        anyhow::ensure!(
+            path.join(crate::snapshot_store::SNAPSHOT_DIR).is_dir(),
+            "{} is not a kvplane data directory (no snapshot in it)",
+            path.display()
+        );
+        let sm = crate::snapshot_store::SnapshotStore::open(path, 1)?.load_latest()?;
+        anyhow::ensure!(
+            sm.applied_index() > 0,
+            "{} holds no snapshot yet",
+            path.display()
+        );
+        return Ok(sm);
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    match StateMachine::restore(&bytes) {
+        Ok(sm) => Ok(sm),
+        // Not a bare state snapshot: a Raft snapshot file (openraft's metadata around one).
+        Err(kvplane_state::SnapshotError::BadMagic) => kvplane_raft::read_snapshot_file(path)
+            .with_context(|| format!("{} is not a kvplane snapshot", path.display())),
+        Err(e) => Err(e).with_context(|| format!("cannot restore {}", path.display())),
+    }
+}
+
+async fn fetch_state(addr: &str) -> anyhow::Result<StateMachine> {
+    let mut client = AdminClient::connect(addr.to_owned())
+        .await
+        .with_context(|| format!("cannot connect to {addr}"))?
+        .max_decoding_message_size(64 << 20);
+    let mut stream = client
+        .export_state(ExportStateRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("{addr} did not export its state: {}", s.message()))?
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.message().await? {
+        bytes.extend_from_slice(&chunk.data);
+    }
+    StateMachine::restore(&bytes).with_context(|| format!("the state {addr} sent is not valid"))
+}

@@ -1,0 +1,243 @@
+//! The Kubernetes config source against kube's mock API server: the example policies as custom
+//! resources enter the replicated state (a real state machine behind the node's in-process
+//! log), every object gets its `Accepted` condition, a broken object is refused with its reason
+//! while the rest apply, and edits and deletions follow.
+
+#![allow(clippy::unwrap_used)]
+
+mod fake_api;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use fake_api::FakeApi;
+use kube::CustomResourceExt;
+use kvplane_node::kube_source::{self, KubeSourceMetrics};
+use kvplane_node::local_log::{LocalLog, SnapshotPolicy};
+use kvplane_node::snapshot_store::SnapshotStore;
+use kvplane_policy::kinds::{
+    GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
+};
+use kvplane_state::{StateHandle, StateMachine};
+use serde_json::{Value, json};
+
+const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
+const NS: &str = "fleet";
+
+fn plural(kind: &str) -> String {
+    match kind {
+        "InferenceWorkerSet" => InferenceWorkerSet::api_resource().plural,
+        "InferencePool" => InferencePool::api_resource().plural,
+        "InferenceProvider" => InferenceProvider::api_resource().plural,
+        "InferencePolicy" => InferencePolicy::api_resource().plural,
+        "GatewayBackend" => GatewayBackend::api_resource().plural,
+        other => panic!("{other}"),
+    }
+}
+
+/// The example policy files as API objects: (plural, object).
+fn examples() -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(EXAMPLES).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+            let mut v: Value = serde::Deserialize::deserialize(doc).unwrap();
+            v["metadata"]["namespace"] = json!(NS);
+            out.push((plural(v["kind"].as_str().unwrap()), v));
+        }
+    }
+    out
+}
+
+fn object(kind: &str, name: &str, spec: Value) -> Value {
+    json!({
+        "apiVersion": "kvplane.io/v1alpha1",
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec,
+    })
+}
+
+fn accepted(status: &Value) -> (&str, &str, i64) {
+    let c = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Accepted")
+        .unwrap();
+    (
+        c["status"].as_str().unwrap(),
+        c["message"].as_str().unwrap(),
+        c["observedGeneration"].as_i64().unwrap(),
+    )
+}
+
+async fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+struct Source {
+    api: FakeApi,
+    state: StateHandle,
+    leading: Arc<AtomicBool>,
+    _stop: tokio::sync::watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+fn start(api: FakeApi) -> Source {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, state, _applier) = LocalLog::start(
+        StateMachine::new(),
+        SnapshotStore::open(dir.path(), 1).unwrap(),
+        SnapshotPolicy {
+            every_entries: 1_000_000,
+            every: Duration::from_secs(3600),
+        },
+        Arc::new(|_| {}),
+    );
+    let leading = Arc::new(AtomicBool::new(false));
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let l = leading.clone();
+    tokio::spawn(kube_source::run(
+        api.client(NS),
+        NS.into(),
+        Duration::from_millis(50),
+        log,
+        state.clone(),
+        move || l.load(Ordering::SeqCst),
+        Arc::new(KubeSourceMetrics::default()),
+        stop_rx,
+    ));
+    Source {
+        api,
+        state,
+        leading,
+        _stop: stop,
+        _dir: dir,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_resources_enter_the_state_with_their_status_written_back() {
+    let api = FakeApi::default();
+    for (plural, o) in examples() {
+        api.apply(&plural, o);
+    }
+    // A pool of a worker set nobody defined.
+    let pools = plural("InferencePool");
+    api.apply(
+        &pools,
+        object(
+            "InferencePool",
+            "broken",
+            json!({"workerSets": ["missing"]}),
+        ),
+    );
+    let s = start(api.clone());
+
+    // Not leading: the watches run, nothing is written.
+    wait("five watches", || (s.api.served().0 == 5).then_some(())).await;
+    assert!(s.state.load().catalog.is_empty());
+    assert_eq!(s.api.status_patches(), 0);
+
+    s.leading.store(true, Ordering::SeqCst);
+    let catalog = wait("the examples in the state", || {
+        let c = s.state.load().catalog.clone();
+        (c.backends.len() == 3).then_some(c)
+    })
+    .await;
+    assert_eq!(catalog.worker_sets.len(), 2);
+    assert_eq!(
+        catalog.pools.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["large", "local", "small"]
+    );
+    assert_eq!(catalog.providers.len(), 1);
+    assert_eq!(catalog.policies.len(), 4);
+    let first_index = s.state.load().config_index;
+
+    // Every example accepted, at the index it took effect; the broken pool refused.
+    let status = wait("the status of every object", || {
+        let all: Option<Vec<Value>> = examples()
+            .iter()
+            .map(|(p, o)| s.api.status(p, o["metadata"]["name"].as_str().unwrap()))
+            .collect();
+        all.zip(s.api.status(&pools, "broken"))
+    })
+    .await;
+    for st in &status.0 {
+        assert_eq!(accepted(st), ("True", "in the replicated state", 1), "{st}");
+        assert_eq!(st["appliedIndex"], json!(first_index), "{st}");
+    }
+    let (ok, why, _) = accepted(&status.1);
+    assert_eq!(ok, "False");
+    assert!(
+        why.contains("spec.workerSets[0]") && why.contains("\"missing\" does not exist"),
+        "{why}"
+    );
+
+    let objects = status.0.len() + 1;
+
+    // An edit: the public name backed by the small model only.
+    let backends = plural("GatewayBackend");
+    api.apply(
+        &backends,
+        object(
+            "GatewayBackend",
+            "standard",
+            json!({"publicModel": "standard-model", "backends": [{"model": "llama-8b"}]}),
+        ),
+    );
+    let edited = wait("the edit applied", || {
+        let v = s.state.load();
+        (v.catalog.backends["standard"].backends.len() == 1).then_some(v.config_index)
+    })
+    .await;
+    assert!(edited > first_index);
+    let st = wait("the edit's status", || {
+        s.api
+            .status(&backends, "standard")
+            .filter(|st| st["appliedIndex"] == json!(edited))
+    })
+    .await;
+    assert_eq!(accepted(&st).2, 2);
+
+    // A broken edit of a live pool: refused, and the accepted version stays.
+    api.apply(
+        &pools,
+        object(
+            "InferencePool",
+            "large",
+            json!({"workerSets": ["large-a100", "gone"]}),
+        ),
+    );
+    let st = wait("the broken edit refused", || {
+        s.api
+            .status(&pools, "large")
+            .filter(|st| accepted(st).0 == "False")
+    })
+    .await;
+    assert!(accepted(&st).1.contains("stays in force"), "{st}");
+    assert_eq!(st["appliedIndex"], json!(first_index));
+    assert_eq!(
+        s.state.load().catalog.pools["large"].worker_sets,
+        ["large-a100"]
+    );
+
+    // A deletion leaves the state.
+    api.delete(&backends, "standard");
+    wait("the deletion applied", || {
+        (!s.state.load().catalog.backends.contains_key("standard")).then_some(())
+    })
+    .await;
+    // One status write per object, and one per change since (the source resyncs every 50 ms:
+    // writes that would change nothing, and its own writes coming back, are skipped).
+    assert_eq!(s.api.status_patches(), objects + 2);
+}

@@ -1,0 +1,154 @@
+//! Which tenant limits apply to a request, and their validation.
+
+use std::collections::BTreeMap;
+
+use crate::catalog::Check;
+use crate::kinds::TenantLimit;
+use crate::{Catalog, Kind, Problem};
+
+/// What one budget is kept for: a tenant, and a model or every model (`""`).
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub struct LimitKey {
+    pub tenant: String,
+    pub model: String,
+}
+
+impl std::fmt::Display for LimitKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.model.is_empty() {
+            write!(f, "tenant {:?}", self.tenant)
+        } else {
+            write!(f, "tenant {:?} model {:?}", self.tenant, self.model)
+        }
+    }
+}
+
+/// A limit that applies to a request, with the budget it is counted in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MatchedLimit<'a> {
+    pub key: LimitKey,
+    pub limit: &'a TenantLimit,
+}
+
+impl Catalog {
+    /// Every limit of every policy, in a fixed order (policy name, then position).
+    fn all_limits(&self) -> impl Iterator<Item = (&str, usize, &TenantLimit)> {
+        self.policies.iter().flat_map(|(name, p)| {
+            p.limits
+                .iter()
+                .enumerate()
+                .map(move |(i, l)| (name.as_str(), i, l))
+        })
+    }
+
+    /// The limits that apply to `tenant` asking for `model`: the tenant's own (tenant-wide and
+    /// for this model), or for each scope the tenant has no limit of its own in, the `*` one.
+    pub fn limits_for(&self, tenant: &str, model: &str) -> Vec<MatchedLimit<'_>> {
+        let mut out: BTreeMap<String, (bool, &TenantLimit)> = BTreeMap::new();
+        for (_, _, l) in self.all_limits() {
+            let scope = match &l.model {
+                None => "",
+                Some(m) if m == model => m.as_str(),
+                Some(_) => continue,
+            };
+            let own = l.tenant == tenant;
+            if !own && l.tenant != "*" {
+                continue;
+            }
+            match out.get(scope) {
+                Some((true, _)) => {}
+                Some((false, _)) if !own => {}
+                _ => {
+                    out.insert(scope.to_owned(), (own, l));
+                }
+            }
+        }
+        out.into_iter()
+            .map(|(scope, (_, limit))| MatchedLimit {
+                key: LimitKey {
+                    tenant: tenant.to_owned(),
+                    model: scope,
+                },
+                limit,
+            })
+            .collect()
+    }
+
+    /// The limit a ledger key is counted against.
+    pub fn limit_of(&self, key: &LimitKey) -> Option<&TenantLimit> {
+        self.limits_for(&key.tenant, &key.model)
+            .into_iter()
+            .find(|m| m.key == *key)
+            .map(|m| m.limit)
+    }
+
+    pub(crate) fn check_limits(&self, out: &mut Vec<Problem>) {
+        let mut seen: BTreeMap<(&str, Option<&str>), (&str, usize)> = BTreeMap::new();
+        for (policy, i, l) in self.all_limits() {
+            let key = (l.tenant.as_str(), l.model.as_deref());
+            if let Some((first, j)) = seen.get(&key) {
+                Check {
+                    kind: Kind::Policy,
+                    name: policy,
+                    out,
+                }
+                .fail(
+                    format!("spec.limits[{i}]"),
+                    format!(
+                        "the same tenant and model as InferencePolicy/{first} spec.limits[{j}]"
+                    ),
+                );
+            } else {
+                seen.insert(key, (policy, i));
+            }
+        }
+    }
+}
+
+/// The problems of one limit, on its own.
+pub(crate) fn check(c: &mut Check<'_>, i: usize, l: &TenantLimit) {
+    let at = format!("spec.limits[{i}]");
+    if l.tenant.is_empty() {
+        c.fail(
+            format!("{at}.tenant"),
+            "must not be empty (`*` for every tenant)",
+        );
+    }
+    if l.tokens_per_minute.is_none() && l.requests_per_minute.is_none() {
+        c.fail(
+            at.clone(),
+            "a limit needs tokensPerMinute or requestsPerMinute",
+        );
+    }
+    if !(1..=3600).contains(&l.window_seconds) {
+        c.fail(
+            format!("{at}.windowSeconds"),
+            format!("must be within 1..=3600, got {}", l.window_seconds),
+        );
+    }
+    for (field, v) in [
+        ("tokensPerMinute", l.tokens_per_minute),
+        ("requestsPerMinute", l.requests_per_minute),
+        ("burst", l.burst),
+    ] {
+        if v == Some(0) {
+            c.fail(format!("{at}.{field}"), "must be at least 1");
+        }
+    }
+    if let (Some(w), Some(b)) = (l.window_tokens(), l.burst)
+        && b > w
+    {
+        c.fail(
+            format!("{at}.burst"),
+            format!("{b} is more than the window's budget of {w} tokens"),
+        );
+    }
+    if l.window_tokens() == Some(0) {
+        c.fail(
+            format!("{at}.tokensPerMinute"),
+            "gives no token in a window this short",
+        );
+    }
+}
