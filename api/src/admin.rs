@@ -68,11 +68,22 @@ impl std::fmt::Debug for NodeInfo {
 pub struct AdminService {
     state: StateHandle,
     node: NodeInfo,
+    escrow: Option<Arc<crate::Escrow>>,
 }
 
 impl AdminService {
     pub fn new(state: StateHandle, node: NodeInfo) -> Self {
-        Self { state, node }
+        Self {
+            state,
+            node,
+            escrow: None,
+        }
+    }
+
+    /// Reports this replica's escrow in Status.
+    pub fn with_quota(mut self, escrow: Arc<crate::Escrow>) -> Self {
+        self.escrow = Some(escrow);
+        self
     }
 
     pub fn status(&self) -> StatusResponse {
@@ -122,6 +133,7 @@ impl AdminService {
                     *m.entry(o.kind().as_str().to_owned()).or_insert(0) += 1;
                     m
                 }),
+            quota: self.escrow.as_ref().map(|e| e.status()).unwrap_or_default(),
         }
     }
 }

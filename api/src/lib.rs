@@ -10,6 +10,9 @@ mod cost;
 mod decide;
 mod metrics;
 mod policy_route;
+mod quota;
+mod quota_metrics;
+mod quota_refill;
 mod router;
 mod usage;
 
@@ -18,4 +21,7 @@ pub use consistency::{Consistency, propose_status};
 pub use cost::CostModel;
 pub use decide::{Candidate, Decision, RejectKind, RouteInput, decide};
 pub use metrics::ApiMetrics;
+pub use quota::{Escrow, QuotaConfig, Refusal, Reservation};
+pub use quota_metrics::QuotaMetrics;
+pub use quota_refill::run_refiller;
 pub use router::{Prompted, RouterService};

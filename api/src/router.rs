@@ -12,6 +12,7 @@ use kvplane_tokenize::{PromptSource, prompt_from_body};
 use tonic::{Request, Response, Status};
 
 use crate::decide::{Candidate, Decision, RejectKind};
+use crate::quota::{Escrow, Reservation};
 use crate::usage::{Routed, UsageBook};
 use crate::{ApiMetrics, Consistency, CostModel, RouteInput, decide};
 
@@ -21,6 +22,17 @@ pub struct Prompted {
     pub tokens: Vec<u32>,
     pub source: PromptSource,
     pub model: String,
+    /// The most output tokens: the request's, else the body's `max_tokens`.
+    pub max_tokens: Option<u32>,
+}
+
+/// A decision through the policy catalog, before admission.
+struct PolicyDecision {
+    evaluation: kvplane_policy::Evaluation,
+    response: RouteResponse,
+    prompted: Prompted,
+    tenant: String,
+    view: Arc<kvplane_state::View>,
 }
 
 /// Serves Route, Explain and ReportUsage from the local state.
@@ -31,6 +43,7 @@ pub struct RouterService {
     metrics: Arc<ApiMetrics>,
     usage: Arc<UsageBook>,
     consistency: Option<Arc<dyn Consistency>>,
+    escrow: Option<Arc<Escrow>>,
 }
 
 impl std::fmt::Debug for dyn Consistency {
@@ -47,7 +60,14 @@ impl RouterService {
             metrics,
             usage: Arc::new(UsageBook::new(100_000, Duration::from_secs(600))),
             consistency: None,
+            escrow: None,
         }
+    }
+
+    /// Admits requests against tenant limits through this replica's escrow.
+    pub fn with_quota(mut self, escrow: Arc<Escrow>) -> Self {
+        self.escrow = Some(escrow);
+        self
     }
 
     /// Serves linearizable reads through `c` (without it, the local state is all there is: a
@@ -72,9 +92,15 @@ impl RouterService {
 
     /// Resolves the prompt: token ids from the request, else the body tokenized.
     pub fn prompt(req: &RouteRequest) -> Result<Prompted, String> {
+        let max_tokens = (req.max_output_tokens > 0).then_some(req.max_output_tokens);
         if !req.token_ids.is_empty() {
+            let body = (!req.body.is_empty())
+                .then(|| kvplane_tokenize::prompt_from_body(&req.body).ok())
+                .flatten();
             let model = if req.model.is_empty() {
-                body_model(&req.body).unwrap_or_default()
+                body.as_ref()
+                    .and_then(|p| p.model.clone())
+                    .unwrap_or_default()
             } else {
                 req.model.clone()
             };
@@ -82,6 +108,7 @@ impl RouterService {
                 tokens: req.token_ids.clone(),
                 source: PromptSource::TokenIds,
                 model,
+                max_tokens: max_tokens.or(body.and_then(|p| p.max_tokens)),
             });
         }
         if req.body.is_empty() {
@@ -97,14 +124,12 @@ impl RouterService {
             tokens: p.tokens,
             source: p.source,
             model,
+            max_tokens: max_tokens.or(p.max_tokens),
         })
     }
 
     /// Decides through the policy catalog when the state holds one (and the prompt is valid).
-    fn with_policies(
-        &self,
-        req: &RouteRequest,
-    ) -> Option<(kvplane_policy::Evaluation, RouteResponse, Prompted)> {
+    fn with_policies(&self, req: &RouteRequest) -> Option<PolicyDecision> {
         let view = self.state.load();
         if view.catalog.is_empty() {
             return None;
@@ -130,7 +155,48 @@ impl RouterService {
             },
         );
         let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
-        Some((e, resp, p))
+        let tenant = tenant.to_owned();
+        Some(PolicyDecision {
+            evaluation: e,
+            response: resp,
+            prompted: p,
+            tenant,
+            view,
+        })
+    }
+
+    /// Charges an admitted decision to the limits of its tenant; a refusal replaces it.
+    async fn admit(&self, d: &mut PolicyDecision) -> Vec<Reservation> {
+        let Some(escrow) = &self.escrow else {
+            return Vec::new();
+        };
+        if d.evaluation.chosen().is_none() {
+            return Vec::new();
+        }
+        let limits = d.view.catalog.limits_for(&d.tenant, &d.prompted.model);
+        if limits.is_empty() {
+            return Vec::new();
+        }
+        let tokens = escrow.tokens_for(d.prompted.tokens.len(), d.prompted.max_tokens);
+        match escrow.reserve(&limits, tokens).await {
+            Ok(r) => {
+                d.response.charges = r.iter().map(Reservation::charge).collect();
+                r
+            }
+            Err(refusal) => {
+                d.response = RouteResponse {
+                    applied_index: d.response.applied_index,
+                    prompt_tokens: d.response.prompt_tokens,
+                    decision: Some(route_response::Decision::Rejection(Rejection {
+                        code: RejectCode::RateLimited.into(),
+                        reason: refusal.to_string(),
+                        retry_after_ms: refusal.retry_after_ms(),
+                    })),
+                    ..Default::default()
+                };
+                Vec::new()
+            }
+        }
     }
 
     /// Runs the decision for a request (no side effects) and hands it to `f`.
@@ -148,6 +214,7 @@ impl RouterService {
                     tokens: Vec::new(),
                     source: PromptSource::TokenIds,
                     model: req.model.clone(),
+                    max_tokens: None,
                 };
                 let d = Decision {
                     applied_index: view.applied_index,
@@ -171,12 +238,6 @@ impl RouterService {
         );
         f(&prompted, &decision)
     }
-}
-
-fn body_model(body: &[u8]) -> Option<String> {
-    kvplane_tokenize::prompt_from_body(body)
-        .ok()
-        .and_then(|p| p.model)
 }
 
 fn endpoint(c: &Candidate<'_>) -> Endpoint {
@@ -241,18 +302,26 @@ impl pb::router_server::Router for RouterService {
         let started = Instant::now();
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        if let Some((e, resp, _)) = self.with_policies(&req) {
-            if let Some(c) = e.chosen() {
+        if let Some(mut d) = self.with_policies(&req) {
+            let reservations = self.admit(&mut d).await;
+            let e = &d.evaluation;
+            let limited = matches!(
+                &d.response.decision,
+                Some(route_response::Decision::Rejection(r)) if r.code == i32::from(RejectCode::RateLimited)
+            );
+            if let (Some(c), false) = (e.chosen(), limited) {
                 self.usage.insert(
                     &req.request_id,
                     Routed {
                         target: kvplane_policy::target_name(&c.target),
                         predicted_ttft_ms: c.predicted_ttft_ms,
                         at: Instant::now(),
+                        reservations,
                     },
                 );
             }
             let outcome = match &e.outcome {
+                _ if limited => "rate_limited",
                 Ok(_) => "routed",
                 Err((kvplane_policy::RejectKind::UnknownModel, _)) => "unknown_model",
                 Err((kvplane_policy::RejectKind::NoCapacity, _)) => "no_capacity",
@@ -260,7 +329,7 @@ impl pb::router_server::Router for RouterService {
             };
             self.metrics
                 .decision(outcome, started.elapsed().as_secs_f64());
-            return Ok(Response::new(resp));
+            return Ok(Response::new(d.response));
         }
         let (resp, outcome) = self.with_decision(&req, false, |prompted, decision| {
             if let Some(c) = decision.chosen() {
@@ -270,6 +339,7 @@ impl pb::router_server::Router for RouterService {
                         target: format!("{}/{}", c.pool, c.worker),
                         predicted_ttft_ms: c.cost,
                         at: Instant::now(),
+                        reservations: Vec::new(),
                     },
                 );
             }
@@ -287,6 +357,12 @@ impl pb::router_server::Router for RouterService {
         let report = request.into_inner();
         let routed = self.usage.take(&report.request_id);
         self.metrics.usage(routed.is_some());
+        if let (Some(r), Some(escrow)) = (&routed, &self.escrow) {
+            escrow.settle(
+                &r.reservations,
+                u64::from(report.prompt_tokens) + u64::from(report.completion_tokens),
+            );
+        }
         if let Some(r) = &routed {
             tracing::debug!(
                 request_id = report.request_id,
@@ -308,7 +384,8 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        if let Some((e, resp, prompted)) = self.with_policies(&req) {
+        if let Some(d) = self.with_policies(&req) {
+            let e = &d.evaluation;
             let mut steps = e.steps.clone();
             if let Some(rule) = &e.rule {
                 steps.insert(
@@ -316,10 +393,17 @@ impl pb::router_server::Router for RouterService {
                     format!("policy routing (rule {rule}, minimize {:?})", e.objective),
                 );
             }
+            for m in d.view.catalog.limits_for(&d.tenant, &d.prompted.model) {
+                steps.push(crate::quota::explain_limit(
+                    &d.view,
+                    &m,
+                    self.escrow.as_deref(),
+                ));
+            }
             return Ok(Response::new(ExplainResponse {
-                decision: Some(resp),
-                candidates: crate::policy_route::explained(&e),
-                prompt_source: prompted.source.as_str().to_owned(),
+                decision: Some(d.response),
+                candidates: crate::policy_route::explained(e),
+                prompt_source: d.prompted.source.as_str().to_owned(),
                 steps,
             }));
         }

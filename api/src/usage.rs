@@ -11,6 +11,9 @@ pub(crate) struct Routed {
     pub(crate) target: String,
     pub(crate) predicted_ttft_ms: f64,
     pub(crate) at: Instant,
+    /// What tenant limits hold for it until its usage is reported. An unreported request
+    /// stays charged at its reservation (the entry expires after `ttl`).
+    pub(crate) reservations: Vec<crate::Reservation>,
 }
 
 /// A bounded table of requests in flight. Entries older than `ttl` are dropped when the table

@@ -56,6 +56,8 @@ pub struct Config {
     pub policy_dir: Option<PathBuf>,
     /// How often the leader rereads `policy_dir`.
     pub policy_poll_ms: u64,
+    /// Admission against tenant limits.
+    pub quota: QuotaSection,
     /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
     pub policy_kubernetes: Option<crate::kube_source::KubeSourceSection>,
     /// Replication. Absent: a standalone node with an in-process log.
@@ -112,6 +114,29 @@ impl Default for Config {
             policy_dir: None,
             policy_poll_ms: 1000,
             policy_kubernetes: None,
+            quota: QuotaSection::default(),
+        }
+    }
+}
+
+/// `[quota]`: how this replica admits against its escrow of tenant limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuotaSection {
+    /// How long a request may wait for a grant when this replica's escrow is empty.
+    pub grant_wait_ms: u64,
+    /// Escrow of a tenant unused this long is released to the other replicas.
+    pub idle_release_ms: u64,
+    /// Output tokens reserved when a request names no maximum.
+    pub default_max_output_tokens: u32,
+}
+
+impl Default for QuotaSection {
+    fn default() -> Self {
+        Self {
+            grant_wait_ms: 250,
+            idle_release_ms: 2000,
+            default_max_output_tokens: 256,
         }
     }
 }
@@ -257,6 +282,12 @@ impl Config {
         p.extend(self.cost.problems());
         if self.policy_poll_ms == 0 {
             p.push("policy_poll_ms must be at least 1".into());
+        }
+        if self.quota.grant_wait_ms == 0 {
+            p.push("quota.grant_wait_ms must be at least 1".into());
+        }
+        if self.quota.idle_release_ms == 0 {
+            p.push("quota.idle_release_ms must be at least 1".into());
         }
         if self.policy_dir.is_some() && self.policy_kubernetes.is_some() {
             p.push(

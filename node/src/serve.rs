@@ -136,6 +136,8 @@ pub async fn run(
     state_metrics.register(&mut registry);
     let policy_metrics = Arc::new(crate::policy_source::PolicySourceMetrics::default());
     policy_metrics.register(&mut registry);
+    let quota_metrics = kvplane_api::QuotaMetrics::default();
+    quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
     let kube_client = match &cfg.policy_kubernetes {
         None => None,
@@ -252,8 +254,25 @@ pub async fn run(
     };
 
     // gRPC.
+    let escrow = Arc::new(kvplane_api::Escrow::new(
+        kvplane_api::QuotaConfig {
+            replica: member.as_ref().map_or(1, |m| m.membership.id),
+            grant_wait: Duration::from_millis(cfg.quota.grant_wait_ms),
+            idle_release: Duration::from_millis(cfg.quota.idle_release_ms),
+            default_max_output_tokens: cfg.quota.default_max_output_tokens,
+            ..Default::default()
+        },
+        handle.clone(),
+        quota_metrics,
+    ));
+    let refill_task = tokio::spawn(kvplane_api::run_refiller(
+        escrow.clone(),
+        consistency.clone(),
+        stop_rx.clone(),
+    ));
     let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone())
-        .with_consistency(consistency.clone());
+        .with_consistency(consistency.clone())
+        .with_quota(escrow.clone());
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: match member.clone() {
@@ -272,7 +291,7 @@ pub async fn run(
             })
         },
     };
-    let admin = AdminService::new(handle.clone(), node_info);
+    let admin = AdminService::new(handle.clone(), node_info).with_quota(escrow);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<RouterServer<RouterService>>()
@@ -357,7 +376,10 @@ pub async fn run(
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
-    for t in [join_task, policy_task, kube_task].into_iter().flatten() {
+    for t in [join_task, policy_task, kube_task, Some(refill_task)]
+        .into_iter()
+        .flatten()
+    {
         let _ = t.await;
     }
     if let Ok(Err(e)) = grpc_task.await {

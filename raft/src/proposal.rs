@@ -47,6 +47,12 @@ impl fmt::Display for Proposal {
                     deletes.len()
                 )
             }
+            Command::Quota(b) => format!(
+                "quota from replica {} ({} asks, {} releases)",
+                b.replica,
+                b.asks.len(),
+                b.releases.len()
+            ),
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

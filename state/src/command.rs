@@ -33,6 +33,8 @@ pub enum Command {
         puts: Vec<ConfigObject>,
         deletes: Vec<ConfigKey>,
     },
+    /// Escrow grants asked for, and released, by one replica (see [`crate::Ledger`]).
+    Quota(crate::QuotaBatch),
 }
 
 /// A configuration object: its kind (`pool`, or one of the policy kinds such as

@@ -17,6 +17,7 @@ mod error;
 mod index;
 mod log;
 mod machine;
+mod quota;
 mod snapshot;
 mod view;
 
@@ -30,4 +31,5 @@ pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
 pub use log::{ProposeError, Proposer};
 pub use machine::{Applied, DropReason, StateMachine};
+pub use quota::{Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease};
 pub use view::{PoolView, StateHandle, View, WorkerView};

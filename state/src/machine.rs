@@ -58,6 +58,8 @@ pub struct Applied {
     pub dropped: BTreeMap<DropReason, u64>,
     /// A configuration command that was refused (state unchanged by it).
     pub rejected: Option<ApplyError>,
+    /// What a quota batch granted and released.
+    pub quota: Option<crate::QuotaApplied>,
 }
 
 #[derive(Debug)]
@@ -95,6 +97,8 @@ pub struct StateMachine {
     pub(crate) dropped: BTreeMap<DropReason, u64>,
     /// The policy-kind objects of `config`, parsed.
     pub(crate) catalog: Arc<Catalog>,
+    /// Tenant limits' escrow.
+    pub(crate) quota: Arc<crate::Ledger>,
     pub(crate) handle: StateHandle,
 }
 
@@ -120,6 +124,7 @@ impl StateMachine {
             indexed_blocks: 0,
             dropped: BTreeMap::new(),
             catalog: Arc::default(),
+            quota: Arc::default(),
             handle: StateHandle::new(View::empty()),
         };
         sm.publish();
@@ -187,6 +192,11 @@ impl StateMachine {
             }
             Command::ConfigApply { puts, deletes } => {
                 out.rejected = self.config_change(entry.index, puts, deletes).err();
+            }
+            Command::Quota(batch) => {
+                let catalog = self.catalog.clone();
+                out.quota =
+                    Some(Arc::make_mut(&mut self.quota).apply(batch, entry.timestamp_ms, &catalog));
             }
         }
         for (reason, n) in &out.dropped {
@@ -576,6 +586,7 @@ impl StateMachine {
                 .f64(w.metrics.kv_cache_usage)
                 .f64(w.metrics.prefix_cache_hit_rate);
         }
+        self.quota.hash(&mut h);
         h.finish()
     }
 
@@ -622,6 +633,7 @@ impl StateMachine {
             pools,
             dropped: self.dropped.iter().map(|(r, n)| (r.as_str(), *n)).collect(),
             catalog: self.catalog.clone(),
+            quota: self.quota.clone(),
         });
     }
 }

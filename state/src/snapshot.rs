@@ -2,8 +2,8 @@
 //!
 //! Layout: `b"KVPSNAP\0"`, a little-endian u32 format version, the MessagePack payload, and a
 //! little-endian xxh3-64 checksum of everything before it. The payload holds the reference
-//! counts (sorted, so equal states give equal bytes), the workers, the config, and each pool's
-//! prefix tree as dynamo-kv-router events. A restored state is checked against the digest the
+//! counts (sorted, so equal states give equal bytes), the workers, the config, each pool's
+//! prefix tree as dynamo-kv-router events, and the quota ledger. A restored state is checked against the digest the
 //! snapshot recorded.
 
 use std::collections::BTreeMap;
@@ -19,7 +19,7 @@ use crate::machine::{DropReason, Pool, Worker};
 use crate::{PoolIndex, SnapshotError, StateMachine};
 
 const MAGIC: &[u8; 8] = b"KVPSNAP\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 #[derive(Serialize, Deserialize)]
 struct Payload {
@@ -33,6 +33,7 @@ struct Payload {
     ranks: Vec<RankSnap>,
     trees: Vec<(String, Vec<u8>)>,
     dropped: Vec<(DropReason, u64)>,
+    quota: crate::Ledger,
     digest: u128,
 }
 
@@ -89,6 +90,7 @@ impl StateMachine {
             ranks,
             trees,
             dropped: self.dropped.iter().map(|(r, n)| (*r, *n)).collect(),
+            quota: (*self.quota).clone(),
             digest: self.digest().0,
         };
         let body = rmp_serde::to_vec(&payload).unwrap_or_default();
@@ -184,6 +186,7 @@ impl StateMachine {
             sm.ranks.insert((r.worker, r.dp_rank), rank);
         }
         sm.dropped = p.dropped.into_iter().collect();
+        sm.quota = Arc::new(p.quota);
         let got = sm.digest();
         if got.0 != p.digest {
             return Err(SnapshotError::DigestMismatch {

@@ -21,6 +21,8 @@ pub struct View {
     pub dropped: BTreeMap<&'static str, u64>,
     /// The policy objects (always consistent); `config_index` is their generation.
     pub catalog: Arc<kvplane_policy::Catalog>,
+    /// Tenant limits' escrow: every replica's grants in the current windows.
+    pub quota: Arc<crate::Ledger>,
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +60,7 @@ impl View {
             pools: BTreeMap::new(),
             dropped: BTreeMap::new(),
             catalog: Arc::default(),
+            quota: Arc::default(),
         }
     }
 

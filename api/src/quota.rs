@@ -1,0 +1,555 @@
+//! Admission against tenant limits on one replica: the escrow this replica was granted by
+//! committed entries (the ledger in the replicated state, [`kvplane_state::Ledger`]), what it
+//! has spent of it, and the demand its refiller ([`crate::run_refiller`]) turns into grant
+//! asks. A request is admitted only when every limit that matches it has room in this
+//! replica's escrow for its prompt plus maximum output tokens; nothing on the request path
+//! waits for consensus unless the escrow has run dry.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvplane_policy::{LimitKey, MatchedLimit};
+use kvplane_proto::v1::{QuotaCharge, QuotaStatus};
+use kvplane_state::{QuotaAsk, QuotaBatch, QuotaRelease, StateHandle};
+use tokio::sync::{Notify, watch};
+
+use crate::quota_metrics::QuotaMetrics;
+
+/// How a replica admits against its escrow.
+#[derive(Debug, Clone)]
+pub struct QuotaConfig {
+    /// This replica's id in the ledger (its Raft id).
+    pub replica: u64,
+    /// Different on every start of the process.
+    pub incarnation: u64,
+    /// How long a request may wait for a grant when the escrow is empty.
+    pub grant_wait: Duration,
+    /// Escrow of a key unused this long is released.
+    pub idle_release: Duration,
+    /// Reserved for output when a request names no maximum.
+    pub default_max_output_tokens: u32,
+    /// Windows of spending kept for Status.
+    pub history_windows: usize,
+}
+
+impl Default for QuotaConfig {
+    fn default() -> Self {
+        Self {
+            replica: 1,
+            incarnation: wall_ms(),
+            grant_wait: Duration::from_millis(250),
+            idle_release: Duration::from_secs(2),
+            default_max_output_tokens: 256,
+            history_windows: 64,
+        }
+    }
+}
+
+/// A limit's grant sizes, 0 for a dimension it does not limit.
+fn grant_sizes(l: &kvplane_policy::kinds::TenantLimit) -> (u64, u64) {
+    (
+        l.window_tokens().map_or(0, |_| l.grant_tokens()),
+        l.window_requests().map_or(0, |_| l.grant_requests()),
+    )
+}
+
+pub(crate) fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// What a request holds of one limit until its usage is reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub key: LimitKey,
+    pub window_start_ms: u64,
+    pub tokens: u64,
+    pub fail_open: bool,
+}
+
+impl Reservation {
+    pub fn charge(&self) -> QuotaCharge {
+        QuotaCharge {
+            tenant: self.key.tenant.clone(),
+            model: self.key.model.clone(),
+            window_start_ms: self.window_start_ms,
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("{key}: {what} limit of {budget} per {window_s} s window reached")]
+    Exhausted {
+        key: LimitKey,
+        what: &'static str,
+        budget: u64,
+        window_s: u64,
+        retry_after_ms: u64,
+    },
+    #[error(
+        "{key}: no grant within {waited_ms} ms ({why}); this replica spent its escrow and fails closed"
+    )]
+    NoGrant {
+        key: LimitKey,
+        waited_ms: u64,
+        why: String,
+        retry_after_ms: u64,
+    },
+}
+
+impl Refusal {
+    pub fn retry_after_ms(&self) -> u64 {
+        match self {
+            Refusal::Exhausted { retry_after_ms, .. } | Refusal::NoGrant { retry_after_ms, .. } => {
+                *retry_after_ms
+            }
+        }
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Refusal::Exhausted { .. } => "exhausted",
+            Refusal::NoGrant { .. } => "no_grant",
+        }
+    }
+
+    fn key(&self) -> &LimitKey {
+        match self {
+            Refusal::Exhausted { key, .. } | Refusal::NoGrant { key, .. } => key,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Spent {
+    tokens: u64,
+    requests: u64,
+    fail_open_tokens: u64,
+}
+
+#[derive(Debug, Default)]
+struct Local {
+    /// By key and window start; the newest `history_windows` windows per key.
+    spent: BTreeMap<(LimitKey, u64), Spent>,
+    /// Keys whose escrow ran short, with the window's grant sizes.
+    wanted: BTreeMap<LimitKey, (u64, u64)>,
+    /// Keys in use, with the grant sizes of their limit (0: that dimension is not limited)
+    /// and when they were last used.
+    in_use: BTreeMap<LimitKey, (u64, u64, Instant)>,
+    seq: u64,
+    /// Why the last grant attempt failed, if it did.
+    failing: Option<String>,
+}
+
+/// This replica's escrow.
+#[derive(Debug)]
+pub struct Escrow {
+    cfg: QuotaConfig,
+    state: StateHandle,
+    local: Mutex<Local>,
+    /// Wakes the refiller.
+    pub(crate) wake: Notify,
+    /// Counts grant attempts; waiters watch it.
+    attempts: watch::Sender<u64>,
+    pub(crate) metrics: QuotaMetrics,
+}
+
+/// A limit's shortfall on this replica.
+struct Short {
+    key: LimitKey,
+    refusal: Option<Refusal>,
+}
+
+impl Escrow {
+    /// `metrics` may be registered already (clones share their series).
+    pub fn new(cfg: QuotaConfig, state: StateHandle, metrics: QuotaMetrics) -> Self {
+        Self {
+            cfg,
+            state,
+            local: Mutex::default(),
+            wake: Notify::new(),
+            attempts: watch::channel(0).0,
+            metrics,
+        }
+    }
+
+    pub fn config(&self) -> &QuotaConfig {
+        &self.cfg
+    }
+
+    pub fn metrics(&self) -> &QuotaMetrics {
+        &self.metrics
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Local> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Tokens a request reserves: its prompt and its maximum output.
+    pub fn tokens_for(&self, prompt_tokens: usize, max_output: Option<u32>) -> u64 {
+        prompt_tokens as u64 + u64::from(max_output.unwrap_or(self.cfg.default_max_output_tokens))
+    }
+
+    /// Reserves `tokens` (and one request) under every limit in `limits`, all or none,
+    /// waiting up to `grant_wait` for grants when the escrow is short.
+    pub async fn reserve(
+        &self,
+        limits: &[MatchedLimit<'_>],
+        tokens: u64,
+    ) -> Result<Vec<Reservation>, Refusal> {
+        let started = Instant::now();
+        let deadline = started + self.cfg.grant_wait;
+        let mut attempts = self.attempts.subscribe();
+        loop {
+            let short = match self.try_reserve(limits, tokens, false) {
+                Ok(r) => return Ok(self.admitted(r)),
+                Err(s) => s,
+            };
+            if let Some(refusal) = short.refusal {
+                return Err(self.refused(refusal));
+            }
+            self.wake.notify_one();
+            // Grants cannot be had (no quorum): a limit that allows it fails open.
+            let failing = self.lock().failing.clone();
+            if failing.is_some()
+                && let Ok(r) = self.try_reserve(limits, tokens, true)
+            {
+                return Ok(self.admitted(r));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = tokio::time::timeout(left, attempts.changed()).await;
+            if left.is_zero() || attempt.is_err() {
+                if let Ok(r) = self.try_reserve(limits, tokens, false) {
+                    return Ok(self.admitted(r));
+                }
+                let why = failing.unwrap_or_else(|| "the grant is still in flight".into());
+                return Err(self.refused(Refusal::NoGrant {
+                    key: short.key,
+                    waited_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
+                    why,
+                    retry_after_ms: 1000,
+                }));
+            }
+        }
+    }
+
+    fn admitted(&self, r: Vec<Reservation>) -> Vec<Reservation> {
+        for x in &r {
+            self.metrics.admitted(&x.key.tenant, x.tokens, x.fail_open);
+        }
+        r
+    }
+
+    fn refused(&self, r: Refusal) -> Refusal {
+        self.metrics.rejected(&r.key().tenant, r.label());
+        r
+    }
+
+    /// One attempt; `fail_open` spends the limits' fail-open allowance instead of escrow.
+    fn try_reserve(
+        &self,
+        limits: &[MatchedLimit<'_>],
+        tokens: u64,
+        fail_open: bool,
+    ) -> Result<Vec<Reservation>, Short> {
+        let view = self.state.load();
+        let now = wall_ms();
+        let mut local = self.lock();
+        let mut out = Vec::with_capacity(limits.len());
+        for m in limits {
+            let l = m.limit;
+            let window_ms = l.window_ms().max(1);
+            let start = now - now % window_ms;
+            let sizes = grant_sizes(l);
+            local
+                .in_use
+                .insert(m.key.clone(), (sizes.0, sizes.1, Instant::now()));
+            let need_tokens = if l.tokens_per_minute.is_some() {
+                tokens
+            } else {
+                0
+            };
+            let need_requests = u64::from(l.requests_per_minute.is_some());
+            let spent = local
+                .spent
+                .get(&(m.key.clone(), start))
+                .copied()
+                .unwrap_or_default();
+            if fail_open {
+                match l.fail_open_window_tokens() {
+                    Some(allow) if spent.fail_open_tokens + need_tokens <= allow => {}
+                    _ => {
+                        return Err(Short {
+                            key: m.key.clone(),
+                            refusal: None,
+                        });
+                    }
+                }
+            } else {
+                let book = view
+                    .quota
+                    .books
+                    .get(&m.key)
+                    .filter(|b| b.window_start_ms == start);
+                let (held, remaining) = book
+                    .map(|b| (b.held(self.cfg.replica), b.remaining()))
+                    .unwrap_or_default();
+                let avail_tokens = held.tokens.saturating_sub(spent.tokens);
+                let avail_requests = held.requests.saturating_sub(spent.requests);
+                if avail_tokens < need_tokens || avail_requests < need_requests {
+                    // Out of reach for this window, whatever is granted now?
+                    let window_s = window_ms / 1000;
+                    let retry_after_ms = start + window_ms - now;
+                    let refusal = if book.is_some() && avail_tokens + remaining.tokens < need_tokens
+                    {
+                        Some(Refusal::Exhausted {
+                            key: m.key.clone(),
+                            what: "token",
+                            budget: l.window_tokens().unwrap_or(0),
+                            window_s,
+                            retry_after_ms,
+                        })
+                    } else if book.is_some() && avail_requests + remaining.requests < need_requests
+                    {
+                        Some(Refusal::Exhausted {
+                            key: m.key.clone(),
+                            what: "request",
+                            budget: l.window_requests().unwrap_or(0),
+                            window_s,
+                            retry_after_ms,
+                        })
+                    } else {
+                        local.wanted.insert(
+                            m.key.clone(),
+                            (sizes.0.max(need_tokens), sizes.1.max(need_requests)),
+                        );
+                        None
+                    };
+                    return Err(Short {
+                        key: m.key.clone(),
+                        refusal,
+                    });
+                }
+            }
+            out.push(Reservation {
+                key: m.key.clone(),
+                window_start_ms: start,
+                tokens: need_tokens,
+                fail_open,
+            });
+        }
+        // Every limit has room: spend.
+        for (r, m) in out.iter().zip(limits) {
+            let s = local
+                .spent
+                .entry((r.key.clone(), r.window_start_ms))
+                .or_default();
+            if r.fail_open {
+                s.fail_open_tokens += r.tokens;
+            } else {
+                s.tokens += r.tokens;
+                s.requests += u64::from(m.limit.requests_per_minute.is_some());
+            }
+        }
+        let keep = self.cfg.history_windows;
+        for r in &out {
+            let n = local
+                .spent
+                .range((r.key.clone(), 0)..=(r.key.clone(), u64::MAX))
+                .count();
+            if n > keep {
+                let oldest: Vec<_> = local
+                    .spent
+                    .range((r.key.clone(), 0)..=(r.key.clone(), u64::MAX))
+                    .take(n - keep)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in oldest {
+                    local.spent.remove(&k);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Settles a request at what it really used: the difference to its reservation goes back
+    /// to the escrow of the window it was reserved in.
+    pub fn settle(&self, reservations: &[Reservation], used_tokens: u64) {
+        let mut local = self.lock();
+        for r in reservations {
+            let refund = r.tokens.saturating_sub(used_tokens);
+            if let Some(s) = local.spent.get_mut(&(r.key.clone(), r.window_start_ms)) {
+                if r.fail_open {
+                    s.fail_open_tokens -= refund.min(s.fail_open_tokens);
+                } else {
+                    s.tokens -= refund.min(s.tokens);
+                }
+            }
+            self.metrics
+                .settled(&r.key.tenant, used_tokens.min(r.tokens), refund);
+        }
+    }
+
+    /// The next batch for the ledger: grants for keys that ran short or are running low,
+    /// releases of escrow that idle keys will not use. `None` when there is nothing to ask.
+    pub(crate) fn next_batch(&self) -> Option<QuotaBatch> {
+        let view = self.state.load();
+        let now = wall_ms();
+        let mut local = self.lock();
+        let mut asks = Vec::new();
+        let mut releases = Vec::new();
+        let wanted = std::mem::take(&mut local.wanted);
+        let in_use: Vec<_> = local.in_use.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        for (key, (grant_tokens, grant_requests, last)) in in_use {
+            let book = view.quota.books.get(&key);
+            let window = book.map(|b| (b.window_start_ms, b.window_end_ms()));
+            let current = window.is_some_and(|(s, e)| s <= now && now < e);
+            let held = book.map(|b| b.held(self.cfg.replica)).unwrap_or_default();
+            let spent = window
+                .and_then(|(s, _)| local.spent.get(&(key.clone(), s)).copied())
+                .unwrap_or_default();
+            let avail = held.tokens.saturating_sub(spent.tokens);
+            let avail_requests = held.requests.saturating_sub(spent.requests);
+            if last.elapsed() >= self.cfg.idle_release {
+                if current && (avail > 0 || avail_requests > 0) {
+                    releases.push(QuotaRelease {
+                        key: key.clone(),
+                        window_start_ms: window.map_or(0, |(s, _)| s),
+                        tokens: avail,
+                        requests: avail_requests,
+                    });
+                }
+                local.in_use.remove(&key);
+                continue;
+            }
+            let want = wanted.get(&key).copied();
+            let low = !current || avail < grant_tokens / 2 || avail_requests < grant_requests / 2;
+            let exhausted = book.is_some_and(|b| {
+                current
+                    && ((grant_tokens > 0 && b.remaining().tokens == 0)
+                        || (grant_requests > 0 && b.remaining().requests == 0))
+            });
+            if (want.is_some() || low) && !exhausted {
+                let (t, q) = want.unwrap_or((grant_tokens, grant_requests));
+                asks.push(QuotaAsk {
+                    key,
+                    tokens: t,
+                    requests: q,
+                });
+            }
+        }
+        if asks.is_empty() && releases.is_empty() {
+            return None;
+        }
+        local.seq += 1;
+        Some(QuotaBatch {
+            replica: self.cfg.replica,
+            incarnation: self.cfg.incarnation,
+            seq: local.seq,
+            asks,
+            releases,
+        })
+    }
+
+    /// Everything this replica holds in current windows, as one release batch (shutdown).
+    pub(crate) fn release_all(&self) -> Option<QuotaBatch> {
+        let mut local = self.lock();
+        for (_, v) in local.in_use.iter_mut() {
+            v.2 = Instant::now() - self.cfg.idle_release - Duration::from_millis(1);
+        }
+        drop(local);
+        self.next_batch().filter(|b| !b.releases.is_empty())
+    }
+
+    /// Records a grant attempt and wakes the requests waiting for it.
+    pub(crate) fn attempted(&self, result: Result<(), String>, took: Duration) {
+        self.metrics.grant(took.as_secs_f64(), result.is_ok());
+        self.lock().failing = result.err();
+        self.attempts.send_modify(|n| *n += 1);
+    }
+
+    /// Spending per window (newest windows), with the cluster's figures for current ones.
+    pub fn status(&self) -> Vec<QuotaStatus> {
+        let view = self.state.load();
+        let local = self.lock();
+        local
+            .spent
+            .iter()
+            .map(|((key, start), s)| {
+                let book = view
+                    .quota
+                    .books
+                    .get(key)
+                    .filter(|b| b.window_start_ms == *start);
+                let held = book.map(|b| b.held(self.cfg.replica)).unwrap_or_default();
+                self.metrics
+                    .escrow(&key.tenant, held.tokens.saturating_sub(s.tokens));
+                QuotaStatus {
+                    tenant: key.tenant.clone(),
+                    model: key.model.clone(),
+                    window_start_ms: *start,
+                    window_ms: book.map_or(0, |b| b.window_ms),
+                    spent_tokens: s.tokens,
+                    spent_requests: s.requests,
+                    held_tokens: held.tokens,
+                    budget_tokens: book.map_or(0, |b| b.budget.tokens),
+                    granted_tokens: book.map_or(0, |b| b.granted.tokens),
+                    fail_open_tokens: s.fail_open_tokens,
+                }
+            })
+            .collect()
+    }
+}
+
+/// One limit as Explain shows it: the window's budget, what the cluster granted, what this
+/// replica holds and has spent.
+pub(crate) fn explain_limit(
+    view: &kvplane_state::View,
+    m: &MatchedLimit<'_>,
+    escrow: Option<&Escrow>,
+) -> String {
+    let l = m.limit;
+    let mut s = format!(
+        "limit {}: {} tokens and {} requests per {} s window",
+        m.key,
+        l.window_tokens()
+            .map_or("unlimited".into(), |t| t.to_string()),
+        l.window_requests()
+            .map_or("unlimited".into(), |t| t.to_string()),
+        l.window_seconds
+    );
+    let now = wall_ms();
+    let start = now - now % l.window_ms().max(1);
+    match view
+        .quota
+        .books
+        .get(&m.key)
+        .filter(|b| b.window_start_ms == start)
+    {
+        None => s.push_str("; nothing granted in this window yet"),
+        Some(b) => {
+            s.push_str(&format!("; {} granted in this window", b.granted.tokens));
+            if let Some(e) = escrow {
+                let spent = e
+                    .lock()
+                    .spent
+                    .get(&(m.key.clone(), start))
+                    .map_or(0, |x| x.tokens);
+                s.push_str(&format!(
+                    ", this replica holds {} and spent {}",
+                    b.held(e.cfg.replica).tokens,
+                    spent
+                ));
+            }
+        }
+    }
+    if escrow.is_none() {
+        s.push_str(" (not enforced here: no escrow)");
+    }
+    s
+}

@@ -1,0 +1,325 @@
+//! Tenant limits across a 3-node Raft cluster: concurrent clients on every node send each
+//! tenant's traffic well above its limit; in every window the tokens admitted over all nodes
+//! never exceed the limit (from the nodes' own records and from the clients' count), and at
+//! least 90% of it is used - also while a node is partitioned away and after the leader is
+//! killed.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use harness::{Cluster, NodeOptions, prompt, publish, wait_for};
+use kvplane_ingest::worker_subject;
+use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
+
+/// Budgets per 2 s window: acme 20,000 tokens, beta 10,000.
+const POLICIES: &str = "\
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: gpu}
+spec: {model: m, blockSize: 16}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePolicy
+metadata: {name: tenants}
+spec:
+  limits:
+    - {tenant: acme, tokensPerMinute: 600000, burst: 2000, windowSeconds: 2}
+    - {tenant: beta, tokensPerMinute: 300000, burst: 1000, windowSeconds: 2}
+";
+const WINDOW_MS: u64 = 2000;
+
+fn budget(tenant: &str) -> u64 {
+    match tenant {
+        "acme" => 20_000,
+        _ => 10_000,
+    }
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+/// What one client saw.
+#[derive(Default)]
+struct Seen {
+    /// Tokens admitted, by (tenant, window start).
+    admitted: BTreeMap<(String, u64), u64>,
+    limited: u64,
+    /// Reasons of rate-limit refusals.
+    reasons: Vec<String>,
+    errors: u64,
+}
+
+impl Seen {
+    fn merge(&mut self, o: Seen) {
+        for (k, v) in o.admitted {
+            *self.admitted.entry(k).or_default() += v;
+        }
+        self.limited += o.limited;
+        self.reasons.extend(o.reasons);
+        self.errors += o.errors;
+    }
+}
+
+/// Sends `tenant`'s requests (100 prompt tokens, at most 100 output: 200 reserved) to `addr`
+/// until `until`.
+async fn client(addr: String, tenant: &'static str, until: Instant) -> Seen {
+    let mut seen = Seen::default();
+    let mut router = kvplane_proto::v1::router_client::RouterClient::connect(addr)
+        .await
+        .unwrap();
+    let req = RouteRequest {
+        tenant: tenant.into(),
+        model: "m".into(),
+        token_ids: prompt(1).into_iter().cycle().take(100).collect(),
+        max_output_tokens: 100,
+        ..Default::default()
+    };
+    while Instant::now() < until {
+        match router.route(req.clone()).await {
+            Ok(r) => {
+                let r = r.into_inner();
+                match &r.decision {
+                    Some(Decision::Endpoint(_)) => {
+                        assert_eq!(r.charges.len(), 1);
+                        for c in &r.charges {
+                            *seen
+                                .admitted
+                                .entry((c.tenant.clone(), c.window_start_ms))
+                                .or_default() += c.tokens;
+                        }
+                    }
+                    Some(Decision::Rejection(j))
+                        if j.code == i32::from(RejectCode::RateLimited) =>
+                    {
+                        assert!(j.retry_after_ms > 0);
+                        seen.limited += 1;
+                        if seen.reasons.len() < 50 {
+                            seen.reasons.push(j.reason.clone());
+                        }
+                        // Pacing, so that refused clients leave the nodes some CPU.
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            Err(_) => {
+                seen.errors += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    seen
+}
+
+/// Starts `per_node` clients per tenant on every node for `for_`; resolves to what they saw.
+fn spawn_clients(
+    cluster: &Cluster,
+    tenants: &[&'static str],
+    per_node: usize,
+    for_: Duration,
+) -> tokio::task::JoinHandle<Seen> {
+    let until = Instant::now() + for_;
+    let tasks: Vec<_> = cluster
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            tenants.iter().flat_map(move |&t| {
+                (0..per_node).map(move |_| tokio::spawn(client(n.endpoint(), t, until)))
+            })
+        })
+        .collect();
+    tokio::spawn(async move {
+        let mut all = Seen::default();
+        for t in tasks {
+            all.merge(t.await.unwrap());
+        }
+        all
+    })
+}
+
+/// Tokens each node admitted, by (tenant, window start), from their Status.
+async fn node_records(cluster: &Cluster, nodes: &[usize]) -> BTreeMap<(String, u64), u64> {
+    let mut out = BTreeMap::new();
+    for &i in nodes {
+        for q in cluster.nodes[i].status().await.quota {
+            *out.entry((q.tenant, q.window_start_ms)).or_default() += q.spent_tokens;
+        }
+    }
+    out
+}
+
+/// Never above the budget in any window; at least 90% of it in every window the run covered
+/// whole, for the tenants in `full`.
+fn check_windows(
+    what: &str,
+    admitted: &BTreeMap<(String, u64), u64>,
+    run: (u64, u64),
+    full: &[&str],
+) {
+    for ((tenant, start), tokens) in admitted {
+        eprintln!(
+            "{what}: {tenant} window {start}: {tokens} of {}",
+            budget(tenant)
+        );
+        assert!(
+            *tokens <= budget(tenant),
+            "{what}: {tenant} window {start}: {tokens} tokens admitted, budget {}",
+            budget(tenant)
+        );
+    }
+    for tenant in full {
+        let mut whole = 0;
+        let mut start = run.0 - run.0 % WINDOW_MS + WINDOW_MS;
+        while start + WINDOW_MS <= run.1 {
+            let used = admitted
+                .get(&((*tenant).to_owned(), start))
+                .copied()
+                .unwrap_or(0);
+            assert!(
+                used * 10 >= budget(tenant) * 9,
+                "{what}: {tenant} window {start}: only {used} of {} used",
+                budget(tenant)
+            );
+            whole += 1;
+            start += WINDOW_MS;
+        }
+        assert!(whole >= 1, "{what}: no whole window in the run");
+    }
+}
+
+async fn started() -> (Cluster, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tenants.yaml"), POLICIES).unwrap();
+    let o = NodeOptions {
+        policy_dir: Some(dir.path().to_owned()),
+        ..Default::default()
+    };
+    let (cluster, js) = harness::started(&o).await;
+    publish(
+        &js,
+        worker_subject("gpu", "w0"),
+        br#"{"status":"up","address":"http://w0:8000"}"#.to_vec(),
+    )
+    .await;
+    wait_for(
+        "every replica to know the limits and the worker",
+        Duration::from_secs(30),
+        || async {
+            for n in &cluster.nodes {
+                let s = n.status().await;
+                if s.policy_objects.get("InferencePolicy") != Some(&1)
+                    || s.workers.iter().all(|w| !w.up)
+                {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    (cluster, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tenants_share_the_workers_and_neither_exceeds_its_limit() {
+    let (cluster, _dir) = started().await;
+    let all = [0, 1, 2];
+    let run = (now_ms(), 0);
+    let seen = spawn_clients(&cluster, &["acme", "beta"], 2, Duration::from_millis(7000))
+        .await
+        .unwrap();
+    let run = (run.0, now_ms());
+    assert_eq!(seen.errors, 0);
+    assert!(seen.limited > 0, "the load must exceed the limits");
+    let records = node_records(&cluster, &all).await;
+    check_windows("clients", &seen.admitted, run, &["acme", "beta"]);
+    check_windows("nodes", &records, run, &["acme", "beta"]);
+    // Exactly: what the nodes recorded is what the clients were told.
+    assert_eq!(records, seen.admitted);
+    assert!(
+        seen.reasons
+            .iter()
+            .any(|r| r.contains("token limit of 20000 per 2 s window reached")),
+        "{:?}",
+        seen.reasons
+    );
+    // Per-tenant series on /metrics.
+    let m = cluster.nodes[0].metrics().await;
+    assert!(
+        m.contains("kvplane_quota_admitted_requests_total{tenant=\"beta\"}"),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvplane_quota_rejected_requests_total{tenant=\"acme\",reason=\"exhausted\"}"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_limit_holds_with_a_node_partitioned_and_after_the_leader_is_killed() {
+    let (mut cluster, _dir) = started().await;
+    let all = [0, 1, 2];
+    let leader = cluster.leader(&all).await.unwrap();
+    let cut = (leader + 1) % 3;
+
+    // A follower cut off mid-run spends what it holds, then refuses: fail closed.
+    let run = (now_ms(), 0);
+    let clients = spawn_clients(&cluster, &["acme"], 2, Duration::from_millis(6000));
+    wait_for(
+        "the first window's grants",
+        Duration::from_secs(10),
+        || async { (!node_records(&cluster, &all).await.is_empty()).then_some(()) },
+    )
+    .await;
+    cluster.isolate(cut).await;
+    let seen = clients.await.unwrap();
+    let run = (run.0, now_ms());
+    let records = node_records(&cluster, &all).await;
+    check_windows("partition, clients", &seen.admitted, run, &[]);
+    check_windows("partition, nodes", &records, run, &[]);
+    assert_eq!(records, seen.admitted);
+    assert!(
+        seen.reasons.iter().any(|r| r.contains("fails closed")),
+        "{:?}",
+        seen.reasons
+    );
+    cluster.heal().await;
+
+    // The leader killed mid-run: the others carry on from the ledger the new leader has.
+    let run = (now_ms(), 0);
+    let survivors: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
+    let clients = spawn_clients(&cluster, &["acme"], 2, Duration::from_millis(7000));
+    wait_for("grants in this run", Duration::from_secs(10), || async {
+        let r = node_records(&cluster, &survivors).await;
+        r.keys()
+            .any(|(_, w)| *w >= run.0 - run.0 % WINDOW_MS)
+            .then_some(())
+    })
+    .await;
+    cluster.nodes[leader].kill();
+    let seen = clients.await.unwrap();
+    let run = (run.0, now_ms());
+    // The killed node's own records died with it: the clients' count covers every node.
+    check_windows("leader killed, clients", &seen.admitted, run, &[]);
+    let records = node_records(&cluster, &survivors).await;
+    check_windows("leader killed, survivors", &records, run, &[]);
+    let after = run.1 - WINDOW_MS;
+    assert!(
+        seen.admitted
+            .iter()
+            .any(|((_, w), t)| *w >= after - WINDOW_MS && *t > 0),
+        "admission resumed under the new leader: {:?}",
+        seen.admitted
+    );
+}

@@ -1,0 +1,316 @@
+//! The escrow ledger of tenant limits. A replica admits a request only against tokens (and
+//! requests) granted to it by a committed entry; this is where grants are made and released.
+//!
+//! Each limit key (tenant, model) has a book for the window in force: windows start at
+//! multiples of the limit's length on the clock of the entry that opens them (the leader's),
+//! and a window never reopens, so a leader whose clock lags cannot grant a past window's budget
+//! twice. A grant is never more than what is left of the window's budget; when what is left is
+//! less than a full grant for every replica holding some, it is shared equally among them. A
+//! replica gives back what it will not use with a release; nothing is ever taken back by a
+//! timer. Batches are deduplicated by (replica, incarnation, sequence).
+
+use std::collections::BTreeMap;
+
+use kvplane_policy::{Catalog, LimitKey};
+use serde::{Deserialize, Serialize};
+
+use crate::digest::Hasher;
+
+/// One replica's asks and releases, in one entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaBatch {
+    /// The asking replica (its Raft id).
+    pub replica: u64,
+    /// Changes each time the replica's process starts; with `seq`, makes a batch applied once.
+    pub incarnation: u64,
+    pub seq: u64,
+    pub asks: Vec<QuotaAsk>,
+    pub releases: Vec<QuotaRelease>,
+}
+
+/// "Grant me up to this much more for the current window."
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaAsk {
+    pub key: LimitKey,
+    pub tokens: u64,
+    pub requests: u64,
+}
+
+/// "I will not use this much of what you granted me in this window."
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaRelease {
+    pub key: LimitKey,
+    pub window_start_ms: u64,
+    pub tokens: u64,
+    pub requests: u64,
+}
+
+/// Tokens and requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Amount {
+    pub tokens: u64,
+    pub requests: u64,
+}
+
+/// One key's window.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Book {
+    pub window_start_ms: u64,
+    pub window_ms: u64,
+    /// The window's budget (`u64::MAX`: that dimension is not limited, and never granted).
+    pub budget: Amount,
+    /// Granted and not released, over all replicas.
+    pub granted: Amount,
+    /// Per replica, what it holds.
+    pub holders: BTreeMap<u64, Amount>,
+}
+
+impl Book {
+    pub fn window_end_ms(&self) -> u64 {
+        self.window_start_ms.saturating_add(self.window_ms)
+    }
+
+    pub fn remaining(&self) -> Amount {
+        Amount {
+            tokens: self.budget.tokens.saturating_sub(self.granted.tokens),
+            requests: self.budget.requests.saturating_sub(self.granted.requests),
+        }
+    }
+
+    /// What `replica` holds in this window.
+    pub fn held(&self, replica: u64) -> Amount {
+        self.holders.get(&replica).copied().unwrap_or_default()
+    }
+}
+
+/// Every key's book, and the last batch of every replica.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ledger {
+    pub books: BTreeMap<LimitKey, Book>,
+    /// Per replica: (incarnation, last applied seq).
+    pub replicas: BTreeMap<u64, (u64, u64)>,
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuotaApplied {
+    pub duplicate: bool,
+    pub granted: Amount,
+    pub released: Amount,
+}
+
+/// `ask` of a dimension, given what is left, the grant size and how many replicas share it.
+fn grant(ask: u64, remaining: u64, grant_size: u64, holders: u64) -> u64 {
+    let share = if remaining / holders.max(1) < grant_size {
+        remaining.div_ceil(holders.max(1))
+    } else {
+        grant_size
+    };
+    ask.min(share).min(remaining)
+}
+
+impl Ledger {
+    /// Applies one batch at leader time `now_ms` against the limits of `catalog`.
+    pub fn apply(&mut self, b: &QuotaBatch, now_ms: u64, catalog: &Catalog) -> QuotaApplied {
+        let mut out = QuotaApplied::default();
+        match self.replicas.get(&b.replica) {
+            Some(&(inc, seq)) if b.incarnation < inc || (b.incarnation == inc && b.seq <= seq) => {
+                out.duplicate = true;
+                return out;
+            }
+            _ => {
+                self.replicas.insert(b.replica, (b.incarnation, b.seq));
+            }
+        }
+        for r in &b.releases {
+            let Some(book) = self.books.get_mut(&r.key) else {
+                continue;
+            };
+            if book.window_start_ms != r.window_start_ms {
+                continue;
+            }
+            let Some(held) = book.holders.get_mut(&b.replica) else {
+                continue;
+            };
+            let t = r.tokens.min(held.tokens);
+            let q = r.requests.min(held.requests);
+            held.tokens -= t;
+            held.requests -= q;
+            book.granted.tokens -= t;
+            book.granted.requests -= q;
+            out.released.tokens += t;
+            out.released.requests += q;
+            if *held == Amount::default() {
+                book.holders.remove(&b.replica);
+            }
+        }
+        for a in &b.asks {
+            let Some(limit) = catalog.limit_of(&a.key) else {
+                continue;
+            };
+            let window_ms = limit.window_ms().max(1);
+            let start = now_ms - now_ms % window_ms;
+            let budget = Amount {
+                tokens: limit.window_tokens().unwrap_or(u64::MAX),
+                requests: limit.window_requests().unwrap_or(u64::MAX),
+            };
+            let book = self.books.entry(a.key.clone()).or_default();
+            if start > book.window_start_ms || book.window_ms != window_ms {
+                *book = Book {
+                    window_start_ms: start,
+                    window_ms,
+                    budget,
+                    ..Book::default()
+                };
+            } else if start < book.window_start_ms {
+                // A past window (a leader whose clock is behind): never reopened.
+                continue;
+            }
+            let mut holders = book.holders.len() as u64;
+            if !book.holders.contains_key(&b.replica) {
+                holders += 1;
+            }
+            let left = book.remaining();
+            // An unlimited dimension is not granted (nor checked by replicas).
+            let g = Amount {
+                tokens: limit.window_tokens().map_or(0, |_| {
+                    grant(a.tokens, left.tokens, limit.grant_tokens(), holders)
+                }),
+                requests: limit.window_requests().map_or(0, |_| {
+                    grant(a.requests, left.requests, limit.grant_requests(), holders)
+                }),
+            };
+            if g == Amount::default() {
+                continue;
+            }
+            let held = book.holders.entry(b.replica).or_default();
+            held.tokens += g.tokens;
+            held.requests += g.requests;
+            book.granted.tokens += g.tokens;
+            book.granted.requests += g.requests;
+            out.granted.tokens += g.tokens;
+            out.granted.requests += g.requests;
+        }
+        out
+    }
+
+    pub(crate) fn hash(&self, h: &mut Hasher) {
+        h.u64(self.books.len() as u64);
+        for (k, b) in &self.books {
+            h.str(&k.tenant).str(&k.model);
+            h.u64(b.window_start_ms).u64(b.window_ms);
+            h.u64(b.budget.tokens).u64(b.budget.requests);
+            h.u64(b.granted.tokens).u64(b.granted.requests);
+            h.u64(b.holders.len() as u64);
+            for (r, a) in &b.holders {
+                h.u64(*r).u64(a.tokens).u64(a.requests);
+            }
+        }
+        h.u64(self.replicas.len() as u64);
+        for (r, (inc, seq)) in &self.replicas {
+            h.u64(*r).u64(*inc).u64(*seq);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use kvplane_policy::kinds::{InferencePolicySpec, TenantLimit};
+    use kvplane_policy::{Object, Spec};
+
+    fn catalog(tokens_per_minute: u64, burst: u64) -> Catalog {
+        let mut c = Catalog::default();
+        c.insert(Object {
+            name: "limits".into(),
+            spec: Spec::Policy(InferencePolicySpec {
+                rules: vec![],
+                limits: vec![TenantLimit {
+                    tenant: "acme".into(),
+                    model: None,
+                    tokens_per_minute: Some(tokens_per_minute),
+                    requests_per_minute: None,
+                    burst: Some(burst),
+                    window_seconds: 60,
+                    fail_open_tokens_per_minute: None,
+                }],
+            }),
+        });
+        c
+    }
+
+    fn key() -> LimitKey {
+        LimitKey {
+            tenant: "acme".into(),
+            model: String::new(),
+        }
+    }
+
+    fn ask(replica: u64, seq: u64, tokens: u64) -> QuotaBatch {
+        QuotaBatch {
+            replica,
+            incarnation: 1,
+            seq,
+            asks: vec![QuotaAsk {
+                key: key(),
+                tokens,
+                requests: 1,
+            }],
+            releases: vec![],
+        }
+    }
+
+    #[test]
+    fn grants_never_exceed_the_window_budget_and_share_the_rest() {
+        let c = catalog(1000, 400);
+        let mut l = Ledger::default();
+        assert_eq!(l.apply(&ask(1, 1, 1000), 5, &c).granted.tokens, 400);
+        // 600 left is less than a full grant for each of two holders: half each.
+        assert_eq!(l.apply(&ask(2, 1, 1000), 6, &c).granted.tokens, 300);
+        assert_eq!(l.apply(&ask(3, 1, 1000), 7, &c).granted.tokens, 100);
+        // 200 left, three holders: a third each (rounded up), never more than is left.
+        assert_eq!(l.apply(&ask(1, 2, 1000), 8, &c).granted.tokens, 67);
+        let mut seq = 3;
+        while l.apply(&ask(1 + seq % 3, seq, 1000), 9, &c).granted.tokens > 0 {
+            seq += 1;
+        }
+        assert_eq!(l.books[&key()].granted.tokens, 1000);
+        // The next window starts afresh.
+        assert_eq!(l.apply(&ask(1, 100, 1000), 60_000, &c).granted.tokens, 400);
+    }
+
+    #[test]
+    fn duplicates_and_past_windows_grant_nothing() {
+        let c = catalog(1000, 400);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 100), 60_001, &c);
+        assert!(l.apply(&ask(1, 1, 100), 60_002, &c).duplicate);
+        // A leader with a clock one window behind.
+        assert_eq!(l.apply(&ask(2, 1, 100), 59_999, &c).granted.tokens, 0);
+        assert_eq!(l.books[&key()].granted.tokens, 100);
+    }
+
+    #[test]
+    fn a_release_returns_tokens_to_the_window() {
+        let c = catalog(1000, 1000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1000), 0, &c);
+        let rel = QuotaBatch {
+            replica: 1,
+            incarnation: 1,
+            seq: 2,
+            asks: vec![],
+            releases: vec![QuotaRelease {
+                key: key(),
+                window_start_ms: 0,
+                tokens: 700,
+                requests: 0,
+            }],
+        };
+        assert_eq!(l.apply(&rel, 10, &c).released.tokens, 700);
+        // 700 left, shared with the replica still holding 300.
+        assert_eq!(l.apply(&ask(2, 1, 1000), 11, &c).granted.tokens, 350);
+    }
+}
