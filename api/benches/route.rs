@@ -136,6 +136,13 @@ fn queries(docs: &[u64]) -> Vec<Vec<u32>> {
         .collect()
 }
 
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -304,6 +311,14 @@ spec:
     - name: last
       filter: {maxQueued: 8, maxKvCacheUsage: 0.95}
       minimize: PredictedTTFT
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePolicy
+metadata: {name: tenants}
+spec:
+  limits:
+    - {tenant: t, tokensPerMinute: 1000000000000, burst: 60000000000000, windowSeconds: 3600}
+    - {tenant: t, model: m, requestsPerMinute: 1000000000, windowSeconds: 3600}
 "#;
 
 /// The first entry: a plain pool `p`, or the same index as worker set `p` behind ten rules.
@@ -498,6 +513,67 @@ fn main() {
         "policy routing finds the same cache hits"
     );
 
+    // 5. The same Route with admission: two limits of the request's tenant (tokens tenant-wide,
+    //    requests for the model), spent from this replica's escrow (granted beforehand by one
+    //    Quota entry, as the refiller would).
+    let mut psm = psm;
+    let now = wall_ms();
+    let grant = psm
+        .apply(&Entry {
+            index: psm.applied_index() + 1,
+            timestamp_ms: now,
+            command: Command::Quota(kvplane_state::QuotaBatch {
+                replica: 1,
+                incarnation: 1,
+                seq: 1,
+                asks: [("", u64::MAX, 0), ("m", 0, u64::MAX)]
+                    .iter()
+                    .map(|(model, tokens, requests)| kvplane_state::QuotaAsk {
+                        key: kvplane_policy::LimitKey {
+                            tenant: "t".into(),
+                            model: (*model).into(),
+                        },
+                        tokens: *tokens,
+                        requests: *requests,
+                    })
+                    .collect(),
+                releases: vec![],
+            }),
+        })
+        .unwrap();
+    assert!(grant.quota.is_some_and(|q| q.granted.tokens > 0));
+    let escrow = std::sync::Arc::new(kvplane_api::Escrow::new(
+        kvplane_api::QuotaConfig::default(),
+        psm.handle(),
+        Default::default(),
+    ));
+    let qservice = RouterService::new(psm.handle(), cost, Default::default()).with_quota(escrow);
+    let mut quota_ns = Vec::with_capacity(QUERIES);
+    let t = Instant::now();
+    for (i, q) in queries.iter().enumerate() {
+        let req = RouteRequest {
+            request_id: format!("q{i}"),
+            tenant: "t".into(),
+            model: "m".into(),
+            tags: vec!["batch".into()],
+            token_ids: q.clone(),
+            max_output_tokens: 256,
+            ..Default::default()
+        };
+        let s = Instant::now();
+        let r = futures::executor::block_on(qservice.route(tonic::Request::new(req)))
+            .unwrap()
+            .into_inner();
+        quota_ns.push(s.elapsed().as_nanos() as u64);
+        assert_eq!(
+            r.charges.len(),
+            2,
+            "every request admitted: {:?}",
+            r.decision
+        );
+    }
+    let quota_s = t.elapsed().as_secs_f64();
+
     let bare_p50 = {
         let mut v = bare_ns.clone();
         v.sort_unstable();
@@ -522,6 +598,11 @@ fn main() {
         let mut v = policy_ns.clone();
         v.sort_unstable();
         percentile(&v, 0.99)
+    };
+    let (quota_p50, quota_p99) = {
+        let mut v = quota_ns.clone();
+        v.sort_unstable();
+        (percentile(&v, 0.5), percentile(&v, 0.99))
     };
     let decide_p50 = {
         let mut v = decide_ns.clone();
@@ -556,6 +637,14 @@ fn main() {
             "kvplane_route_through_ten_rules": latency_stats(policy_ns, policy_s),
             "ratio_p50_to_route_without_policies": policy_p50 / route_p50,
             "ratio_p99_to_route_without_policies": policy_p99 / route_p99,
+        },
+        "limits": {
+            "limits_per_request": 2,
+            "kvplane_route_through_ten_rules_with_admission": latency_stats(quota_ns, quota_s),
+            "added_p50_us": quota_p50 - policy_p50,
+            "added_p99_us": quota_p99 - policy_p99,
+            "ratio_p50_to_route_without_limits": quota_p50 / policy_p50,
+            "ratio_p99_to_route_without_limits": quota_p99 / policy_p99,
         },
         "memory": {
             "measured": "resident set growth while building each index, each in a fresh process",

@@ -162,7 +162,7 @@ pub struct Escrow {
 /// A limit's shortfall on this replica.
 struct Short {
     key: LimitKey,
-    refusal: Option<Refusal>,
+    refusal: Option<Box<Refusal>>,
 }
 
 impl Escrow {
@@ -211,7 +211,7 @@ impl Escrow {
                 Err(s) => s,
             };
             if let Some(refusal) = short.refusal {
-                return Err(self.refused(refusal));
+                return Err(self.refused(*refusal));
             }
             self.wake.notify_one();
             // Grants cannot be had (no quorum): a limit that allows it fails open.
@@ -332,7 +332,7 @@ impl Escrow {
                     };
                     return Err(Short {
                         key: m.key.clone(),
-                        refusal,
+                        refusal: refusal.map(Box::new),
                     });
                 }
             }
@@ -552,4 +552,135 @@ pub(crate) fn explain_limit(
         s.push_str(" (not enforced here: no escrow)");
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use kvplane_policy::kinds::{InferencePolicySpec, TenantLimit};
+    use kvplane_policy::{Object, Spec};
+    use kvplane_state::{Command, ConfigObject, Entry, StateMachine};
+
+    /// 3600 s windows: a window's budget is 60 times the per-minute figures.
+    fn limit(per_minute: u64, burst: u64, fail_open_per_minute: Option<u64>) -> TenantLimit {
+        TenantLimit {
+            tenant: "acme".into(),
+            model: None,
+            tokens_per_minute: Some(per_minute),
+            requests_per_minute: None,
+            burst: Some(burst),
+            window_seconds: 3600,
+            fail_open_tokens_per_minute: fail_open_per_minute,
+        }
+    }
+
+    /// A state with `l`, and replica 1 granted `grant` tokens of it (0: no grant).
+    fn state(l: TenantLimit, grant: u64) -> (StateMachine, Escrow) {
+        let mut sm = StateMachine::new();
+        let policy = ConfigObject::policy(&Object {
+            name: "limits".into(),
+            spec: Spec::Policy(InferencePolicySpec {
+                rules: vec![],
+                limits: vec![l],
+            }),
+        });
+        let now = wall_ms();
+        let apply = |sm: &mut StateMachine, command| {
+            let a = sm
+                .apply(&Entry {
+                    index: sm.applied_index() + 1,
+                    timestamp_ms: now,
+                    command,
+                })
+                .unwrap();
+            assert!(a.rejected.is_none(), "{:?}", a.rejected);
+        };
+        apply(
+            &mut sm,
+            Command::ConfigApply {
+                puts: vec![policy],
+                deletes: vec![],
+            },
+        );
+        if grant > 0 {
+            apply(
+                &mut sm,
+                Command::Quota(QuotaBatch {
+                    replica: 1,
+                    incarnation: 1,
+                    seq: 1,
+                    asks: vec![QuotaAsk {
+                        key: LimitKey {
+                            tenant: "acme".into(),
+                            model: String::new(),
+                        },
+                        tokens: grant,
+                        requests: 0,
+                    }],
+                    releases: vec![],
+                }),
+            );
+        }
+        let escrow = Escrow::new(
+            QuotaConfig {
+                grant_wait: Duration::from_millis(20),
+                ..QuotaConfig::default()
+            },
+            sm.handle(),
+            QuotaMetrics::default(),
+        );
+        (sm, escrow)
+    }
+
+    async fn reserve(
+        sm: &StateMachine,
+        e: &Escrow,
+        tokens: u64,
+    ) -> Result<Vec<Reservation>, Refusal> {
+        let view = sm.handle().load();
+        let limits = view.catalog.limits_for("acme", "m");
+        e.reserve(&limits, tokens).await
+    }
+
+    #[tokio::test]
+    async fn a_settled_request_returns_what_it_did_not_use() {
+        let (sm, e) = state(limit(200, 1000, None), 1000);
+        let first = reserve(&sm, &e, 600).await.unwrap();
+        // 400 left in escrow, 11,000 still grantable: not exhausted, but no grant comes.
+        let short = reserve(&sm, &e, 600).await.unwrap_err();
+        assert!(matches!(short, Refusal::NoGrant { .. }), "{short}");
+        e.settle(&first, 100);
+        assert_eq!(reserve(&sm, &e, 600).await.unwrap()[0].tokens, 600);
+    }
+
+    #[tokio::test]
+    async fn an_exhausted_window_is_refused_with_the_time_until_it_resets() {
+        let (sm, e) = state(limit(20, 1200, None), 1200);
+        reserve(&sm, &e, 900).await.unwrap();
+        let r = reserve(&sm, &e, 400).await.unwrap_err();
+        assert!(
+            r.to_string()
+                .contains("token limit of 1200 per 3600 s window reached"),
+            "{r}"
+        );
+        assert!(r.retry_after_ms() > 0 && r.retry_after_ms() <= 3_600_000);
+    }
+
+    #[tokio::test]
+    async fn without_grants_only_a_fail_open_limit_admits_and_only_up_to_its_bound() {
+        let (sm, closed) = state(limit(200, 1000, None), 0);
+        closed.attempted(Err("no quorum reachable".into()), Duration::ZERO);
+        let r = reserve(&sm, &closed, 100).await.unwrap_err();
+        assert!(r.to_string().contains("no quorum reachable"), "{r}");
+        assert!(r.to_string().contains("fails closed"), "{r}");
+
+        let (sm, open) = state(limit(200, 1000, Some(10)), 0);
+        open.attempted(Err("no quorum reachable".into()), Duration::ZERO);
+        let a = reserve(&sm, &open, 400).await.unwrap();
+        assert!(a[0].fail_open);
+        assert!(reserve(&sm, &open, 400).await.is_err());
+        assert_eq!(open.status()[0].fail_open_tokens, 400);
+    }
 }

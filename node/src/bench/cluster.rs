@@ -43,6 +43,8 @@ pub struct ClusterBenchArgs {
     /// Where the nodes keep their logs (default: a fresh temporary directory, removed after).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub grants: super::grants::GrantArgs,
 }
 
 #[derive(Debug, Serialize)]
@@ -50,6 +52,7 @@ struct Report {
     workload: Workload,
     single_node_apply: Rate,
     cluster: ClusterRate,
+    grants: super::grants::GrantReport,
     failover: Failover,
 }
 
@@ -372,6 +375,32 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
     let digests_agree = views.iter().all(|v| v.digest == bare_digest);
     let indexed_blocks = views.first().map_or(0, |v| v.indexed_blocks);
 
+    // Grant entries of the escrow ledger: on a bare state machine, then through the cluster.
+    let grant_commands = super::grants::workload(&a.grants);
+    let mut sm = StateMachine::new();
+    let t = Instant::now();
+    for (i, c) in grant_commands.iter().enumerate() {
+        sm.apply(&Entry {
+            index: i as u64 + 1,
+            timestamp_ms: 1,
+            command: c.clone(),
+        })?;
+    }
+    let grant_single = t.elapsed().as_secs_f64();
+    drop(sm);
+    let t = Instant::now();
+    commit_all(&raft, &grant_commands, a.pipeline).await?;
+    let grant_cluster = t.elapsed().as_secs_f64();
+    let n = grant_commands.len() as f64;
+    let grants = super::grants::GrantReport {
+        entries: grant_commands.len() as u64,
+        asks_per_entry: a.grants.asks_per_entry,
+        tenants: a.grants.tenants,
+        single_node_entries_per_s: n / grant_single.max(1e-9),
+        cluster_entries_per_s: n / grant_cluster.max(1e-9),
+        cluster_asks_per_s: n * a.grants.asks_per_entry as f64 / grant_cluster.max(1e-9),
+    };
+
     // Leader stops: time to the first entry the next leader commits.
     let mut times = Vec::new();
     for _ in 0..a.kills {
@@ -433,6 +462,7 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
             indexed_blocks,
         },
         single_node_apply: single,
+        grants,
         failover: Failover {
             heartbeat_ms: 100,
             election_timeout_ms: election,

@@ -1,11 +1,12 @@
 //! `kvplane bench ...`: benchmarks that print JSON.
 
 pub mod cluster;
+mod grants;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCmd {
-    /// Raft's cost: committed events/s through three members vs a bare state machine, and
-    /// leader-stop to first-commit times.
+    /// Raft's cost: committed events/s through three members vs a bare state machine, grant
+    /// entries/s of the tenant-limit ledger, and leader-stop to first-commit times.
     Cluster(cluster::ClusterBenchArgs),
 }
 
