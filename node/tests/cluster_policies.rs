@@ -53,13 +53,13 @@ async fn a_policy_change_reaches_every_replica_at_the_same_index() {
         ..Default::default()
     };
     let (cluster, _js) = harness::started(&o).await;
-    let first = generation(&cluster, 0, 13).await;
+    let first = generation(&cluster, 0, 14).await;
     let s = cluster.nodes[2].status().await;
-    assert_eq!(s.policy_objects["InferencePolicy"], 4);
+    assert_eq!(s.policy_objects["InferencePolicy"], 5);
     assert_eq!(s.policy_objects["GatewayBackend"], 3);
 
     // An invalid edit is refused: nothing changes, the problem is counted.
-    std::fs::write(dir.join("6-broken.yaml"), "apiVersion: kvplane.io/v1alpha1\nkind: InferencePool\nmetadata: {name: x}\nspec: {workerSets: [nope]}\n").unwrap();
+    std::fs::write(dir.join("7-broken.yaml"), "apiVersion: kvplane.io/v1alpha1\nkind: InferencePool\nmetadata: {name: x}\nspec: {workerSets: [nope]}\n").unwrap();
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
     wait_for(
         "the leader to refuse the directory",
@@ -74,8 +74,8 @@ async fn a_policy_change_reaches_every_replica_at_the_same_index() {
     assert_eq!(cluster.nodes[0].status().await.config_index, first);
 
     // A valid edit (a backend removed) is one new generation everywhere.
-    std::fs::remove_file(dir.join("6-broken.yaml")).unwrap();
+    std::fs::remove_file(dir.join("7-broken.yaml")).unwrap();
     std::fs::remove_file(dir.join("5-aliasing.yaml")).unwrap();
-    let second = generation(&cluster, first, 12).await;
+    let second = generation(&cluster, first, 13).await;
     assert!(second > first);
 }

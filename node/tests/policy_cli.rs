@@ -22,7 +22,7 @@ fn validate_accepts_the_examples() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("ok: 2 worker sets, 3 pools, 1 providers, 4 policies"),
+        stdout.contains("ok: 2 worker sets, 3 pools, 1 providers, 5 policies"),
         "{stdout}"
     );
 }

@@ -54,7 +54,7 @@ fn the_examples_directory_is_valid() {
         ),
         (2, 3, 1)
     );
-    assert_eq!((catalog.policies.len(), catalog.backends.len()), (4, 3));
+    assert_eq!((catalog.policies.len(), catalog.backends.len()), (5, 3));
 }
 
 #[test]

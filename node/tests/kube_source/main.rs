@@ -160,7 +160,7 @@ async fn custom_resources_enter_the_state_with_their_status_written_back() {
         ["large", "local", "small"]
     );
     assert_eq!(catalog.providers.len(), 1);
-    assert_eq!(catalog.policies.len(), 4);
+    assert_eq!(catalog.policies.len(), 5);
     let first_index = s.state.load().config_index;
 
     // Every example accepted, at the index it took effect; the broken pool refused.
