@@ -211,7 +211,7 @@ impl Escrow {
                 Err(s) => s,
             };
             if let Some(refusal) = short.refusal {
-                return Err(self.refused(*refusal));
+                return Err(self.refused(*refusal, tokens));
             }
             self.wake.notify_one();
             // Grants cannot be had (no quorum): a limit that allows it fails open.
@@ -228,12 +228,13 @@ impl Escrow {
                     return Ok(self.admitted(r));
                 }
                 let why = failing.unwrap_or_else(|| "the grant is still in flight".into());
-                return Err(self.refused(Refusal::NoGrant {
+                let r = Refusal::NoGrant {
                     key: short.key,
                     waited_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
                     why,
                     retry_after_ms: 1000,
-                }));
+                };
+                return Err(self.refused(r, tokens));
             }
         }
     }
@@ -245,8 +246,8 @@ impl Escrow {
         r
     }
 
-    fn refused(&self, r: Refusal) -> Refusal {
-        self.metrics.rejected(&r.key().tenant, r.label());
+    fn refused(&self, r: Refusal, tokens: u64) -> Refusal {
+        self.metrics.rejected(&r.key().tenant, r.label(), tokens);
         r
     }
 

@@ -29,6 +29,7 @@ pub struct QuotaMetrics {
     reserved_tokens: Family<Tenant, Counter>,
     fail_open_tokens: Family<Tenant, Counter>,
     rejected_requests: Family<TenantReason, Counter>,
+    rejected_tokens: Family<TenantReason, Counter>,
     settled_tokens: Family<Tenant, Counter>,
     refunded_tokens: Family<Tenant, Counter>,
     escrow_tokens: Family<Tenant, Gauge>,
@@ -43,6 +44,7 @@ impl Default for QuotaMetrics {
             reserved_tokens: Family::default(),
             fail_open_tokens: Family::default(),
             rejected_requests: Family::default(),
+            rejected_tokens: Family::default(),
             settled_tokens: Family::default(),
             refunded_tokens: Family::default(),
             escrow_tokens: Family::default(),
@@ -80,6 +82,11 @@ impl QuotaMetrics {
             "kvplane_quota_rejected_requests",
             "Requests refused by tenant limits, by reason (exhausted, no_grant)",
             self.rejected_requests.clone(),
+        );
+        r.register(
+            "kvplane_quota_rejected_tokens",
+            "Tokens of the requests refused by tenant limits, by reason",
+            self.rejected_tokens.clone(),
         );
         r.register(
             "kvplane_quota_settled_tokens",
@@ -120,13 +127,13 @@ impl QuotaMetrics {
         }
     }
 
-    pub(crate) fn rejected(&self, t: &str, reason: &'static str) {
-        self.rejected_requests
-            .get_or_create(&TenantReason {
-                tenant: t.to_owned(),
-                reason,
-            })
-            .inc();
+    pub(crate) fn rejected(&self, t: &str, reason: &'static str, tokens: u64) {
+        let label = TenantReason {
+            tenant: t.to_owned(),
+            reason,
+        };
+        self.rejected_requests.get_or_create(&label).inc();
+        self.rejected_tokens.get_or_create(&label).inc_by(tokens);
     }
 
     pub(crate) fn settled(&self, t: &str, charged: u64, refunded: u64) {
