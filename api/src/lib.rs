@@ -10,6 +10,7 @@ mod cost;
 mod decide;
 mod metrics;
 mod policy_route;
+pub mod predict;
 mod quota;
 mod quota_metrics;
 mod quota_refill;

@@ -13,21 +13,29 @@ use kvplane_proto::v1::{
 use kvplane_state::{Overlap, View};
 
 use crate::CostModel;
+use crate::predict::Predictor;
 
 /// The fleet of one view, for one prompt. Each worker set's overlap is looked up once.
 pub(crate) struct ViewFleet<'a> {
     pub(crate) view: &'a View,
     pub(crate) tokens: &'a [u32],
     pub(crate) cost: &'a CostModel,
+    predictor: &'a Predictor,
     overlaps: RefCell<BTreeMap<String, Overlap>>,
 }
 
 impl<'a> ViewFleet<'a> {
-    pub(crate) fn new(view: &'a View, tokens: &'a [u32], cost: &'a CostModel) -> Self {
+    pub(crate) fn new(
+        view: &'a View,
+        tokens: &'a [u32],
+        cost: &'a CostModel,
+        predictor: &'a Predictor,
+    ) -> Self {
         Self {
             view,
             tokens,
             cost,
+            predictor,
             overlaps: RefCell::default(),
         }
     }
@@ -46,12 +54,18 @@ impl Fleet for ViewFleet<'_> {
             .iter()
             .map(|w| {
                 let (overlap_blocks, dp_rank) = overlap.best_for(w.id);
+                let f =
+                    self.predictor
+                        .pending(worker_set, &w.name, w.metrics_at_ms, w.metrics.waiting);
+                let others = w.metrics.waiting.saturating_sub(f.in_metrics);
                 WorkerState {
                     worker: w.name.clone(),
                     address: w.address.clone(),
                     up: w.up,
                     dp_rank,
-                    waiting: w.metrics.waiting,
+                    waiting: others + f.requests,
+                    pending: f.requests,
+                    pending_ms: f.busy_ms as f64,
                     running: w.metrics.running,
                     kv_cache_usage: w.metrics.kv_cache_usage,
                     overlap_blocks,
@@ -61,15 +75,35 @@ impl Fleet for ViewFleet<'_> {
             .collect()
     }
 
-    fn predict_ms(&self, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
+    /// The request's uncached prefill time there.
+    fn displaced_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
         let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
         let uncached = (self.tokens.len() as u64).saturating_sub(cached);
         let rate = set
             .prefill_tokens_per_second
             .unwrap_or(self.cost.prefill_tokens_per_s);
-        self.cost.base_ms
+        uncached as f64 / rate * 1000.0 * self.predictor.calibration(name)
+    }
+
+    /// See [`crate::predict`].
+    fn predict_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
+        let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
+        let uncached = (self.tokens.len() as u64).saturating_sub(cached);
+        let rate = set
+            .prefill_tokens_per_second
+            .unwrap_or(self.cost.prefill_tokens_per_s);
+        // The queue ahead (this replica's pending requests) is already calibrated: it is made of
+        // earlier predictions.
+        let others = f64::from(w.waiting - w.pending);
+        let own = self.cost.base_ms
             + uncached as f64 / rate * 1000.0
-            + self.cost.load_ms(w.waiting, w.running)
+            + others
+                * self
+                    .predictor
+                    .typical_ms(name)
+                    .unwrap_or(self.cost.waiting_request_ms)
+            + f64::from(w.running) * self.cost.running_request_ms;
+        w.pending_ms + own * self.predictor.calibration(name)
     }
 }
 

@@ -12,6 +12,7 @@ use kvplane_tokenize::{PromptSource, prompt_from_body};
 use tonic::{Request, Response, Status};
 
 use crate::decide::{Candidate, Decision, RejectKind};
+use crate::predict::Predictor;
 use crate::quota::{Escrow, Reservation};
 use crate::usage::{Routed, UsageBook};
 use crate::{ApiMetrics, Consistency, CostModel, RouteInput, decide};
@@ -44,6 +45,7 @@ pub struct RouterService {
     usage: Arc<UsageBook>,
     consistency: Option<Arc<dyn Consistency>>,
     escrow: Option<Arc<Escrow>>,
+    predictor: Arc<Predictor>,
 }
 
 impl std::fmt::Debug for dyn Consistency {
@@ -61,7 +63,14 @@ impl RouterService {
             usage: Arc::new(UsageBook::new(100_000, Duration::from_secs(600))),
             consistency: None,
             escrow: None,
+            predictor: Arc::new(Predictor::new(crate::predict::wall_clock())),
         }
+    }
+
+    /// Predicts with this clock (a benchmark's virtual time) and these metrics.
+    pub fn with_predictor(mut self, predictor: Arc<Predictor>) -> Self {
+        self.predictor = predictor;
+        self
     }
 
     /// Admits requests against tenant limits through this replica's escrow.
@@ -143,7 +152,8 @@ impl RouterService {
         } else {
             req.tenant.as_str()
         };
-        let fleet = crate::policy_route::ViewFleet::new(&view, &p.tokens, &self.cost);
+        let fleet =
+            crate::policy_route::ViewFleet::new(&view, &p.tokens, &self.cost, &self.predictor);
         let e = view.catalog.evaluate(
             &fleet,
             &kvplane_policy::Request {
@@ -152,6 +162,7 @@ impl RouterService {
                 tags: &req.tags,
                 prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
                 max_output_tokens: req.max_output_tokens,
+                tie_break: xxhash_rust::xxh3::xxh3_64(req.request_id.as_bytes()),
             },
         );
         let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
@@ -310,6 +321,24 @@ impl pb::router_server::Router for RouterService {
                 Some(route_response::Decision::Rejection(r)) if r.code == i32::from(RejectCode::RateLimited)
             );
             if let (Some(c), false) = (e.chosen(), limited) {
+                let mut worker = None;
+                if let kvplane_policy::Target::Worker { worker_set, state } = &c.target {
+                    let spec = d.view.catalog.worker_sets.get(worker_set);
+                    let block = spec.map_or(16, |s| s.block_size);
+                    let rate = spec
+                        .and_then(|s| s.prefill_tokens_per_second)
+                        .unwrap_or(self.cost.prefill_tokens_per_s);
+                    let cached = u64::from(state.overlap_blocks) * u64::from(block);
+                    let prefill = (d.prompted.tokens.len() as u64).saturating_sub(cached);
+                    self.predictor.routed(
+                        worker_set,
+                        &state.worker,
+                        &req.request_id,
+                        (prefill, prefill as f64 / rate * 1000.0),
+                        c.predicted_ttft_ms,
+                    );
+                    worker = Some((worker_set.clone(), state.worker.clone()));
+                }
                 self.usage.insert(
                     &req.request_id,
                     Routed {
@@ -317,6 +346,7 @@ impl pb::router_server::Router for RouterService {
                         predicted_ttft_ms: c.predicted_ttft_ms,
                         at: Instant::now(),
                         reservations,
+                        worker,
                     },
                 );
             }
@@ -340,6 +370,7 @@ impl pb::router_server::Router for RouterService {
                         predicted_ttft_ms: c.cost,
                         at: Instant::now(),
                         reservations: Vec::new(),
+                        worker: None,
                     },
                 );
             }
@@ -361,6 +392,20 @@ impl pb::router_server::Router for RouterService {
             escrow.settle(
                 &r.reservations,
                 u64::from(report.prompt_tokens) + u64::from(report.completion_tokens),
+            );
+        }
+        if let Some(Routed {
+            worker: Some((ws, w)),
+            predicted_ttft_ms,
+            ..
+        }) = &routed
+        {
+            self.predictor.observed(
+                ws,
+                w,
+                &report.request_id,
+                *predicted_ttft_ms,
+                report.observed_ttft_ms,
             );
         }
         if let Some(r) = &routed {
@@ -392,6 +437,12 @@ impl pb::router_server::Router for RouterService {
                     0,
                     format!("policy routing (rule {rule}, minimize {:?})", e.objective),
                 );
+            }
+            if let Some((p, o)) = self.predictor.outcome(&req.request_id) {
+                steps.push(format!(
+                    "request {:?} was routed here: predicted {p:.1} ms to first token, observed {o:.1} ms",
+                    req.request_id
+                ));
             }
             for m in d.view.catalog.limits_for(&d.tenant, &d.prompted.model) {
                 steps.push(crate::quota::explain_limit(

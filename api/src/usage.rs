@@ -14,6 +14,8 @@ pub(crate) struct Routed {
     /// What tenant limits hold for it until its usage is reported. An unreported request
     /// stays charged at its reservation (the entry expires after `ttl`).
     pub(crate) reservations: Vec<crate::Reservation>,
+    /// (worker set, worker) when it went to a worker through the policies.
+    pub(crate) worker: Option<(String, String)>,
 }
 
 /// A bounded table of requests in flight. Entries older than `ttl` are dropped when the table

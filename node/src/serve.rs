@@ -136,6 +136,10 @@ pub async fn run(
     state_metrics.register(&mut registry);
     let policy_metrics = Arc::new(crate::policy_source::PolicySourceMetrics::default());
     policy_metrics.register(&mut registry);
+    let predictor = Arc::new(kvplane_api::predict::Predictor::new(
+        kvplane_api::predict::wall_clock(),
+    ));
+    predictor.register(&mut registry);
     let quota_metrics = kvplane_api::QuotaMetrics::default();
     quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
@@ -272,7 +276,8 @@ pub async fn run(
     ));
     let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone())
         .with_consistency(consistency.clone())
-        .with_quota(escrow.clone());
+        .with_quota(escrow.clone())
+        .with_predictor(predictor);
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: match member.clone() {

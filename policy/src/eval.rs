@@ -19,7 +19,14 @@ pub struct Request<'a> {
     pub tags: &'a [String],
     pub prompt_tokens: u32,
     pub max_output_tokens: u32,
+    /// Spreads near-equal candidates (within 1% of the best): among them the request takes
+    /// the one this picks, so that routers deciding from the same state at once do not all
+    /// choose the same worker. A hash of the request id.
+    pub tie_break: u64,
 }
+
+/// Candidates whose objective is within this share of the best one count as equal.
+const TIE: f64 = 0.01;
 
 /// One worker of a worker set as the replicated state shows it, with this prompt's overlap.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,14 +40,24 @@ pub struct WorkerState {
     pub kv_cache_usage: f64,
     pub overlap_blocks: u32,
     pub prompt_blocks: u32,
+    /// Requests this replica sent here that have not had their first token yet (counted in
+    /// `waiting` too), and how long until the last of them is predicted to have it.
+    pub pending: u32,
+    pub pending_ms: f64,
 }
 
 /// The live fleet, as the caller (the routing service) sees it.
 pub trait Fleet {
     /// Every worker of `worker_set`, in a stable order, with the prompt's cached prefix on each.
     fn workers(&self, worker_set: &str) -> Vec<WorkerState>;
-    /// Predicted time to first token on `w`, in milliseconds.
-    fn predict_ms(&self, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64;
+    /// Predicted time to first token on `w` of worker set `name`, in milliseconds.
+    fn predict_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64;
+    /// How much sending the request to `w` would delay the requests that come after it there
+    /// (its uncached prefill, which they wait behind). `minimize: PredictedTTFT` minimizes the
+    /// sum, so that a cached prefix is not given away for a slightly shorter queue.
+    fn displaced_ms(&self, _name: &str, _set: &InferenceWorkerSetSpec, _w: &WorkerState) -> f64 {
+        0.0
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -63,6 +80,8 @@ pub struct Candidate {
     pub model: String,
     pub external: bool,
     pub predicted_ttft_ms: f64,
+    /// What it would cost the requests after it there (see [`Fleet::displaced_ms`]).
+    pub displaced_ms: f64,
     /// Token price of this request on it.
     pub price: f64,
     pub load: u32,
@@ -229,11 +248,13 @@ impl Catalog {
             };
             let weight = weights.get(name).copied().unwrap_or(1.0);
             for w in fleet.workers(name) {
-                let predicted = fleet.predict_ms(spec, &w);
+                let predicted = fleet.predict_ms(name, spec, &w);
+                let displaced_ms = fleet.displaced_ms(name, spec, &w);
                 out.push(Candidate {
                     model: spec.model.clone(),
                     external: false,
                     predicted_ttft_ms: predicted,
+                    displaced_ms,
                     price: spec
                         .cost
                         .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens)),
@@ -262,6 +283,7 @@ impl Catalog {
                 model: p.model.clone(),
                 external: true,
                 predicted_ttft_ms: p.expected_ttft_ms,
+                displaced_ms: 0.0,
                 price: p
                     .cost
                     .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens)),
@@ -416,7 +438,7 @@ impl Catalog {
         }
         for c in &mut cands {
             let raw = match rule.minimize {
-                Objective::PredictedTTFT => c.predicted_ttft_ms,
+                Objective::PredictedTTFT => c.predicted_ttft_ms + c.displaced_ms,
                 Objective::Cost => c.price,
                 Objective::Load => f64::from(c.load),
             };
@@ -424,10 +446,22 @@ impl Catalog {
         }
         let best = cands
             .iter()
-            .enumerate()
-            .filter(|(_, c)| c.filtered.is_none())
-            .min_by(|(_, a), (_, b)| a.objective.total_cmp(&b.objective))
-            .map(|(i, _)| i);
+            .filter(|c| c.filtered.is_none())
+            .map(|c| c.objective)
+            .min_by(f64::total_cmp)
+            .and_then(|b| {
+                let near: Vec<usize> = cands
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| {
+                        c.filtered.is_none()
+                            && (c.objective == b || (b > 0.0 && c.objective <= b * (1.0 + TIE)))
+                    })
+                    .map(|(i, _)| i)
+                    .collect();
+                let k = usize::try_from(req.tie_break % near.len().max(1) as u64).unwrap_or(0);
+                near.get(k).copied()
+            });
         let outcome = match best {
             Some(i) => {
                 cands[i].chosen = true;

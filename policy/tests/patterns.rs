@@ -34,6 +34,8 @@ fn worker(name: &str) -> WorkerState {
         kv_cache_usage: 0.2,
         overlap_blocks: 0,
         prompt_blocks: 64,
+        pending: 0,
+        pending_ms: 0.0,
     }
 }
 
@@ -61,7 +63,7 @@ impl Fleet for TestFleet {
         self.workers.get(worker_set).cloned().unwrap_or_default()
     }
 
-    fn predict_ms(&self, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
+    fn predict_ms(&self, _: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
         let uncached = f64::from((w.prompt_blocks - w.overlap_blocks) * set.block_size);
         20.0 + uncached / set.prefill_tokens_per_second.unwrap_or(8000.0) * 1e3
             + f64::from(w.waiting) * 250.0
@@ -79,6 +81,7 @@ fn eval(fleet: &TestFleet, model: &str, tags: &[&str]) -> Evaluation {
             tags: &tags,
             prompt_tokens: 1024,
             max_output_tokens: 256,
+            tie_break: 0,
         },
     )
 }

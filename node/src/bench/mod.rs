@@ -2,16 +2,21 @@
 
 pub mod cluster;
 mod grants;
+mod routing;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCmd {
     /// Raft's cost: committed events/s through three members vs a bare state machine, grant
     /// entries/s of the tenant-limit ledger, and leader-stop to first-commit times.
     Cluster(cluster::ClusterBenchArgs),
+    /// Routing strategies on a simulated fleet in virtual time: TTFT, throughput, cache hits,
+    /// load imbalance per workload; JSON on stdout, a table on stderr, SVG charts.
+    Routing(routing::RoutingBenchArgs),
 }
 
 pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Cluster(a) => cluster::run(a).await,
+        BenchCmd::Routing(a) => routing::run(a).await,
     }
 }

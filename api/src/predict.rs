@@ -1,0 +1,264 @@
+//! Predicted time to first token, per candidate:
+//!
+//! ```text
+//! own_ms     = uncached prompt tokens / rate                  (prompt minus cached prefix)
+//! queue_ms   = until the requests this replica routed there are predicted to have their
+//!              first tokens (each prediction made when it was routed, so they chain)
+//!            + the others waiting there (metrics' waiting less ours) * the average prefill
+//!              time of the requests this replica routes there (at first waiting_request_ms)
+//! predicted  = (base_ms + own_ms + queue_ms + running * running_request_ms) * calibration
+//! ```
+//!
+//! `rate` is the worker set's `prefillTokensPerSecond` (else the cost model's). `calibration`
+//! is per worker set, learned online from the TTFTs that ReportUsage reports (an exponential
+//! average of observed / predicted, within 0.2..5). A routed request stays pending until its
+//! usage is reported, until metrics sampled after it was routed show nothing waiting, or for a
+//! minute.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Milliseconds since the Unix epoch (a benchmark substitutes virtual time).
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+pub fn wall_clock() -> Clock {
+    Arc::new(crate::quota::wall_ms)
+}
+
+const PENDING_TTL_MS: u64 = 60_000;
+const RECENT: usize = 4096;
+const ALPHA: f64 = 0.1;
+
+/// What [`Predictor::pending`] says about one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlight {
+    pub requests: u32,
+    pub prefill_tokens: u64,
+    /// Until the last of them is predicted to have its first token, from now.
+    pub busy_ms: u64,
+    /// Of `requests`, routed before the metrics sample (so possibly among its waiting).
+    pub in_metrics: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    request_id: String,
+    at_ms: u64,
+    prefill_tokens: u64,
+    /// When it was predicted to have its first token.
+    due_ms: u64,
+    /// Routed by another replica (its usage is reported there): gone once due.
+    foreign: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// By (worker set, worker).
+    pending: BTreeMap<(String, String), Vec<Pending>>,
+    /// Requests that had their first token lately: (routed at, first token at). A metrics
+    /// sample taken in between may still count them as waiting.
+    started: BTreeMap<(String, String), Vec<(u64, u64)>>,
+    /// By worker set: observed / predicted.
+    calibration: BTreeMap<String, f64>,
+    /// Recently reported requests: (request id, predicted ms, observed ms).
+    recent: VecDeque<(String, f64, f64)>,
+    /// An average of the prefill time of the requests this replica routes, by worker set: what
+    /// a request the metrics show waiting (another replica's) is taken to cost.
+    typical_ms: BTreeMap<String, f64>,
+}
+
+/// This replica's in-flight view and calibration.
+pub struct Predictor {
+    inner: Mutex<Inner>,
+    clock: Clock,
+    /// observed / predicted, per reported request.
+    error_ratio: Histogram,
+}
+
+impl std::fmt::Debug for Predictor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Predictor").finish_non_exhaustive()
+    }
+}
+
+impl Predictor {
+    pub fn new(clock: Clock) -> Self {
+        Self {
+            inner: Mutex::default(),
+            clock,
+            // 1/16 .. 16
+            error_ratio: Histogram::new(exponential_buckets(1.0 / 16.0, 2.0, 9)),
+        }
+    }
+
+    pub fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvplane_ttft_prediction_ratio",
+            "Observed over predicted time to first token, per reported request",
+            self.error_ratio.clone(),
+        );
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        (self.clock)()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This replica's requests to `worker` that have not started: how many, their prefill
+    /// tokens, and how many of them the metrics sampled at `metrics_at_ms` (showing
+    /// `metrics_waiting` waiting) may count.
+    pub fn pending(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        metrics_at_ms: u64,
+        metrics_waiting: u32,
+    ) -> InFlight {
+        let now = self.now_ms();
+        let mut g = self.lock();
+        let key = (worker_set.to_owned(), worker.to_owned());
+        let started = g.started.get_mut(&key).map_or(0, |s| {
+            s.retain(|&(_, done)| done >= metrics_at_ms && done + PENDING_TTL_MS > now);
+            s.iter().filter(|&&(at, _)| at < metrics_at_ms).count()
+        });
+        let Some(list) = g.pending.get_mut(&key) else {
+            return InFlight {
+                in_metrics: u32::try_from(started).unwrap_or(u32::MAX),
+                ..InFlight::default()
+            };
+        };
+        // Without usage reports: gone once metrics sampled after it was due show no queue.
+        list.retain(|p| {
+            p.at_ms + PENDING_TTL_MS > now
+                && !(metrics_waiting == 0 && p.due_ms < metrics_at_ms)
+                && !(p.foreign && p.due_ms < now)
+        });
+        InFlight {
+            requests: u32::try_from(list.len()).unwrap_or(u32::MAX),
+            prefill_tokens: list.iter().map(|p| p.prefill_tokens).sum(),
+            busy_ms: list
+                .iter()
+                .map(|p| p.due_ms.saturating_sub(now))
+                .max()
+                .unwrap_or(0),
+            in_metrics: u32::try_from(
+                list.iter().filter(|p| p.at_ms < metrics_at_ms).count() + started,
+            )
+            .unwrap_or(u32::MAX),
+        }
+    }
+
+    /// What a waiting request of another replica is taken to cost on `worker_set`.
+    pub fn typical_ms(&self, worker_set: &str) -> Option<f64> {
+        self.lock().typical_ms.get(worker_set).copied()
+    }
+
+    pub fn calibration(&self, worker_set: &str) -> f64 {
+        self.lock()
+            .calibration
+            .get(worker_set)
+            .copied()
+            .unwrap_or(1.0)
+    }
+
+    /// Remembers a request routed to `worker` with this much prefill to do (`prefill_ms` on
+    /// its own), predicted to have its first token in `predicted_ms`.
+    pub fn routed(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        request_id: &str,
+        (prefill_tokens, prefill_ms): (u64, f64),
+        predicted_ms: f64,
+    ) {
+        let at_ms = self.now_ms();
+        let due_ms = at_ms + predicted_ms.max(0.0) as u64;
+        let mut g = self.lock();
+        let t = g
+            .typical_ms
+            .entry(worker_set.to_owned())
+            .or_insert(prefill_ms);
+        *t = *t * (1.0 - ALPHA) + prefill_ms * ALPHA;
+        g.pending
+            .entry((worker_set.to_owned(), worker.to_owned()))
+            .or_default()
+            .push(Pending {
+                request_id: request_id.to_owned(),
+                at_ms,
+                prefill_tokens,
+                due_ms,
+                foreign: false,
+            });
+    }
+
+    /// Another replica routed a request to `worker` at `at_ms`, predicted to have its first
+    /// token at `due_ms`: this replica counts it in that worker's queue until then.
+    pub fn routed_elsewhere(&self, worker_set: &str, worker: &str, at_ms: u64, due_ms: u64) {
+        self.lock()
+            .pending
+            .entry((worker_set.to_owned(), worker.to_owned()))
+            .or_default()
+            .push(Pending {
+                request_id: String::new(),
+                at_ms,
+                prefill_tokens: 0,
+                due_ms,
+                foreign: true,
+            });
+    }
+
+    /// A routed request's first token came after `observed_ms`: it is no longer pending, and
+    /// its worker set's calibration moves toward observed / predicted.
+    pub fn observed(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        request_id: &str,
+        predicted_ms: f64,
+        observed_ms: f64,
+    ) {
+        let now = self.now_ms();
+        let mut g = self.lock();
+        let key = (worker_set.to_owned(), worker.to_owned());
+        let mut routed_at = None;
+        if let Some(list) = g.pending.get_mut(&key) {
+            list.retain(|p| {
+                if p.request_id == request_id {
+                    routed_at = Some(p.at_ms);
+                }
+                p.request_id != request_id
+            });
+        }
+        if let Some(at) = routed_at {
+            g.started.entry(key).or_default().push((at, now));
+        }
+        if !(predicted_ms > 0.0 && observed_ms > 0.0) {
+            return;
+        }
+        let ratio = observed_ms / predicted_ms;
+        self.error_ratio.observe(ratio);
+        let c = g.calibration.entry(worker_set.to_owned()).or_insert(1.0);
+        *c = (*c * (1.0 - ALPHA + ALPHA * ratio)).clamp(0.2, 5.0);
+        if g.recent.len() >= RECENT {
+            g.recent.pop_front();
+        }
+        g.recent
+            .push_back((request_id.to_owned(), predicted_ms, observed_ms));
+    }
+
+    /// Predicted and observed TTFT of a reported request, if it is recent.
+    pub fn outcome(&self, request_id: &str) -> Option<(f64, f64)> {
+        self.lock()
+            .recent
+            .iter()
+            .rev()
+            .find(|(id, _, _)| id == request_id)
+            .map(|(_, p, o)| (*p, *o))
+    }
+}
