@@ -32,6 +32,25 @@ const PENDING_TTL_MS: u64 = 60_000;
 const RECENT: usize = 4096;
 const ALPHA: f64 = 0.1;
 
+/// A routing decision, as replicas tell each other (see [`Predictor::routed_elsewhere`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RoutedNote {
+    pub worker_set: String,
+    pub worker: String,
+    pub at_ms: u64,
+    pub due_ms: u64,
+}
+
+/// Where a replica sends its routing decisions.
+#[derive(Clone)]
+pub struct RoutedSink(pub Arc<dyn Fn(RoutedNote) + Send + Sync>);
+
+impl std::fmt::Debug for RoutedSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RoutedSink")
+    }
+}
+
 /// What [`Predictor::pending`] says about one worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InFlight {

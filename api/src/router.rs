@@ -46,6 +46,7 @@ pub struct RouterService {
     consistency: Option<Arc<dyn Consistency>>,
     escrow: Option<Arc<Escrow>>,
     predictor: Arc<Predictor>,
+    routed_sink: Option<crate::predict::RoutedSink>,
 }
 
 impl std::fmt::Debug for dyn Consistency {
@@ -64,7 +65,14 @@ impl RouterService {
             consistency: None,
             escrow: None,
             predictor: Arc::new(Predictor::new(crate::predict::wall_clock())),
+            routed_sink: None,
         }
+    }
+
+    /// Tells the other replicas where requests went (they count them in those workers' queues).
+    pub fn with_routed_sink(mut self, sink: crate::predict::RoutedSink) -> Self {
+        self.routed_sink = Some(sink);
+        self
     }
 
     /// Predicts with this clock (a benchmark's virtual time) and these metrics.
@@ -337,6 +345,15 @@ impl pb::router_server::Router for RouterService {
                         (prefill, prefill as f64 / rate * 1000.0),
                         c.predicted_ttft_ms,
                     );
+                    if let Some(sink) = &self.routed_sink {
+                        let at_ms = self.predictor.now_ms();
+                        (sink.0)(crate::predict::RoutedNote {
+                            worker_set: worker_set.clone(),
+                            worker: state.worker.clone(),
+                            at_ms,
+                            due_ms: at_ms + c.predicted_ttft_ms.max(0.0) as u64,
+                        });
+                    }
                     worker = Some((worker_set.clone(), state.worker.clone()));
                 }
                 self.usage.insert(

@@ -16,6 +16,7 @@ mod policy_source;
 mod raft_config;
 mod raft_log;
 mod route_cmd;
+mod routed_share;
 pub mod serve;
 mod sim_cmd;
 pub mod snapshot_store;

@@ -140,6 +140,8 @@ pub async fn run(
         kvplane_api::predict::wall_clock(),
     ));
     predictor.register(&mut registry);
+    let share_metrics = Arc::new(crate::routed_share::ShareMetrics::default());
+    share_metrics.register(&mut registry);
     let quota_metrics = kvplane_api::QuotaMetrics::default();
     quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
@@ -223,14 +225,14 @@ pub async fn run(
     }
 
     // Ingest: always on a standalone node; only while leading on a cluster member.
+    let nats = async_nats::ConnectOptions::new()
+        .name(format!("kvplane-{}", cfg.node_id))
+        .retry_on_initial_connect()
+        .connect(cfg.nats_url.as_str())
+        .await
+        .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
     let ingest_task = {
-        let nats = async_nats::ConnectOptions::new()
-            .name(format!("kvplane-{}", cfg.node_id))
-            .retry_on_initial_connect()
-            .connect(cfg.nats_url.as_str())
-            .await
-            .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
-        let js = async_nats::jetstream::new(nats);
+        let js = async_nats::jetstream::new(nats.clone());
         let icfg = IngestConfig {
             stream: cfg.ingest.stream.clone(),
             max_batch_messages: cfg.ingest.max_batch_messages,
@@ -274,10 +276,20 @@ pub async fn run(
         consistency.clone(),
         stop_rx.clone(),
     ));
+    let (routed_sink, routed_rx) = crate::routed_share::sink(share_metrics.clone());
+    let share_task = tokio::spawn(crate::routed_share::run(
+        nats.clone(),
+        cfg.node_id.clone(),
+        predictor.clone(),
+        routed_rx,
+        share_metrics,
+        stop_rx.clone(),
+    ));
     let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone())
         .with_consistency(consistency.clone())
         .with_quota(escrow.clone())
-        .with_predictor(predictor);
+        .with_predictor(predictor)
+        .with_routed_sink(routed_sink);
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: match member.clone() {
@@ -381,9 +393,15 @@ pub async fn run(
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
-    for t in [join_task, policy_task, kube_task, Some(refill_task)]
-        .into_iter()
-        .flatten()
+    for t in [
+        join_task,
+        policy_task,
+        kube_task,
+        Some(refill_task),
+        Some(share_task),
+    ]
+    .into_iter()
+    .flatten()
     {
         let _ = t.await;
     }

@@ -251,3 +251,83 @@ async fn offline_explain_decides_from_a_live_node_or_its_data_dir_with_other_pol
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_count_each_others_routed_requests_in_the_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        2,
+        &NodeOptions {
+            policy_dir: Some(dir.path().to_owned()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let mut last = 0;
+    for w in ["w0", "w1"] {
+        last = publish(
+            &js,
+            worker_subject("gpu", w),
+            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
+        )
+        .await;
+    }
+    for n in &cluster.nodes {
+        n.wait_applied_seq(last).await;
+    }
+    // A long prompt: its first token is due seconds after it is routed.
+    let long = RouteRequest {
+        request_id: "long-1".into(),
+        model: "m".into(),
+        token_ids: (0..40_000).collect(),
+        ..Default::default()
+    };
+    let r = cluster.nodes[0]
+        .router()
+        .await
+        .route(long.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(Decision::Endpoint(first)) = r.decision else {
+        panic!("{r:?}")
+    };
+    // The other replica learns it over NATS and counts it in that worker's queue.
+    let mut other = cluster.nodes[1].router().await;
+    let x = harness::wait_for(
+        "the other replica to count the routed request",
+        std::time::Duration::from_secs(5),
+        || {
+            let mut other = other.clone();
+            let req = RouteRequest {
+                request_id: "long-2".into(),
+                ..long.clone()
+            };
+            let worker = first.worker_id.clone();
+            async move {
+                let x = other.explain(req).await.unwrap().into_inner();
+                x.candidates
+                    .iter()
+                    .any(|c| c.endpoint.as_ref().unwrap().worker_id == worker && c.waiting == 1)
+                    .then_some(x)
+            }
+        },
+    )
+    .await;
+    let chosen = x.candidates.iter().find(|c| c.chosen).unwrap();
+    assert_ne!(chosen.endpoint.as_ref().unwrap().worker_id, first.worker_id);
+    let r = other.route(long).await.unwrap().into_inner();
+    let Some(Decision::Endpoint(second)) = r.decision else {
+        panic!("{r:?}")
+    };
+    assert_ne!(
+        second.worker_id, first.worker_id,
+        "the replicas did not herd"
+    );
+}
