@@ -11,6 +11,20 @@ use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
 
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
 
+/// Announces `workers` (worker set, worker) over NATS; returns the last stream sequence.
+async fn workers_up(js: &async_nats::jetstream::Context, workers: &[(&str, &str)]) -> u64 {
+    let mut last = 0;
+    for (ws, w) in workers {
+        last = publish(
+            js,
+            worker_subject(ws, w),
+            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
+        )
+        .await;
+    }
+    last
+}
+
 fn request(model: &str, tags: &[&str]) -> RouteRequest {
     RouteRequest {
         model: model.into(),
@@ -32,18 +46,15 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
     );
     let js = cluster.nats.jetstream().await;
     ensure_stream(&js, "KVPLANE").await.unwrap();
-    for (ws, w) in [
-        ("large-a100", "a0"),
-        ("large-a100", "a1"),
-        ("small-l4", "l0"),
-    ] {
-        publish(
-            &js,
-            worker_subject(ws, w),
-            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
-        )
-        .await;
-    }
+    workers_up(
+        &js,
+        &[
+            ("large-a100", "a0"),
+            ("large-a100", "a1"),
+            ("small-l4", "l0"),
+        ],
+    )
+    .await;
     // a0 caches the whole 48-token prompt: no prefill beats the small model's faster one.
     let last = publish(&js, kv_subject("large-a100", "a0"), chain(&prompt(7), 7)).await;
     let node = &cluster.nodes[0];
@@ -151,14 +162,7 @@ async fn offline_explain_decides_from_a_live_node_or_its_data_dir_with_other_pol
     );
     let js = cluster.nats.jetstream().await;
     ensure_stream(&js, "KVPLANE").await.unwrap();
-    for (ws, w) in [("large-a100", "a0"), ("small-l4", "l0")] {
-        publish(
-            &js,
-            worker_subject(ws, w),
-            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
-        )
-        .await;
-    }
+    workers_up(&js, &[("large-a100", "a0"), ("small-l4", "l0")]).await;
     let last = publish(&js, kv_subject("large-a100", "a0"), chain(&prompt(7), 7)).await;
     cluster.nodes[0].wait_applied_seq(last).await;
 
@@ -269,15 +273,7 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
     );
     let js = cluster.nats.jetstream().await;
     ensure_stream(&js, "KVPLANE").await.unwrap();
-    let mut last = 0;
-    for w in ["w0", "w1"] {
-        last = publish(
-            &js,
-            worker_subject("gpu", w),
-            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
-        )
-        .await;
-    }
+    let last = workers_up(&js, &[("gpu", "w0"), ("gpu", "w1")]).await;
     for n in &cluster.nodes {
         n.wait_applied_seq(last).await;
     }

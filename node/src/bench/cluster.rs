@@ -141,6 +141,24 @@ fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
     commands
 }
 
+/// Applies `commands` to a fresh state machine (entries stamped `timestamp_ms`); returns the
+/// seconds it took and the final digest.
+fn apply_bare(
+    commands: &[Command],
+    timestamp_ms: u64,
+) -> anyhow::Result<(f64, kvplane_state::Digest)> {
+    let mut sm = StateMachine::new();
+    let t = Instant::now();
+    for (i, c) in commands.iter().enumerate() {
+        sm.apply(&Entry {
+            index: i as u64 + 1,
+            timestamp_ms,
+            command: c.clone(),
+        })?;
+    }
+    Ok((t.elapsed().as_secs_f64(), sm.digest()))
+}
+
 fn rate(seconds: f64, entries: u64, events: u64) -> Rate {
     let s = seconds.max(1e-9);
     Rate {
@@ -335,18 +353,8 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
     };
 
     // The ceiling: a bare state machine applying the same entries.
-    let mut sm = StateMachine::new();
-    let t = Instant::now();
-    for (i, c) in commands.iter().enumerate() {
-        sm.apply(&Entry {
-            index: i as u64 + 1,
-            timestamp_ms: 0,
-            command: c.clone(),
-        })?;
-    }
-    let single = rate(t.elapsed().as_secs_f64(), a.entries, events);
-    let bare_digest = sm.digest();
-    drop(sm);
+    let (seconds, bare_digest) = apply_bare(&commands, 0)?;
+    let single = rate(seconds, a.entries, events);
 
     // Three members on loopback.
     let election = [500, 1000];
@@ -377,17 +385,7 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
 
     // Grant entries of the escrow ledger: on a bare state machine, then through the cluster.
     let grant_commands = super::grants::workload(&a.grants);
-    let mut sm = StateMachine::new();
-    let t = Instant::now();
-    for (i, c) in grant_commands.iter().enumerate() {
-        sm.apply(&Entry {
-            index: i as u64 + 1,
-            timestamp_ms: 1,
-            command: c.clone(),
-        })?;
-    }
-    let grant_single = t.elapsed().as_secs_f64();
-    drop(sm);
+    let (grant_single, _) = apply_bare(&grant_commands, 1)?;
     let t = Instant::now();
     commit_all(&raft, &grant_commands, a.pipeline).await?;
     let grant_cluster = t.elapsed().as_secs_f64();

@@ -519,18 +519,32 @@ impl Cluster {
     }
 }
 
-/// Publishes with JetStream acknowledgement; returns the stream sequence.
+/// Publishes with JetStream acknowledgement; returns the stream sequence. Right after a
+/// stream is created the server may not route its subjects yet ("no responders", reported as
+/// StreamNotFound): that is retried until the stream answers, for up to 5 s.
 pub async fn publish(
     js: &async_nats::jetstream::Context,
     subject: String,
     payload: Vec<u8>,
 ) -> u64 {
-    js.publish(subject, payload.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap()
-        .sequence
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let ack = js
+            .publish(subject.clone(), payload.clone().into())
+            .await
+            .unwrap()
+            .await;
+        match ack {
+            Ok(a) => return a.sequence,
+            Err(e)
+                if e.kind() == async_nats::jetstream::context::PublishErrorKind::StreamNotFound
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("publish to {subject}: {e}"),
+        }
+    }
 }
 
 /// Starts `kvplane ARGS...`, logging stderr to `log`, and waits for its `prefix` ready line.
