@@ -133,8 +133,11 @@ struct Outcome {
     status: u16,
 }
 
+/// The model the simulated engines serve.
+const MODEL: &str = "sim-8b";
+
 async fn send(client: &reqwest::Client, url: &str, item: &WorkItem, speedup: f64) -> Outcome {
-    let mut body = item.chat_body("sim-8b");
+    let mut body = item.chat_body(MODEL);
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
     let started = Instant::now();
@@ -309,11 +312,41 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     wait_tcp(nats_port).await?;
     println!("started nats-server (jetstream) on {nats_url}");
 
+    // The fleet as a policy: one worker set (the engines' pool), predicted TTFT from their
+    // prefill rate; the node keeps its state in line with the directory.
+    let policies = dir.join("policies");
+    std::fs::create_dir_all(&policies)?;
+    let engine = kvplane_sim::EngineParams {
+        num_gpu_blocks,
+        ..kvplane_sim::EngineParams::default()
+    };
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: default}}\nspec: {{model: {MODEL}, blockSize: {}, prefillTokensPerSecond: {}}}\n",
+            engine.block_size, engine.prefill_tokens_per_s
+        ),
+    )?;
+    let cost = crate::bench::routing::engine_cost(&engine);
+    let config = dir.join("kvplane.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "pools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n",
+            policies.display(),
+            cost.base_ms,
+            cost.prefill_tokens_per_s,
+            cost.waiting_request_ms,
+            cost.running_request_ms
+        ),
+    )?;
     let ready = procs.spawn(
         "kvplane",
         &exe,
         &[
             "serve".into(),
+            "--config".into(),
+            config.display().to_string(),
             "--nats-url".into(),
             nats_url.clone(),
             "--grpc-listen".into(),
@@ -326,7 +359,8 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         Some("kvplane ready"),
     )?;
     let grpc = format!("http://{}", field(&ready, "grpc")?);
-    println!("started kvplane node, gRPC {grpc}");
+    wait_policy(&grpc).await?;
+    println!("started kvplane node, gRPC {grpc}, with the fleet's InferenceWorkerSet");
 
     let mut engines = Vec::new();
     for i in 1..=3 {
@@ -474,6 +508,29 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         ));
     }
 
+    // The same workload and engines in virtual time (`kvplane bench routing`'s fleet).
+    let reqs: Vec<crate::bench::routing::workloads::Req> = items
+        .iter()
+        .map(|i| {
+            let body = serde_json::to_vec(&i.chat_body(MODEL)).unwrap_or_default();
+            crate::bench::routing::workloads::Req {
+                at_ms: i.at_ms,
+                tenant: "demo",
+                tokens: kvplane_tokenize::prompt_from_body(&body)
+                    .map(|p| p.tokens)
+                    .unwrap_or_default(),
+                max_tokens: i.max_tokens,
+            }
+        })
+        .collect();
+    let simulated = crate::bench::routing::virtual_run(&reqs, engine, engines.len());
+    let virtual_p50 = |name: &str| {
+        simulated
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0.0, |(_, t)| crate::bench::routing::p(t, 0.5))
+    };
+
     println!();
     println!("{:<28} {:>18} {:>18}", "", summaries[0].0, summaries[1].0);
     let row = |name: &str, f: &dyn Fn(&PhaseSummary) -> String| {
@@ -490,6 +547,12 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         format!("{:.1}%", s.hit_rate * 100.0)
     });
     row("failed requests", &|s| s.failed.to_string());
+    println!(
+        "{:<28} {:>18} {:>18}",
+        "virtual time: TTFT p50",
+        format!("{:.3} s", virtual_p50("round-robin") / 1000.0),
+        format!("{:.3} s", virtual_p50("kvplane") / 1000.0)
+    );
     for (name, _) in &engines {
         row(&format!("{name}: requests, hits"), &|s| {
             let (n, h) = s.per_engine.get(name).copied().unwrap_or((0, 0.0));
@@ -504,6 +567,12 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         kv.p50 / 1000.0,
         rr.p50 / 1000.0
     );
+    println!(
+        "in virtual time (same workload, same engine model): {:.1}% ({:.3} s vs {:.3} s).",
+        virtual_p50("kvplane") / virtual_p50("round-robin").max(1e-9) * 100.0,
+        virtual_p50("kvplane") / 1000.0,
+        virtual_p50("round-robin") / 1000.0
+    );
     if let Some(path) = &a.json {
         let to_json = |s: &PhaseSummary| {
             json!({
@@ -515,6 +584,10 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         let out = json!({
             "requests": requests, "rate_per_s": a.rate, "speedup": speedup, "seed": a.seed,
             "round_robin": to_json(rr), "kvplane": to_json(kv),
+            "virtual_time": {
+                "round_robin_ttft_p50_s": virtual_p50("round-robin") / 1000.0,
+                "kvplane_ttft_p50_s": virtual_p50("kvplane") / 1000.0,
+            },
         });
         std::fs::write(path, serde_json::to_vec_pretty(&out)?)?;
     }
@@ -559,6 +632,21 @@ async fn status(grpc: &str) -> Option<kvplane_proto::v1::StatusResponse> {
             .ok()?
             .into_inner(),
     )
+}
+
+async fn wait_policy(grpc: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = status(grpc).await
+            && s.policy_objects.get("InferenceWorkerSet") == Some(&1)
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("kvplane did not apply the demo's policy within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn wait_workers(grpc: &str, n: usize) -> anyhow::Result<()> {

@@ -2,7 +2,7 @@
 
 pub mod cluster;
 mod grants;
-mod routing;
+pub(crate) mod routing;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCmd {

@@ -7,7 +7,7 @@
 mod fleet;
 mod strategies;
 mod svg;
-mod workloads;
+pub(crate) mod workloads;
 
 use std::path::PathBuf;
 
@@ -86,15 +86,19 @@ fn engine_params() -> EngineParams {
     }
 }
 
-fn strategies(a: &RoutingBenchArgs, p: &EngineParams) -> Vec<(String, Box<dyn Router>)> {
-    // The cost model of a node configured for these engines: one step of overhead, their
-    // prefill rate, a step's share per running sequence, an average prefill per waiting request.
-    let cost = CostModel {
+/// The cost model of a node configured for these engines: one step of overhead, their prefill
+/// rate, a step's share per running sequence, an average prefill per waiting request.
+pub(crate) fn engine_cost(p: &EngineParams) -> CostModel {
+    CostModel {
         base_ms: p.step_base_ms,
         prefill_tokens_per_s: p.prefill_tokens_per_s,
         waiting_request_ms: 50.0,
         running_request_ms: 1.0,
-    };
+    }
+}
+
+fn strategies(a: &RoutingBenchArgs, p: &EngineParams) -> Vec<(String, Box<dyn Router>)> {
+    let cost = engine_cost(p);
     let feed = |lag| Feed::new(lag, p.prefill_tokens_per_s);
     vec![
         (
@@ -128,6 +132,41 @@ fn strategies(a: &RoutingBenchArgs, p: &EngineParams) -> Vec<(String, Box<dyn Ro
             )),
         ),
     ]
+}
+
+/// Round-robin and one kvplane router on `reqs` in virtual time: each strategy's TTFTs, sorted
+/// (`kvplane demo` compares them with its real processes).
+pub(crate) fn virtual_run(
+    reqs: &[workloads::Req],
+    params: EngineParams,
+    engines: usize,
+) -> Vec<(&'static str, Vec<f64>)> {
+    let cost = engine_cost(&params);
+    let mut routers: Vec<(&'static str, Box<dyn Router>)> = vec![
+        ("round-robin", Box::new(RoundRobin(0, engines))),
+        (
+            "kvplane",
+            Box::new(Kvplane::new(
+                vec![KvRouter::new(
+                    Feed::new(10.0, params.prefill_tokens_per_s),
+                    cost,
+                )],
+                5.0,
+            )),
+        ),
+    ];
+    routers
+        .iter_mut()
+        .map(|(name, r)| {
+            let mut t = fleet::run(reqs, params, engines, r.as_mut()).ttft_ms;
+            t.sort_by(f64::total_cmp);
+            (*name, t)
+        })
+        .collect()
+}
+
+pub(crate) fn p(sorted: &[f64], q: f64) -> f64 {
+    percentile(sorted, q)
 }
 
 pub async fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
