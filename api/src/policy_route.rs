@@ -41,6 +41,18 @@ impl<'a> ViewFleet<'a> {
     }
 }
 
+impl ViewFleet<'_> {
+    /// Prefill time of the prompt past what `w` caches, at the worker set's rate.
+    fn uncached_ms(&self, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
+        let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
+        let uncached = (self.tokens.len() as u64).saturating_sub(cached);
+        let rate = set
+            .prefill_tokens_per_second
+            .unwrap_or(self.cost.prefill_tokens_per_s);
+        uncached as f64 / rate * 1000.0
+    }
+}
+
 impl Fleet for ViewFleet<'_> {
     fn workers(&self, worker_set: &str) -> Vec<WorkerState> {
         let Some(pool) = self.view.pools.get(worker_set) else {
@@ -77,26 +89,16 @@ impl Fleet for ViewFleet<'_> {
 
     /// The request's uncached prefill time there.
     fn displaced_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
-        let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
-        let uncached = (self.tokens.len() as u64).saturating_sub(cached);
-        let rate = set
-            .prefill_tokens_per_second
-            .unwrap_or(self.cost.prefill_tokens_per_s);
-        uncached as f64 / rate * 1000.0 * self.predictor.calibration(name)
+        self.uncached_ms(set, w) * self.predictor.calibration(name)
     }
 
     /// See [`crate::predict`].
     fn predict_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
-        let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
-        let uncached = (self.tokens.len() as u64).saturating_sub(cached);
-        let rate = set
-            .prefill_tokens_per_second
-            .unwrap_or(self.cost.prefill_tokens_per_s);
         // The queue ahead (this replica's pending requests) is already calibrated: it is made of
         // earlier predictions.
         let others = f64::from(w.waiting - w.pending);
         let own = self.cost.base_ms
-            + uncached as f64 / rate * 1000.0
+            + self.uncached_ms(set, w)
             + others
                 * self
                     .predictor

@@ -281,3 +281,62 @@ impl Predictor {
             .map(|(_, p, o)| (*p, *o))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    fn predictor() -> (Predictor, Arc<AtomicU64>) {
+        let now = Arc::new(AtomicU64::new(1_000));
+        let n = now.clone();
+        (
+            Predictor::new(Arc::new(move || n.load(Ordering::Relaxed))),
+            now,
+        )
+    }
+
+    #[test]
+    fn routed_requests_queue_until_reported_and_chain() {
+        let (p, now) = predictor();
+        p.routed("ws", "w0", "a", (1000, 100.0), 150.0);
+        p.routed("ws", "w0", "b", (1000, 100.0), 260.0);
+        let f = p.pending("ws", "w0", 0, 0);
+        assert_eq!((f.requests, f.prefill_tokens, f.busy_ms), (2, 2000, 260));
+        now.store(1_100, Ordering::Relaxed);
+        assert_eq!(p.pending("ws", "w0", 0, 0).busy_ms, 160);
+        // The first is reported: it leaves the queue; metrics sampled before it was routed
+        // cannot have counted it, one sampled after may.
+        p.observed("ws", "w0", "a", 150.0, 140.0);
+        let f = p.pending("ws", "w0", 1_050, 1);
+        assert_eq!((f.requests, f.in_metrics), (1, 2));
+        assert!(
+            p.outcome("a")
+                .is_some_and(|(pr, ob)| pr == 150.0 && ob == 140.0)
+        );
+    }
+
+    #[test]
+    fn without_reports_a_request_leaves_once_metrics_after_its_due_time_show_no_queue() {
+        let (p, _) = predictor();
+        p.routed("ws", "w0", "", (500, 50.0), 100.0);
+        assert_eq!(p.pending("ws", "w0", 1_050, 0).requests, 1);
+        assert_eq!(p.pending("ws", "w0", 1_200, 0).requests, 0);
+    }
+
+    #[test]
+    fn other_replicas_requests_count_until_due_and_calibration_follows_observations() {
+        let (p, now) = predictor();
+        p.routed_elsewhere("ws", "w1", 990, 1_300);
+        assert_eq!(p.pending("ws", "w1", 0, 0).busy_ms, 300);
+        now.store(1_301, Ordering::Relaxed);
+        assert_eq!(p.pending("ws", "w1", 0, 0).requests, 0);
+        for i in 0..50 {
+            let id = format!("r{i}");
+            p.routed("ws", "w0", &id, (0, 0.0), 100.0);
+            p.observed("ws", "w0", &id, 100.0, 200.0);
+        }
+        let c = p.calibration("ws");
+        assert!(c > 1.9 && c <= 5.0, "{c}");
+    }
+}

@@ -94,7 +94,9 @@ impl Feed {
         }
     }
 
-    pub fn view(&self) -> Arc<kvplane_state::View> {
+    /// The state as this replica has it at `now_ms`.
+    pub fn view_at(&mut self, stream: &Stream, now_ms: f64) -> Arc<kvplane_state::View> {
+        self.catch_up(stream, now_ms);
         self.sm.handle().load()
     }
 }
@@ -148,8 +150,7 @@ impl LeastQueue {
 
 impl Router for LeastQueue {
     fn route(&mut self, _: u64, _: &Req, now: f64, stream: &Stream) -> usize {
-        self.feed.catch_up(stream, now);
-        let view = self.feed.view();
+        let view = self.feed.view_at(stream, now);
         let Some(pool) = view.pools.get(WORKER_SET) else {
             return 0;
         };
@@ -199,8 +200,7 @@ impl DynamoCost {
 
 impl Router for DynamoCost {
     fn route(&mut self, _: u64, req: &Req, now: f64, stream: &Stream) -> usize {
-        self.feed.catch_up(stream, now);
-        let view = self.feed.view();
+        let view = self.feed.view_at(stream, now);
         let Some(pool) = view.pools.get(WORKER_SET) else {
             return 0;
         };
