@@ -1,9 +1,11 @@
 //! `kvplane demo`: a local fleet routed end to end, against round-robin on the same workload.
 //!
-//! Starts NATS, one kvplane node, three simulated engines with their bridges, and two gateways
-//! (one asking kvplane, one cycling round-robin like a Kubernetes Service). Runs the seeded
-//! shared-prefix workload through the round-robin gateway, resets the engines' prefix caches,
-//! runs it again through kvplane, prints a summary, and stops everything.
+//! Starts NATS, a three-node kvplane cluster (Raft), three simulated engines with their
+//! bridges, three gateways asking kvplane (each its own replica first) and one cycling
+//! round-robin like a Kubernetes Service. Runs the seeded shared-prefix workload through the
+//! round-robin gateway, resets the engines' prefix caches, runs it again spread over the
+//! kvplane gateways, replays the same requests in virtual time, prints a summary, and stops
+//! everything.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -135,6 +137,8 @@ struct Outcome {
 
 /// The model the simulated engines serve.
 const MODEL: &str = "sim-8b";
+/// kvplane replicas (a Raft cluster), each with a gateway of its own.
+const NODES: usize = 3;
 
 async fn send(client: &reqwest::Client, url: &str, item: &WorkItem, speedup: f64) -> Outcome {
     let mut body = item.chat_body(MODEL);
@@ -179,7 +183,8 @@ async fn send(client: &reqwest::Client, url: &str, item: &WorkItem, speedup: f64
     }
 }
 
-async fn run_phase(name: &str, url: &str, items: &[WorkItem], speedup: f64) -> Vec<Outcome> {
+/// Sends `items` on schedule, the i-th to `urls[i % n]` (several gateways behind one Service).
+async fn run_phase(name: &str, urls: &[String], items: &[WorkItem], speedup: f64) -> Vec<Outcome> {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let client = reqwest::Client::new();
@@ -204,12 +209,12 @@ async fn run_phase(name: &str, url: &str, items: &[WorkItem], speedup: f64) -> V
         })
     };
     let mut tasks = Vec::with_capacity(total);
-    for item in items {
+    for (i, item) in items.iter().enumerate() {
         let at = Duration::from_secs_f64(item.at_ms / 1000.0 / speedup);
         tokio::time::sleep_until((start + at).into()).await;
         let (client, url, item, answered) = (
             client.clone(),
-            url.to_owned(),
+            urls[i % urls.len()].clone(),
             item.clone(),
             answered.clone(),
         );
@@ -328,39 +333,60 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         ),
     )?;
     let cost = crate::bench::routing::engine_cost(&engine);
-    let config = dir.join("kvplane.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "pools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n",
-            policies.display(),
-            cost.base_ms,
-            cost.prefill_tokens_per_s,
-            cost.waiting_request_ms,
-            cost.running_request_ms
-        ),
-    )?;
-    let ready = procs.spawn(
-        "kvplane",
-        &exe,
-        &[
-            "serve".into(),
-            "--config".into(),
-            config.display().to_string(),
-            "--nats-url".into(),
-            nats_url.clone(),
-            "--grpc-listen".into(),
-            "127.0.0.1:0".into(),
-            "--http-listen".into(),
-            "127.0.0.1:0".into(),
-            "--data-dir".into(),
-            dir.join("kvplane").display().to_string(),
-        ],
-        Some("kvplane ready"),
-    )?;
-    let grpc = format!("http://{}", field(&ready, "grpc")?);
-    wait_policy(&grpc).await?;
-    println!("started kvplane node, gRPC {grpc}, with the fleet's InferenceWorkerSet");
+    // Three Raft members; the first initializes the cluster.
+    let addrs: Vec<String> = (0..NODES)
+        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+        .collect::<anyhow::Result<_>>()?;
+    let peers = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{{ id = {}, addr = \"{a}\" }}", i + 1))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut nodes = Vec::new();
+    for (i, addr) in addrs.iter().enumerate() {
+        let config = dir.join(format!("kvplane-{i}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "node_id = \"kvplane-{i}\"\npools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n\n[raft]\nid = {}\nbootstrap = {}\npeers = [{peers}]\n",
+                policies.display(),
+                cost.base_ms,
+                cost.prefill_tokens_per_s,
+                cost.waiting_request_ms,
+                cost.running_request_ms,
+                i + 1,
+                i == 0,
+            ),
+        )?;
+        let ready = procs.spawn(
+            &format!("kvplane-{i}"),
+            &exe,
+            &[
+                "serve".into(),
+                "--config".into(),
+                config.display().to_string(),
+                "--nats-url".into(),
+                nats_url.clone(),
+                "--grpc-listen".into(),
+                addr.clone(),
+                "--http-listen".into(),
+                "127.0.0.1:0".into(),
+                "--data-dir".into(),
+                dir.join(format!("kvplane-{i}")).display().to_string(),
+            ],
+            Some("kvplane ready"),
+        )?;
+        nodes.push(format!("http://{}", field(&ready, "grpc")?));
+    }
+    for n in &nodes {
+        wait_policy(n).await?;
+    }
+    let grpc = nodes[0].clone();
+    println!(
+        "started a {NODES}-node kvplane cluster (Raft), gRPC {}; every replica holds the fleet's InferenceWorkerSet",
+        nodes.join(", ")
+    );
 
     let mut engines = Vec::new();
     for i in 1..=3 {
@@ -412,22 +438,36 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         println!("started {name} (simulated vLLM, {speedup}x real time) on {http} with its bridge");
         engines.push((name, http));
     }
-    wait_workers(&grpc, 3).await?;
-    println!("kvplane sees 3 workers up");
+    for n in &nodes {
+        wait_workers(n, 3).await?;
+    }
+    println!("every kvplane replica sees 3 workers up");
 
-    let ready = procs.spawn(
-        "gateway-kvplane",
-        &exe,
-        &[
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--replicas".into(),
-            grpc.clone(),
-        ],
-        Some("kvplane-gateway ready"),
-    )?;
-    let gw = format!("http://{}/v1/chat/completions", field(&ready, "http")?);
+    // One gateway per replica (each asks its own first, the others on failure), requests
+    // spread over them in turn: several routers deciding at once from the replicated state.
+    let mut gw = Vec::new();
+    for i in 0..NODES {
+        let replicas = (0..NODES)
+            .map(|k| nodes[(i + k) % NODES].clone())
+            .collect::<Vec<_>>()
+            .join(",");
+        let ready = procs.spawn(
+            &format!("gateway-kvplane-{i}"),
+            &exe,
+            &[
+                "gateway".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--replicas".into(),
+                replicas,
+            ],
+            Some("kvplane-gateway ready"),
+        )?;
+        gw.push(format!(
+            "http://{}/v1/chat/completions",
+            field(&ready, "http")?
+        ));
+    }
     let rr_engines = engines
         .iter()
         .map(|(_, u)| u.clone())
@@ -445,8 +485,11 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         ],
         Some("kvplane-gateway ready"),
     )?;
-    let gw_rr = format!("http://{}/v1/chat/completions", field(&ready, "http")?);
-    println!("started gateways: kvplane and round-robin");
+    let gw_rr = vec![format!(
+        "http://{}/v1/chat/completions",
+        field(&ready, "http")?
+    )];
+    println!("started gateways: {NODES} asking kvplane, one round-robin");
 
     let spec = Spec {
         kind: Kind::SharedPrefix,
@@ -466,7 +509,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
 
     let client = reqwest::Client::new();
     let mut summaries = Vec::new();
-    for (label, url) in [("round-robin", gw_rr.as_str()), ("kvplane", gw.as_str())] {
+    for (label, urls) in [("round-robin", &gw_rr), ("kvplane", &gw)] {
         for (_, e) in &engines {
             let _ = client.post(format!("{e}/reset_prefix_cache")).send().await;
         }
@@ -475,7 +518,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
         println!("running {label} ...");
-        let outcomes = run_phase(label, url, &items, speedup).await;
+        let outcomes = run_phase(label, urls, &items, speedup).await;
         let after: Vec<(f64, f64)> =
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
@@ -523,7 +566,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             }
         })
         .collect();
-    let simulated = crate::bench::routing::virtual_run(&reqs, engine, engines.len());
+    let simulated = crate::bench::routing::virtual_run(&reqs, engine, engines.len(), NODES);
     let virtual_p50 = |name: &str| {
         simulated
             .iter()

@@ -134,12 +134,14 @@ fn strategies(a: &RoutingBenchArgs, p: &EngineParams) -> Vec<(String, Box<dyn Ro
     ]
 }
 
-/// Round-robin and one kvplane router on `reqs` in virtual time: each strategy's TTFTs, sorted
-/// (`kvplane demo` compares them with its real processes).
+/// Round-robin and kvplane with `replicas` routers (state 10, 20, 30... ms late) on `reqs` in
+/// virtual time: each strategy's TTFTs, sorted (`kvplane demo` compares them with its real
+/// processes).
 pub(crate) fn virtual_run(
     reqs: &[workloads::Req],
     params: EngineParams,
     engines: usize,
+    replicas: usize,
 ) -> Vec<(&'static str, Vec<f64>)> {
     let cost = engine_cost(&params);
     let mut routers: Vec<(&'static str, Box<dyn Router>)> = vec![
@@ -147,10 +149,14 @@ pub(crate) fn virtual_run(
         (
             "kvplane",
             Box::new(Kvplane::new(
-                vec![KvRouter::new(
-                    Feed::new(10.0, params.prefill_tokens_per_s),
-                    cost,
-                )],
+                (1..=replicas.max(1))
+                    .map(|r| {
+                        KvRouter::new(
+                            Feed::new(10.0 * r as f64, params.prefill_tokens_per_s),
+                            cost,
+                        )
+                    })
+                    .collect(),
                 5.0,
             )),
         ),
