@@ -22,6 +22,8 @@ pub(crate) struct ViewFleet<'a> {
     pub(crate) cost: &'a CostModel,
     predictor: &'a Predictor,
     overlaps: RefCell<BTreeMap<String, Overlap>>,
+    /// Each worker set's calibration and typical waiting cost, read once.
+    factors: RefCell<BTreeMap<String, (f64, Option<f64>)>>,
 }
 
 impl<'a> ViewFleet<'a> {
@@ -37,19 +39,38 @@ impl<'a> ViewFleet<'a> {
             cost,
             predictor,
             overlaps: RefCell::default(),
+            factors: RefCell::default(),
         }
     }
 }
 
+/// The prompt's tokens past what `w` caches, and their prefill time at the worker set's rate.
+pub(crate) fn uncached(
+    prompt_tokens: usize,
+    set: &InferenceWorkerSetSpec,
+    w: &WorkerState,
+    cost: &CostModel,
+) -> (u64, f64) {
+    let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
+    let tokens = (prompt_tokens as u64).saturating_sub(cached);
+    let rate = set
+        .prefill_tokens_per_second
+        .unwrap_or(cost.prefill_tokens_per_s);
+    (tokens, tokens as f64 / rate * 1000.0)
+}
+
 impl ViewFleet<'_> {
-    /// Prefill time of the prompt past what `w` caches, at the worker set's rate.
     fn uncached_ms(&self, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
-        let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
-        let uncached = (self.tokens.len() as u64).saturating_sub(cached);
-        let rate = set
-            .prefill_tokens_per_second
-            .unwrap_or(self.cost.prefill_tokens_per_s);
-        uncached as f64 / rate * 1000.0
+        uncached(self.tokens.len(), set, w, self.cost).1
+    }
+
+    fn factors(&self, name: &str) -> (f64, Option<f64>) {
+        if let Some(f) = self.factors.borrow().get(name) {
+            return *f;
+        }
+        let f = self.predictor.factors(name);
+        self.factors.borrow_mut().insert(name.to_owned(), f);
+        f
     }
 }
 
@@ -89,23 +110,20 @@ impl Fleet for ViewFleet<'_> {
 
     /// The request's uncached prefill time there.
     fn displaced_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
-        self.uncached_ms(set, w) * self.predictor.calibration(name)
+        self.uncached_ms(set, w) * self.factors(name).0
     }
 
     /// See [`crate::predict`].
     fn predict_ms(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> f64 {
         // The queue ahead (this replica's pending requests) is already calibrated: it is made of
         // earlier predictions.
+        let (calibration, typical_ms) = self.factors(name);
         let others = f64::from(w.waiting - w.pending);
         let own = self.cost.base_ms
             + self.uncached_ms(set, w)
-            + others
-                * self
-                    .predictor
-                    .typical_ms(name)
-                    .unwrap_or(self.cost.waiting_request_ms)
+            + others * typical_ms.unwrap_or(self.cost.waiting_request_ms)
             + f64::from(w.running) * self.cost.running_request_ms;
-        w.pending_ms + own * self.predictor.calibration(name)
+        w.pending_ms + own * calibration
     }
 }
 

@@ -73,13 +73,29 @@ struct Pending {
     foreign: bool,
 }
 
+/// One worker's requests as this replica knows them.
 #[derive(Debug, Default)]
-struct Inner {
-    /// By (worker set, worker).
-    pending: BTreeMap<(String, String), Vec<Pending>>,
+struct Queue {
+    pending: Vec<Pending>,
     /// Requests that had their first token lately: (routed at, first token at). A metrics
     /// sample taken in between may still count them as waiting.
-    started: BTreeMap<(String, String), Vec<(u64, u64)>>,
+    started: Vec<(u64, u64)>,
+}
+
+impl Inner {
+    fn queue(&mut self, worker_set: &str, worker: &str) -> &mut Queue {
+        self.queues
+            .entry(worker_set.to_owned())
+            .or_default()
+            .entry(worker.to_owned())
+            .or_default()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// By worker set, then worker (looked up by `&str` on the request path).
+    queues: BTreeMap<String, BTreeMap<String, Queue>>,
     /// By worker set: observed / predicted.
     calibration: BTreeMap<String, f64>,
     /// Recently reported requests: (request id, predicted ms, observed ms).
@@ -141,17 +157,17 @@ impl Predictor {
     ) -> InFlight {
         let now = self.now_ms();
         let mut g = self.lock();
-        let key = (worker_set.to_owned(), worker.to_owned());
-        let started = g.started.get_mut(&key).map_or(0, |s| {
-            s.retain(|&(_, done)| done >= metrics_at_ms && done + PENDING_TTL_MS > now);
-            s.iter().filter(|&&(at, _)| at < metrics_at_ms).count()
-        });
-        let Some(list) = g.pending.get_mut(&key) else {
-            return InFlight {
-                in_metrics: u32::try_from(started).unwrap_or(u32::MAX),
-                ..InFlight::default()
-            };
+        let Some(q) = g.queues.get_mut(worker_set).and_then(|s| s.get_mut(worker)) else {
+            return InFlight::default();
         };
+        q.started
+            .retain(|&(_, done)| done >= metrics_at_ms && done + PENDING_TTL_MS > now);
+        let started = q
+            .started
+            .iter()
+            .filter(|&&(at, _)| at < metrics_at_ms)
+            .count();
+        let list = &mut q.pending;
         // Without usage reports: gone once metrics sampled after it was due show no queue.
         list.retain(|p| {
             p.at_ms + PENDING_TTL_MS > now
@@ -173,21 +189,23 @@ impl Predictor {
         }
     }
 
-    /// What a waiting request of another replica is taken to cost on `worker_set`.
-    pub fn typical_ms(&self, worker_set: &str) -> Option<f64> {
-        self.lock().typical_ms.get(worker_set).copied()
+    /// The calibration of `worker_set`, and what a waiting request of another replica is
+    /// taken to cost there (one lock; a request's evaluation asks once per worker set).
+    pub fn factors(&self, worker_set: &str) -> (f64, Option<f64>) {
+        let g = self.lock();
+        (
+            g.calibration.get(worker_set).copied().unwrap_or(1.0),
+            g.typical_ms.get(worker_set).copied(),
+        )
     }
 
     pub fn calibration(&self, worker_set: &str) -> f64 {
-        self.lock()
-            .calibration
-            .get(worker_set)
-            .copied()
-            .unwrap_or(1.0)
+        self.factors(worker_set).0
     }
 
     /// Remembers a request routed to `worker` with this much prefill to do (`prefill_ms` on
-    /// its own), predicted to have its first token in `predicted_ms`.
+    /// its own), predicted to have its first token in `predicted_ms`; returns the decision as
+    /// the other replicas are told it.
     pub fn routed(
         &self,
         worker_set: &str,
@@ -195,7 +213,7 @@ impl Predictor {
         request_id: &str,
         (prefill_tokens, prefill_ms): (u64, f64),
         predicted_ms: f64,
-    ) {
+    ) -> RoutedNote {
         let at_ms = self.now_ms();
         let due_ms = at_ms + predicted_ms.max(0.0) as u64;
         let mut g = self.lock();
@@ -204,32 +222,31 @@ impl Predictor {
             .entry(worker_set.to_owned())
             .or_insert(prefill_ms);
         *t = *t * (1.0 - ALPHA) + prefill_ms * ALPHA;
-        g.pending
-            .entry((worker_set.to_owned(), worker.to_owned()))
-            .or_default()
-            .push(Pending {
-                request_id: request_id.to_owned(),
-                at_ms,
-                prefill_tokens,
-                due_ms,
-                foreign: false,
-            });
+        g.queue(worker_set, worker).pending.push(Pending {
+            request_id: request_id.to_owned(),
+            at_ms,
+            prefill_tokens,
+            due_ms,
+            foreign: false,
+        });
+        RoutedNote {
+            worker_set: worker_set.to_owned(),
+            worker: worker.to_owned(),
+            at_ms,
+            due_ms,
+        }
     }
 
     /// Another replica routed a request to `worker` at `at_ms`, predicted to have its first
     /// token at `due_ms`: this replica counts it in that worker's queue until then.
     pub fn routed_elsewhere(&self, worker_set: &str, worker: &str, at_ms: u64, due_ms: u64) {
-        self.lock()
-            .pending
-            .entry((worker_set.to_owned(), worker.to_owned()))
-            .or_default()
-            .push(Pending {
-                request_id: String::new(),
-                at_ms,
-                prefill_tokens: 0,
-                due_ms,
-                foreign: true,
-            });
+        self.lock().queue(worker_set, worker).pending.push(Pending {
+            request_id: String::new(),
+            at_ms,
+            prefill_tokens: 0,
+            due_ms,
+            foreign: true,
+        });
     }
 
     /// A routed request's first token came after `observed_ms`: it is no longer pending, and
@@ -244,18 +261,10 @@ impl Predictor {
     ) {
         let now = self.now_ms();
         let mut g = self.lock();
-        let key = (worker_set.to_owned(), worker.to_owned());
-        let mut routed_at = None;
-        if let Some(list) = g.pending.get_mut(&key) {
-            list.retain(|p| {
-                if p.request_id == request_id {
-                    routed_at = Some(p.at_ms);
-                }
-                p.request_id != request_id
-            });
-        }
-        if let Some(at) = routed_at {
-            g.started.entry(key).or_default().push((at, now));
+        let q = g.queue(worker_set, worker);
+        if let Some(i) = q.pending.iter().position(|p| p.request_id == request_id) {
+            let p = q.pending.remove(i);
+            q.started.push((p.at_ms, now));
         }
         if !(predicted_ms > 0.0 && observed_ms > 0.0) {
             return;

@@ -146,6 +146,23 @@ struct Local {
     failing: Option<String>,
 }
 
+impl Local {
+    /// Keeps the newest `keep` windows of `key`.
+    fn forget_old_windows(&mut self, key: &LimitKey, keep: usize) {
+        let range = (key.clone(), 0)..=(key.clone(), u64::MAX);
+        let n = self.spent.range(range.clone()).count();
+        let old: Vec<_> = self
+            .spent
+            .range(range)
+            .take(n.saturating_sub(keep))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in old {
+            self.spent.remove(&k);
+        }
+    }
+}
+
 /// This replica's escrow.
 #[derive(Debug)]
 pub struct Escrow {
@@ -346,33 +363,17 @@ impl Escrow {
         }
         // Every limit has room: spend.
         for (r, m) in out.iter().zip(limits) {
-            let s = local
-                .spent
-                .entry((r.key.clone(), r.window_start_ms))
-                .or_default();
+            let key = (r.key.clone(), r.window_start_ms);
+            if !local.spent.contains_key(&key) {
+                // A new window of this key: the oldest beyond the history kept go.
+                local.forget_old_windows(&r.key, self.cfg.history_windows.saturating_sub(1));
+            }
+            let s = local.spent.entry(key).or_default();
             if r.fail_open {
                 s.fail_open_tokens += r.tokens;
             } else {
                 s.tokens += r.tokens;
                 s.requests += u64::from(m.limit.requests_per_minute.is_some());
-            }
-        }
-        let keep = self.cfg.history_windows;
-        for r in &out {
-            let n = local
-                .spent
-                .range((r.key.clone(), 0)..=(r.key.clone(), u64::MAX))
-                .count();
-            if n > keep {
-                let oldest: Vec<_> = local
-                    .spent
-                    .range((r.key.clone(), 0)..=(r.key.clone(), u64::MAX))
-                    .take(n - keep)
-                    .map(|(k, _)| k.clone())
-                    .collect();
-                for k in oldest {
-                    local.spent.remove(&k);
-                }
             }
         }
         Ok(out)
@@ -397,8 +398,9 @@ impl Escrow {
     }
 
     /// The next batch for the ledger: grants for keys that ran short or are running low,
-    /// releases of escrow that idle keys will not use. `None` when there is nothing to ask.
-    pub(crate) fn next_batch(&self) -> Option<QuotaBatch> {
+    /// releases of escrow that idle keys (every key, at `shutdown`) will not use. `None` when
+    /// there is nothing to ask. Updates the escrow gauges.
+    pub(crate) fn next_batch(&self, shutdown: bool) -> Option<QuotaBatch> {
         let view = self.state.load();
         let now = wall_ms();
         let mut local = self.lock();
@@ -416,7 +418,9 @@ impl Escrow {
                 .unwrap_or_default();
             let avail = held.tokens.saturating_sub(spent.tokens);
             let avail_requests = held.requests.saturating_sub(spent.requests);
-            if last.elapsed() >= self.cfg.idle_release {
+            self.metrics
+                .escrow(&key.tenant, if current { avail } else { 0 });
+            if shutdown || last.elapsed() >= self.cfg.idle_release {
                 if current && (avail > 0 || avail_requests > 0) {
                     releases.push(QuotaRelease {
                         key: key.clone(),
@@ -457,16 +461,6 @@ impl Escrow {
         })
     }
 
-    /// Everything this replica holds in current windows, as one release batch (shutdown).
-    pub(crate) fn release_all(&self) -> Option<QuotaBatch> {
-        let mut local = self.lock();
-        for (_, v) in local.in_use.iter_mut() {
-            v.2 = Instant::now() - self.cfg.idle_release - Duration::from_millis(1);
-        }
-        drop(local);
-        self.next_batch().filter(|b| !b.releases.is_empty())
-    }
-
     /// Records a grant attempt and wakes the requests waiting for it.
     pub(crate) fn attempted(&self, result: Result<(), String>, took: Duration) {
         self.metrics.grant(took.as_secs_f64(), result.is_ok());
@@ -488,8 +482,6 @@ impl Escrow {
                     .get(key)
                     .filter(|b| b.window_start_ms == *start);
                 let held = book.map(|b| b.held(self.cfg.replica)).unwrap_or_default();
-                self.metrics
-                    .escrow(&key.tenant, held.tokens.saturating_sub(s.tokens));
                 QuotaStatus {
                     tenant: key.tenant.clone(),
                     model: key.model.clone(),

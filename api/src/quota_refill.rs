@@ -27,7 +27,7 @@ pub async fn run_refiller(
             _ = tick.tick() => {}
             _ = stop.changed() => break,
         }
-        let Some(batch) = escrow.next_batch() else {
+        let Some(batch) = escrow.next_batch(false) else {
             continue;
         };
         let started = Instant::now();
@@ -45,7 +45,7 @@ pub async fn run_refiller(
             }
         }
     }
-    if let Some(batch) = escrow.release_all() {
+    if let Some(batch) = escrow.next_batch(true).filter(|b| !b.releases.is_empty()) {
         let tokens: u64 = batch.releases.iter().map(|r| r.tokens).sum();
         match tokio::time::timeout(Duration::from_secs(2), log.write(Command::Quota(batch))).await {
             Ok(Ok(index)) => tracing::info!(index, tokens, "escrow released at shutdown"),

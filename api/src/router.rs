@@ -331,28 +331,22 @@ impl pb::router_server::Router for RouterService {
             if let (Some(c), false) = (e.chosen(), limited) {
                 let mut worker = None;
                 if let kvplane_policy::Target::Worker { worker_set, state } = &c.target {
-                    let spec = d.view.catalog.worker_sets.get(worker_set);
-                    let block = spec.map_or(16, |s| s.block_size);
-                    let rate = spec
-                        .and_then(|s| s.prefill_tokens_per_second)
-                        .unwrap_or(self.cost.prefill_tokens_per_s);
-                    let cached = u64::from(state.overlap_blocks) * u64::from(block);
-                    let prefill = (d.prompted.tokens.len() as u64).saturating_sub(cached);
-                    self.predictor.routed(
-                        worker_set,
-                        &state.worker,
-                        &req.request_id,
-                        (prefill, prefill as f64 / rate * 1000.0),
-                        c.predicted_ttft_ms,
-                    );
-                    if let Some(sink) = &self.routed_sink {
-                        let at_ms = self.predictor.now_ms();
-                        (sink.0)(crate::predict::RoutedNote {
-                            worker_set: worker_set.clone(),
-                            worker: state.worker.clone(),
-                            at_ms,
-                            due_ms: at_ms + c.predicted_ttft_ms.max(0.0) as u64,
-                        });
+                    if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
+                        let note = self.predictor.routed(
+                            worker_set,
+                            &state.worker,
+                            &req.request_id,
+                            crate::policy_route::uncached(
+                                d.prompted.tokens.len(),
+                                spec,
+                                state,
+                                &self.cost,
+                            ),
+                            c.predicted_ttft_ms,
+                        );
+                        if let Some(sink) = &self.routed_sink {
+                            (sink.0)(note);
+                        }
                     }
                     worker = Some((worker_set.clone(), state.worker.clone()));
                 }

@@ -571,7 +571,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         simulated
             .iter()
             .find(|(n, _)| *n == name)
-            .map_or(0.0, |(_, t)| crate::bench::routing::p(t, 0.5))
+            .map_or(0.0, |(_, t)| percentile(t, 0.5))
     };
 
     println!();

@@ -6,7 +6,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use kvplane_api::{ApiMetrics, CostModel, RouterService};
@@ -117,12 +116,12 @@ fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()
     let Some((command, _, _)) = crate::policy_source::change(&current, &desired) else {
         return Ok(());
     };
+    // As a leader would propose it, stamped with this clock.
+    let p = kvplane_raft::Proposal::now(command);
     let entry = Entry {
         index: sm.applied_index() + 1,
-        timestamp_ms: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
-        command,
+        timestamp_ms: p.timestamp_ms,
+        command: p.command,
     };
     let applied = sm.apply(&entry)?;
     if let Some(e) = applied.rejected {

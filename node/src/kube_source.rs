@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt, stream::BoxStream};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use kvplane_policy::kinds::{
     GROUP, GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
@@ -97,42 +97,17 @@ fn api_resource(kind: Kind) -> ApiResource {
 
 type Key = (Kind, String);
 
-/// The watched objects of every kind, as the watchers last reported them.
-#[derive(Default)]
+/// The watched objects of every kind: kube's reflector stores, and which kinds have been
+/// listed completely (before that, a missing object may only not be listed yet).
 struct Mirror {
-    objects: BTreeMap<Key, DynamicObject>,
-    /// Objects of a kind being relisted (between `Init` and `InitDone`).
-    relisting: BTreeMap<Kind, BTreeMap<String, DynamicObject>>,
-    /// Kinds whose first list is complete.
+    stores: BTreeMap<Kind, reflector::Store<DynamicObject>>,
     ready: BTreeSet<Kind>,
 }
 
 impl Mirror {
-    fn update(&mut self, kind: Kind, event: watcher::Event<DynamicObject>) {
-        match event {
-            watcher::Event::Init => {
-                self.relisting.insert(kind, BTreeMap::new());
-            }
-            watcher::Event::InitApply(o) => {
-                self.relisting
-                    .entry(kind)
-                    .or_default()
-                    .insert(o.name_any(), o);
-            }
-            watcher::Event::InitDone => {
-                let listed = self.relisting.remove(&kind).unwrap_or_default();
-                self.objects.retain(|(k, _), _| *k != kind);
-                for (name, o) in listed {
-                    self.objects.insert((kind, name), o);
-                }
-                self.ready.insert(kind);
-            }
-            watcher::Event::Apply(o) => {
-                self.objects.insert((kind, o.name_any()), o);
-            }
-            watcher::Event::Delete(o) => {
-                self.objects.remove(&(kind, o.name_any()));
-            }
+    fn seen(&mut self, kind: Kind, event: &watcher::Event<DynamicObject>) {
+        if matches!(event, watcher::Event::InitDone) {
+            self.ready.insert(kind);
         }
     }
 
@@ -140,16 +115,24 @@ impl Mirror {
         self.ready.len() == Kind::ALL.len()
     }
 
-    fn submitted(&self) -> Vec<Submitted> {
-        self.objects
+    /// Every object, by kind and name (a fixed order).
+    fn objects(&self) -> BTreeMap<Key, Arc<DynamicObject>> {
+        self.stores
             .iter()
-            .map(|((kind, name), o)| Submitted {
-                kind: *kind,
-                name: name.clone(),
-                object: parse(*kind, name, o),
-            })
+            .flat_map(|(k, s)| s.state().into_iter().map(move |o| ((*k, o.name_any()), o)))
             .collect()
     }
+}
+
+fn submitted(objects: &BTreeMap<Key, Arc<DynamicObject>>) -> Vec<Submitted> {
+    objects
+        .iter()
+        .map(|((kind, name), o)| Submitted {
+            kind: *kind,
+            name: name.clone(),
+            object: parse(*kind, name, o),
+        })
+        .collect()
 }
 
 fn parse(kind: Kind, name: &str, o: &DynamicObject) -> Result<Object, String> {
@@ -180,18 +163,21 @@ pub async fn run(
             )
         })
         .collect();
-    let streams: Vec<BoxStream<'static, (Kind, watcher::Result<watcher::Event<DynamicObject>>)>> =
-        apis.iter()
-            .map(|(k, api)| {
-                let k = *k;
-                watcher(api.clone(), watcher::Config::default())
-                    .default_backoff()
-                    .map(move |e| (k, e))
-                    .boxed()
-            })
-            .collect();
+    let mut mirror = Mirror {
+        stores: BTreeMap::new(),
+        ready: BTreeSet::new(),
+    };
+    let mut streams: Vec<
+        BoxStream<'static, (Kind, watcher::Result<watcher::Event<DynamicObject>>)>,
+    > = Vec::new();
+    for (k, api) in &apis {
+        let k = *k;
+        let writer = reflector::store::Writer::new(api_resource(k));
+        mirror.stores.insert(k, writer.as_reader());
+        let events = watcher(api.clone(), watcher::Config::default()).default_backoff();
+        streams.push(reflector(writer, events).map(move |e| (k, e)).boxed());
+    }
     let mut events = futures::stream::select_all(streams);
-    let mut mirror = Mirror::default();
     // What this node last wrote to each object's status: the watch may not have brought the
     // write back yet when the next reconcile runs.
     let mut written: BTreeMap<Key, ObjectStatus> = BTreeMap::new();
@@ -201,11 +187,11 @@ pub async fn run(
         tokio::select! {
             e = events.next() => match e {
                 Some((kind, Ok(event))) => {
-                    mirror.update(kind, event);
+                    mirror.seen(kind, &event);
                     // Take every event that is already here before reconciling once.
                     while let Some(Some((kind, e))) = events.next().now_or_never() {
                         match e {
-                            Ok(event) => mirror.update(kind, event),
+                            Ok(event) => mirror.seen(kind, &event),
                             Err(e) => watch_error(&metrics, kind, &e),
                         }
                     }
@@ -240,7 +226,8 @@ async fn reconcile(
     metrics: &KubeSourceMetrics,
     written: &mut BTreeMap<Key, ObjectStatus>,
 ) {
-    let submitted = mirror.submitted();
+    let objects = mirror.objects();
+    let submitted = submitted(&objects);
     let current = state.load().catalog.clone();
     let admission = admit(&submitted, &current);
     metrics
@@ -266,7 +253,7 @@ async fn reconcile(
         }
     }
     let config_index = state.load().config_index;
-    for ((kind, name), o) in &mirror.objects {
+    for ((kind, name), o) in &objects {
         let key = (*kind, name.clone());
         let old: ObjectStatus = o
             .data

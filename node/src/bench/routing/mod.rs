@@ -171,10 +171,6 @@ pub(crate) fn virtual_run(
         .collect()
 }
 
-pub(crate) fn p(sorted: &[f64], q: f64) -> f64 {
-    percentile(sorted, q)
-}
-
 pub async fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
     let params = engine_params();
     let names: Vec<String> = if a.workloads.is_empty() {
