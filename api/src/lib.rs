@@ -15,6 +15,7 @@ mod quota;
 mod quota_metrics;
 mod quota_refill;
 mod router;
+mod trace;
 mod usage;
 
 pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeInfo};

@@ -80,9 +80,18 @@ impl Fleet for ViewFleet<'_> {
             return Vec::new();
         };
         let mut cache = self.overlaps.borrow_mut();
-        let overlap = cache
-            .entry(worker_set.to_owned())
-            .or_insert_with(|| pool.index.overlaps(self.tokens, None));
+        let overlap = cache.entry(worker_set.to_owned()).or_insert_with(|| {
+            let span = tracing::debug_span!(
+                "index.lookup",
+                worker_set,
+                prompt_tokens = self.tokens.len(),
+                best_overlap_blocks = tracing::field::Empty
+            );
+            let _in = span.enter();
+            let o = pool.index.overlaps(self.tokens, None);
+            span.record("best_overlap_blocks", o.best_blocks());
+            o
+        });
         pool.workers
             .iter()
             .map(|w| {

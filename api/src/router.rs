@@ -10,6 +10,8 @@ use kvplane_proto::v1::{
 use kvplane_state::StateHandle;
 use kvplane_tokenize::{PromptSource, prompt_from_body};
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use crate::decide::{Candidate, Decision, RejectKind};
 use crate::predict::Predictor;
@@ -162,6 +164,14 @@ impl RouterService {
         };
         let fleet =
             crate::policy_route::ViewFleet::new(&view, &p.tokens, &self.cost, &self.predictor);
+        let span = tracing::debug_span!(
+            "policy.evaluate",
+            tenant,
+            model = %p.model,
+            rule = Empty,
+            candidates = Empty
+        );
+        let _in = span.enter();
         let e = view.catalog.evaluate(
             &fleet,
             &kvplane_policy::Request {
@@ -173,6 +183,11 @@ impl RouterService {
                 tie_break: xxhash_rust::xxh3::xxh3_64(req.request_id.as_bytes()),
             },
         );
+        span.record("candidates", e.candidates.len());
+        if let Some(r) = &e.rule {
+            span.record("rule", tracing::field::display(r));
+        }
+        drop(_in);
         let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
         let tenant = tenant.to_owned();
         Some(PolicyDecision {
@@ -197,7 +212,26 @@ impl RouterService {
             return Vec::new();
         }
         let tokens = escrow.tokens_for(d.prompted.tokens.len(), d.prompted.max_tokens);
-        match escrow.reserve(&limits, tokens).await {
+        let span = tracing::debug_span!(
+            "quota.admit",
+            tenant = %d.tenant,
+            limits = limits.len(),
+            tokens,
+            outcome = Empty
+        );
+        let reserved = escrow
+            .reserve(&limits, tokens)
+            .instrument(span.clone())
+            .await;
+        span.record(
+            "outcome",
+            if reserved.is_ok() {
+                "admitted"
+            } else {
+                "rate_limited"
+            },
+        );
+        match reserved {
             Ok(r) => {
                 d.response.charges = r.iter().map(Reservation::charge).collect();
                 r
@@ -318,8 +352,44 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<RouteResponse>, Status> {
-        let started = Instant::now();
         let req = request.into_inner();
+        let span = tracing::debug_span!(
+            "route",
+            request_id = %req.request_id,
+            tenant = %req.tenant,
+            model = %req.model,
+            outcome = Empty,
+            pool = Empty,
+            endpoint = Empty,
+            matched_blocks = Empty,
+            predicted_ttft_ms = Empty,
+            quota = Empty,
+        );
+        let answer = self.route_in(req).instrument(span.clone()).await;
+        if !span.is_disabled() {
+            crate::trace::record_route(&span, &answer);
+        }
+        answer
+    }
+
+    async fn report_usage(
+        &self,
+        request: Request<UsageReport>,
+    ) -> Result<Response<UsageAck>, Status> {
+        self.report_usage_in(request).await
+    }
+
+    async fn explain(
+        &self,
+        request: Request<RouteRequest>,
+    ) -> Result<Response<ExplainResponse>, Status> {
+        self.explain_in(request).await
+    }
+}
+
+impl RouterService {
+    async fn route_in(&self, req: RouteRequest) -> Result<Response<RouteResponse>, Status> {
+        let started = Instant::now();
         self.fresh_enough(&req).await?;
         if let Some(mut d) = self.with_policies(&req) {
             let reservations = self.admit(&mut d).await;
@@ -392,7 +462,7 @@ impl pb::router_server::Router for RouterService {
         Ok(Response::new(resp))
     }
 
-    async fn report_usage(
+    async fn report_usage_in(
         &self,
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
@@ -434,7 +504,7 @@ impl pb::router_server::Router for RouterService {
         }))
     }
 
-    async fn explain(
+    async fn explain_in(
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<ExplainResponse>, Status> {

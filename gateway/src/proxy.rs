@@ -200,7 +200,7 @@ impl App {
                     ..Default::default()
                 };
                 let started = Instant::now();
-                let (resp, failed) = replicas.route(req).await.map_err(|e| {
+                let (resp, failed) = replicas.route(req, headers).await.map_err(|e| {
                     error_response(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "unavailable",

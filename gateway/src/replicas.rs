@@ -6,6 +6,9 @@ use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{RouteRequest, RouteResponse, UsageReport};
 use tonic::transport::{Channel, Endpoint};
 
+/// The W3C trace context headers a gateway passes on to kvplane.
+const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+
 /// Replicas in a fixed order; calls start at the last one that answered.
 #[derive(Debug)]
 pub struct Replicas {
@@ -43,16 +46,31 @@ impl Replicas {
         })
     }
 
-    /// Route on the preferred replica, then on each other one. Returns the answer and how many
+    /// Route on the preferred replica, then on each other one, passing on the caller's W3C trace
+    /// context (`traceparent`, `tracestate` of `trace`). Returns the answer and how many
     /// replicas failed before it.
-    pub async fn route(&self, req: RouteRequest) -> Result<(RouteResponse, usize), NoReplica> {
+    pub async fn route(
+        &self,
+        req: RouteRequest,
+        trace: &axum::http::HeaderMap,
+    ) -> Result<(RouteResponse, usize), NoReplica> {
         let n = self.clients.len();
         let start = self.preferred.load(Ordering::Relaxed);
         let mut last = String::new();
         for k in 0..n {
             let i = (start + k) % n;
             let mut c = self.clients[i].1.clone();
-            match c.route(req.clone()).await {
+            let mut call = tonic::Request::new(req.clone());
+            for key in TRACE_HEADERS {
+                if let Some(v) = trace
+                    .get(key)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| tonic::metadata::MetadataValue::try_from(v).ok())
+                {
+                    call.metadata_mut().insert(key, v);
+                }
+            }
+            match c.route(call).await {
                 Ok(r) => {
                     self.preferred.store(i, Ordering::Relaxed);
                     return Ok((r.into_inner(), k));

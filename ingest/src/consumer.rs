@@ -9,6 +9,7 @@ use futures::StreamExt;
 use kvplane_state::{Command, IngestBatch, IngestItem, IngestPayload, Proposer, WorkerMetrics};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::message::WorkerStatus;
 use crate::subject::{MessageKind, STREAM_SUBJECTS, Subject};
@@ -171,13 +172,24 @@ impl<P: Proposer> Ingestor<P> {
             );
         }
         *expected = last_seq + 1;
-        self.proposer
+        let span = tracing::debug_span!(
+            "ingest.batch",
+            first_seq,
+            last_seq,
+            items = batch.items.len(),
+            pending = batch.pending,
+            index = tracing::field::Empty
+        );
+        let index = self
+            .proposer
             .propose(Command::Ingest(IngestBatch {
                 first_seq,
                 last_seq,
                 items: batch.items,
             }))
+            .instrument(span.clone())
             .await?;
+        span.record("index", index);
         self.metrics.batch(last_seq, batch.pending);
         Ok(())
     }

@@ -79,16 +79,22 @@ pub fn main() -> ExitCode {
         Cmd::Explain(a) => rt.block_on(crate::explain_cmd::run(a)),
         Cmd::Status(a) => rt.block_on(route_cmd::status(a)),
         Cmd::Sim(SimCmd::Engine(a)) => rt.block_on(async {
-            crate::telemetry::init(crate::config::LogFormat::Text);
-            crate::sim_cmd::engine(a, shutdown_signal()).await
+            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-sim");
+            let r = crate::sim_cmd::engine(a, shutdown_signal()).await;
+            t.shutdown();
+            r
         }),
         Cmd::Bridge(a) => rt.block_on(async {
-            crate::telemetry::init(crate::config::LogFormat::Text);
-            crate::bridge_cmd::bridge(a, shutdown_signal()).await
+            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-bridge");
+            let r = crate::bridge_cmd::bridge(a, shutdown_signal()).await;
+            t.shutdown();
+            r
         }),
         Cmd::Gateway(a) => rt.block_on(async {
-            crate::telemetry::init(crate::config::LogFormat::Text);
-            crate::gateway_cmd::gateway(a, shutdown_signal()).await
+            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-gateway");
+            let r = crate::gateway_cmd::gateway(a, shutdown_signal()).await;
+            t.shutdown();
+            r
         }),
         Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
         Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
@@ -109,13 +115,15 @@ pub fn main() -> ExitCode {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
-    crate::telemetry::init(cfg.log_format);
+    let telemetry = crate::telemetry::init(cfg.log_format, "kvplane");
     let (grpc, http) = crate::serve::bind(&cfg).await?;
-    crate::serve::run(cfg, grpc, http, shutdown_signal(), |b| {
+    let r = crate::serve::run(cfg, grpc, http, shutdown_signal(), |b| {
         // One machine-readable line on stdout; logs go to stderr.
         println!("kvplane ready grpc={} http={}", b.grpc, b.http);
     })
-    .await
+    .await;
+    telemetry.shutdown();
+    r
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -58,6 +58,10 @@ pub struct RaftSection {
     /// from the log rather than a whole snapshot.
     #[serde(default = "RaftSection::default_keep_logs")]
     pub keep_logs_after_snapshot: u64,
+    /// `/readyz` says not ready while this replica has applied fewer than this many entries
+    /// fewer than the cluster committed (or knows no leader, or leads without a quorum).
+    #[serde(default = "RaftSection::default_ready_max_lag")]
+    pub ready_max_lag_entries: u64,
 }
 
 /// A StatefulSet member: pod `<statefulset>-<ordinal>` behind a headless Service.
@@ -124,6 +128,9 @@ impl RaftSection {
     }
     fn default_election_max_ms() -> u64 {
         1000
+    }
+    fn default_ready_max_lag() -> u64 {
+        1_000
     }
     fn default_snapshot_logs() -> u64 {
         10_000

@@ -10,6 +10,7 @@ use kvplane_state::{Command, ProposeError, Proposer, StateHandle};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
+use tracing::Instrument;
 
 use crate::config::{Config, Membership, RaftSection};
 
@@ -27,7 +28,20 @@ impl std::fmt::Debug for RaftLog {
 
 impl Proposer for RaftLog {
     async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
-        match self.raft.client_write(Proposal::now(command)).await {
+        let span = tracing::debug_span!(
+            "raft.propose",
+            command = command.kind(),
+            index = tracing::field::Empty
+        );
+        let written = self
+            .raft
+            .client_write(Proposal::now(command))
+            .instrument(span.clone())
+            .await;
+        if let Ok(r) = &written {
+            span.record("index", r.log_id.index);
+        }
+        match written {
             Ok(r) => match r.data.rejected {
                 None => Ok(r.log_id.index),
                 Some(reason) => Err(ProposeError::Refused {

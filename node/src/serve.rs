@@ -145,6 +145,10 @@ pub async fn run(
     let quota_metrics = kvplane_api::QuotaMetrics::default();
     quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
+    let raft_gauges = Arc::new(crate::raft_health::RaftGauges::default());
+    if cfg.raft.is_some() {
+        raft_gauges.register(&mut registry);
+    }
     let kube_client = match &cfg.policy_kubernetes {
         None => None,
         Some(k) => {
@@ -210,6 +214,30 @@ pub async fn run(
             )
         }
     };
+    // Ready: a standalone node always; a member while it knows a leader and keeps up.
+    let ready: Ready = match (&member, &cfg.raft) {
+        (Some(m), Some(r)) => {
+            let m = m.clone();
+            let (lag, lease) = (
+                r.ready_max_lag_entries,
+                Duration::from_millis(r.election_timeout_max_ms * 2),
+            );
+            Arc::new(move || m.readiness(lag, lease))
+        }
+        _ => Arc::new(|| Ok(())),
+    };
+    if let Some(m) = &member {
+        tokio::spawn(
+            raft_gauges.clone().run(
+                m.clone(),
+                cfg.data_dir
+                    .join(crate::raft_log::STATE_DIR)
+                    .join(kvplane_raft::SNAPSHOT_FILE),
+                ready.clone(),
+                stop_rx.clone(),
+            ),
+        );
+    }
     if member.is_some() {
         // Replicas apply inside Raft: refresh the state gauges from the view.
         let (m, h, mut rx) = (state_metrics.clone(), handle.clone(), stop_rx.clone());
@@ -320,6 +348,7 @@ pub async fn run(
         let mut rx = stop_rx.clone();
         tokio::spawn(
             tonic::transport::Server::builder()
+                .layer(crate::telemetry::GrpcTraceLayer)
                 .add_service(RouterServer::new(router))
                 .add_service(AdminServer::new(admin))
                 .add_service(health_service)
@@ -341,7 +370,7 @@ pub async fn run(
     // HTTP: metrics and probes.
     let http_task = {
         let mut rx = stop_rx.clone();
-        let app = crate::serve::http_app(registry.clone());
+        let app = crate::serve::http_app(registry.clone(), ready);
         tokio::spawn(async move {
             axum::serve(http, app)
                 .with_graceful_shutdown(async move {
@@ -507,7 +536,10 @@ async fn reconcile_pools(
     Ok(())
 }
 
-fn http_app(registry: Arc<Registry>) -> axum::Router {
+/// Why this node is not ready to serve, if it is not.
+type Ready = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+fn http_app(registry: Arc<Registry>, ready: Ready) -> axum::Router {
     use axum::http::{StatusCode, header};
     use axum::routing::get;
     axum::Router::new()
@@ -536,7 +568,18 @@ fn http_app(registry: Arc<Registry>) -> axum::Router {
             }),
         )
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(|| async { "ready" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = ready();
+                async move {
+                    match ready {
+                        Ok(()) => (StatusCode::OK, "ready".to_owned()),
+                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}")),
+                    }
+                }
+            }),
+        )
 }
 
 /// Whether this node is the one that should act for the cluster now (a standalone node always is).

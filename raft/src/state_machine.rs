@@ -182,6 +182,12 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
             match entry.payload {
                 EntryPayload::Blank => {}
                 EntryPayload::Normal(p) => {
+                    let _span = tracing::debug_span!(
+                        "raft.apply",
+                        index = log_id.index,
+                        command = p.command.kind()
+                    )
+                    .entered();
                     let applied = inner
                         .sm
                         .apply(&Entry {

@@ -82,7 +82,7 @@ pub struct EngineStats {
     pub request_success: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Seq {
     id: u64,
     tokens: Vec<u32>,
@@ -113,8 +113,8 @@ struct Block {
     refs: u32,
 }
 
-/// One simulated engine.
-#[derive(Debug)]
+/// One simulated engine (benchmarks clone it to look ahead).
+#[derive(Debug, Clone)]
 pub struct Engine {
     p: EngineParams,
     now_ms: f64,

@@ -37,6 +37,20 @@ pub enum Command {
     Quota(crate::QuotaBatch),
 }
 
+impl Command {
+    /// Its name, for logs and traces.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Noop => "noop",
+            Self::Ingest(_) => "ingest",
+            Self::ConfigPut { .. } => "config_put",
+            Self::ConfigDelete { .. } => "config_delete",
+            Self::ConfigApply { .. } => "config_apply",
+            Self::Quota(_) => "quota",
+        }
+    }
+}
+
 /// A configuration object: its kind (`pool`, or one of the policy kinds such as
 /// `InferencePolicy`), name and JSON value.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

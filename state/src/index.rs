@@ -35,6 +35,11 @@ impl Overlap {
             .max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
             .unwrap_or((0, 0))
     }
+
+    /// The longest match of any worker rank.
+    pub fn best_blocks(&self) -> u32 {
+        self.matched.values().copied().max().unwrap_or(0)
+    }
 }
 
 pub struct PoolIndex {

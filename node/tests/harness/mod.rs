@@ -161,6 +161,8 @@ pub struct NodeOptions {
     pub raft: Option<RaftOptions>,
     /// A policy directory the leader keeps the state in line with (reread every 100 ms).
     pub policy_dir: Option<PathBuf>,
+    /// Extra environment of the process (`OTEL_*`, for instance).
+    pub env: Vec<(String, String)>,
 }
 
 /// A cluster member's Raft settings (the fault layer is always enabled in tests).
@@ -184,6 +186,7 @@ impl Default for NodeOptions {
             raft: None,
             policy_dir: None,
             pool_models: Vec::new(),
+            env: Vec::new(),
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
             max_batch_messages: 512,
@@ -201,6 +204,7 @@ pub struct Node {
     /// The Raft id, for cluster members.
     pub raft_id: Option<u64>,
     config: PathBuf,
+    env: Vec<(String, String)>,
     starts: u32,
 }
 
@@ -268,6 +272,7 @@ impl Node {
             dir: dir.to_owned(),
             raft_id: o.raft.as_ref().map(|r| r.id),
             config,
+            env: o.env.clone(),
             starts: 0,
         };
         node.spawn();
@@ -282,6 +287,7 @@ impl Node {
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()
@@ -397,6 +403,14 @@ impl Node {
             },
         )
         .await
+    }
+
+    /// `/readyz`: its status code and body.
+    pub async fn readyz(&self) -> (u16, String) {
+        let r = reqwest::get(format!("http://{}/readyz", self.http))
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
     }
 
     /// `/metrics` text.

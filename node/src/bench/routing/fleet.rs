@@ -27,6 +27,15 @@ pub trait Router {
     fn route(&mut self, id: u64, req: &Req, now_ms: f64, stream: &Stream) -> usize;
     /// The request's first token came after `ttft_ms`.
     fn first_token(&mut self, _id: u64, _ttft_ms: f64, _now_ms: f64) {}
+    /// Whether it decides from the engines themselves rather than from `stream` (the
+    /// perfect-knowledge reference: see [`Router::route_seeing`]).
+    fn sees_engines(&self) -> bool {
+        false
+    }
+    /// Picks an engine seeing the engines' exact state; only called when `sees_engines`.
+    fn route_seeing(&mut self, id: u64, req: &Req, now_ms: f64, _engines: &[Engine]) -> usize {
+        self.route(id, req, now_ms, &Vec::new())
+    }
 }
 
 /// What one run measured.
@@ -152,7 +161,12 @@ pub fn run(reqs: &[Req], params: EngineParams, n: usize, router: &mut dyn Router
                 let req = &reqs[next_req];
                 let id = next_req as u64;
                 next_req += 1;
-                let e = router.route(id, req, now, &f.stream).min(n - 1);
+                let e = if router.sees_engines() {
+                    router.route_seeing(id, req, now, &f.engines)
+                } else {
+                    router.route(id, req, now, &f.stream)
+                }
+                .min(n - 1);
                 out.requests_per_engine[e] += 1;
                 arrived.insert(id, now);
                 f.engines[e].advance_to(now);

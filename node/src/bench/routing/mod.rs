@@ -16,7 +16,7 @@ use kvplane_sim::EngineParams;
 use serde::Serialize;
 
 use fleet::Router;
-use strategies::{DynamoCost, Feed, KvRouter, Kvplane, LeastQueue, PrefixHash, RoundRobin};
+use strategies::{DynamoCost, Feed, KvRouter, Kvplane, LeastQueue, Oracle, PrefixHash, RoundRobin};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct RoutingBenchArgs {
@@ -66,6 +66,8 @@ struct WorkloadReport {
     /// kvplane's p50 over the best other strategy's (1.0: tied; below: better).
     kvplane_p50_to_best_other: f64,
     kvplane_p90_to_best_other: f64,
+    /// The perfect-knowledge bound (see `strategies`): how close kvplane's p50 comes to it.
+    kvplane_p50_to_oracle: f64,
     /// Three replicas routing at once, over one router.
     three_replicas_p50_to_one: f64,
 }
@@ -110,6 +112,7 @@ fn strategies(a: &RoutingBenchArgs, p: &EngineParams) -> Vec<(String, Box<dyn Ro
             Box::new(LeastQueue::new(feed(a.lag_ms))),
         ),
         ("prefix-hash".into(), Box::new(PrefixHash(a.engines))),
+        ("oracle".into(), Box::new(Oracle)),
         (
             "dynamo-cost".into(),
             Box::new(DynamoCost::new(feed(a.lag_ms), p.num_gpu_blocks)),
@@ -209,7 +212,7 @@ pub async fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
         let kv = get("kvplane");
         let best_other = |f: fn(&Row) -> f64| {
             rows.iter()
-                .filter(|r| !r.strategy.starts_with("kvplane"))
+                .filter(|r| !r.strategy.starts_with("kvplane") && r.strategy != "oracle")
                 .map(f)
                 .fold(f64::INFINITY, f64::min)
         };
@@ -228,6 +231,10 @@ pub async fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
             kvplane_p90_to_best_other: ratio(
                 kv.map(|r| r.ttft_p90_s),
                 best_other(|r| r.ttft_p90_s),
+            ),
+            kvplane_p50_to_oracle: ratio(
+                kv.map(|r| r.ttft_p50_s),
+                get("oracle").map_or(0.0, |r| r.ttft_p50_s),
             ),
             three_replicas_p50_to_one: ratio(
                 get("kvplane-3-replicas").map(|r| r.ttft_p50_s),
@@ -275,10 +282,11 @@ fn print_table(r: &WorkloadReport) {
         );
     }
     eprintln!(
-        "  kvplane p50 = {:.1}% of round-robin's; {:.3}x / {:.3}x the best other's p50 / p90; 3 replicas {:.3}x one",
+        "  kvplane p50 = {:.1}% of round-robin's; {:.3}x / {:.3}x the best other's p50 / p90; {:.3}x the oracle's p50; 3 replicas {:.3}x one",
         r.kvplane_p50_to_round_robin * 100.0,
         r.kvplane_p50_to_best_other,
         r.kvplane_p90_to_best_other,
+        r.kvplane_p50_to_oracle,
         r.three_replicas_p50_to_one
     );
 }

@@ -12,6 +12,10 @@
 //!   (an InferenceWorkerSet, the default rule: minimize PredictedTTFT), ReportUsage on first
 //!   token. `kvplane-3-replicas`: three such routers, each with its own state and lag,
 //!   requests spread over them in turn (three gateways behind one Service).
+//! - `oracle`: not a strategy anyone can deploy but the bound of every one that decides request
+//!   by request: it copies each engine as it is at the request's arrival (cache, queue, step in
+//!   progress), runs the copy until the request's first token, and picks the earliest. Nothing
+//!   a router learns from events and metrics can beat it on a single request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -25,6 +29,7 @@ use kvplane_proto::v1::router_server::Router as _;
 use kvplane_proto::v1::{
     RouteRequest, RouteResponse as RouteResponse_, UsageReport, route_response::Decision,
 };
+use kvplane_sim::model::{Engine, Output, SimRequest};
 use kvplane_state::{Command, ConfigObject, Entry, IngestBatch, StateMachine};
 
 use super::fleet::{Router, Stream, WORKER_SET};
@@ -339,5 +344,52 @@ impl Router for Kvplane {
         if let Some(r) = self.by_request.remove(&id) {
             self.replicas[r].first_token(id, ttft_ms, now);
         }
+    }
+}
+
+/// The perfect-knowledge greedy reference (see the module's documentation).
+pub struct Oracle;
+
+impl Oracle {
+    /// Time to `req`'s first token on a copy of `engine`, if it accepts it.
+    fn ttft_on(engine: &Engine, id: u64, req: &Req, now: f64) -> Option<f64> {
+        let mut copy = engine.clone();
+        copy.advance_to(now);
+        copy.submit(SimRequest {
+            id,
+            tokens: req.tokens.clone(),
+            max_tokens: req.max_tokens,
+            lora_name: None,
+        })
+        .ok()?;
+        while let Some(step) = copy.step() {
+            let first = step
+                .outputs
+                .iter()
+                .any(|o| matches!(*o, Output::FirstToken { id: x, .. } if x == id));
+            if first {
+                return Some(step.end_ms - now);
+            }
+        }
+        None
+    }
+}
+
+impl Router for Oracle {
+    fn route(&mut self, _: u64, _: &Req, _: f64, _: &Stream) -> usize {
+        0
+    }
+
+    fn sees_engines(&self) -> bool {
+        true
+    }
+
+    fn route_seeing(&mut self, id: u64, req: &Req, now: f64, engines: &[Engine]) -> usize {
+        engines
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| Self::ttft_on(e, id, req, now).map(|t| (t, i)))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map_or(0, |(_, i)| i)
     }
 }
