@@ -73,17 +73,39 @@ pub struct KubernetesSection {
     pub pod_name: Option<String>,
     /// The headless Service that gives each pod a DNS name.
     pub service: String,
-    pub namespace: String,
+    /// The pod's namespace (default: `POD_NAMESPACE`, else the service account's namespace file
+    /// Kubernetes mounts in every pod).
+    #[serde(default)]
+    pub namespace: Option<String>,
     #[serde(default = "KubernetesSection::default_cluster_domain")]
     pub cluster_domain: String,
     /// The gRPC port peers use (default: `grpc_listen`'s port).
     #[serde(default)]
     pub port: Option<u16>,
+    /// The largest the StatefulSet may be scaled to: a new member looks for the cluster among
+    /// ordinals `0..max_members`.
+    #[serde(default = "KubernetesSection::default_max_members")]
+    pub max_members: u64,
+    /// The leader removes members whose ordinal the StatefulSet no longer has (scale-down),
+    /// checking `spec.replicas` every `membership_check_ms` (needs `get` on statefulsets).
+    #[serde(default = "KubernetesSection::default_manage")]
+    pub manage_membership: bool,
+    #[serde(default = "KubernetesSection::default_check_ms")]
+    pub membership_check_ms: u64,
 }
 
 impl KubernetesSection {
     fn default_cluster_domain() -> String {
         "cluster.local".into()
+    }
+    fn default_max_members() -> u64 {
+        7
+    }
+    fn default_manage() -> bool {
+        true
+    }
+    fn default_check_ms() -> u64 {
+        10_000
     }
 
     fn pod_name(&self) -> Result<String, String> {
@@ -96,10 +118,28 @@ impl KubernetesSection {
         }
     }
 
-    fn addr(&self, pod: &str, port: u16) -> String {
+    /// The namespace, from the section or the pod's environment.
+    pub fn namespace(&self) -> Result<String, String> {
+        const MOUNTED: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+        if let Some(n) = &self.namespace {
+            return Ok(n.clone());
+        }
+        if let Ok(n) = std::env::var("POD_NAMESPACE")
+            && !n.is_empty()
+        {
+            return Ok(n);
+        }
+        std::fs::read_to_string(MOUNTED)
+            .map(|n| n.trim().to_owned())
+            .map_err(|_| {
+                format!("raft.kubernetes.namespace is not set, nor POD_NAMESPACE, nor {MOUNTED}")
+            })
+    }
+
+    fn addr(&self, pod: &str, namespace: &str, port: u16) -> String {
         format!(
-            "{pod}.{}.{}.svc.{}:{port}",
-            self.service, self.namespace, self.cluster_domain
+            "{pod}.{}.{namespace}.svc.{}:{port}",
+            self.service, self.cluster_domain
         )
     }
 }
@@ -114,6 +154,28 @@ pub struct Membership {
     pub initial: Vec<PeerSection>,
     /// Addresses to ask for membership when the log is empty and nothing is initialized.
     pub join: Vec<String>,
+    /// A StatefulSet member: its set and ordinal (its id is then chosen once per volume, see
+    /// [`crate::raft_identity`]).
+    pub pod: Option<Pod>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pod {
+    pub set: String,
+    pub ordinal: u64,
+}
+
+impl Membership {
+    /// The same member under `id` (a Kubernetes member's persisted id).
+    pub fn with_id(mut self, id: u64) -> Self {
+        for p in &mut self.initial {
+            if p.id == self.id {
+                p.id = id;
+            }
+        }
+        self.id = id;
+        self
+    }
 }
 
 impl RaftSection {
@@ -139,9 +201,11 @@ impl RaftSection {
         1_000
     }
 
-    /// Resolves this member's identity. With `kubernetes`, pod `<set>-<n>` has id `n + 1` (ids
-    /// start at 1), ordinal 0 initializes a one-member cluster, and ordinal `n` joins through
-    /// ordinals `0..n`.
+    /// Resolves this member's identity. With `kubernetes`, pod `<set>-<n>` looks for the cluster
+    /// among the other ordinals below `max_members`; ordinal 0 may initialize a one-member
+    /// cluster (only once every other existing pod said it has none, see
+    /// [`crate::raft_identity`]). Its id here is `n + 1`, replaced at start by the id kept on its
+    /// volume.
     pub fn membership(&self, grpc_listen: &str) -> Result<Membership, String> {
         if let Some(k) = &self.kubernetes {
             let pod = k.pod_name()?;
@@ -156,8 +220,9 @@ impl RaftSection {
                     .map(|a| a.port())
                     .map_err(|_| format!("grpc_listen {grpc_listen:?} has no port"))?,
             };
+            let namespace = k.namespace()?;
             let id = ordinal + 1;
-            let addr = k.addr(&pod, port);
+            let addr = k.addr(&pod, &namespace, port);
             return Ok(Membership {
                 id,
                 initial: if ordinal == 0 {
@@ -168,10 +233,15 @@ impl RaftSection {
                 } else {
                     Vec::new()
                 },
-                join: (0..ordinal)
-                    .map(|o| k.addr(&format!("{set}-{o}"), port))
+                join: (0..k.max_members.max(ordinal + 1))
+                    .filter(|o| *o != ordinal)
+                    .map(|o| k.addr(&format!("{set}-{o}"), &namespace, port))
                     .collect(),
                 addr,
+                pod: Some(Pod {
+                    set: set.to_owned(),
+                    ordinal,
+                }),
             });
         }
         let id = self
@@ -204,6 +274,7 @@ impl RaftSection {
             addr,
             initial,
             join: self.join.clone(),
+            pod: None,
         })
     }
 
@@ -259,6 +330,14 @@ impl RaftSection {
         if self.snapshot_logs == 0 {
             p.push("raft.snapshot_logs must be at least 1".into());
         }
+        if let Some(k) = &self.kubernetes {
+            if k.max_members == 0 {
+                p.push("raft.kubernetes.max_members must be at least 1".into());
+            }
+            if k.membership_check_ms == 0 {
+                p.push("raft.kubernetes.membership_check_ms must be at least 1".into());
+            }
+        }
     }
 }
 
@@ -283,7 +362,7 @@ mod tests {
     }
 
     #[test]
-    fn ordinal_zero_initializes_a_one_member_cluster() {
+    fn ordinal_zero_may_initialize_a_one_member_cluster_but_looks_for_one_first() {
         let m = k8s("kvplane-0").membership("0.0.0.0:7070").unwrap();
         let addr = "kvplane-0.kvplane-peers.infra.svc.cluster.local:7070";
         assert_eq!(m.id, 1);
@@ -295,21 +374,31 @@ mod tests {
                 addr: addr.into()
             }]
         );
-        assert!(m.join.is_empty());
+        assert_eq!(m.join.len(), 6);
+        assert_eq!(
+            m.join[0],
+            "kvplane-1.kvplane-peers.infra.svc.cluster.local:7070"
+        );
+        assert_eq!(m.with_id(77).initial[0].id, 77);
     }
 
     #[test]
-    fn higher_ordinals_join_through_the_lower_ones() {
+    fn other_ordinals_join_through_every_other_one() {
         let m = k8s("kvplane-2").membership("0.0.0.0:7070").unwrap();
         assert_eq!(m.id, 3);
         assert!(m.initial.is_empty());
         assert_eq!(
-            m.join,
-            vec![
-                "kvplane-0.kvplane-peers.infra.svc.cluster.local:7070",
-                "kvplane-1.kvplane-peers.infra.svc.cluster.local:7070",
-            ]
+            m.pod,
+            Some(Pod {
+                set: "kvplane".into(),
+                ordinal: 2
+            })
         );
+        let others: Vec<String> = [0, 1, 3, 4, 5, 6]
+            .iter()
+            .map(|o| format!("kvplane-{o}.kvplane-peers.infra.svc.cluster.local:7070"))
+            .collect();
+        assert_eq!(m.join, others);
     }
 
     #[test]

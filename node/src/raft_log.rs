@@ -77,11 +77,16 @@ impl RaftMember {
     /// Opens the log and state under `data_dir`, starts Raft, and initializes a new cluster when
     /// asked to and the log is empty.
     pub async fn start(cfg: &Config, r: &RaftSection) -> anyhow::Result<Self> {
-        let membership = r
+        let mut membership = r
             .membership(&cfg.grpc_listen)
             .map_err(|e| anyhow::anyhow!(e))?;
         let dir = cfg.data_dir.join("raft");
         std::fs::create_dir_all(&dir)?;
+        let had_log = dir.join("log.redb").exists();
+        if let Some(pod) = &membership.pod {
+            let id = crate::raft_identity::persistent_id(&dir, pod.ordinal, had_log)?;
+            membership = membership.with_id(id);
+        }
         let log = LogStore::open(&dir.join("log.redb"))?;
         let state = ReplicatedState::open(&cfg.data_dir.join(STATE_DIR))?;
         let handle = state.handle();
@@ -103,7 +108,8 @@ impl RaftMember {
         let id = membership.id;
         let raft =
             openraft::Raft::new(id, Arc::new(config), network.clone(), log, state.clone()).await?;
-        if !membership.initial.is_empty() {
+        // A StatefulSet member initializes only after asking the others (see `join`).
+        if !membership.initial.is_empty() && membership.pod.is_none() {
             let members: BTreeMap<u64, BasicNode> = membership
                 .initial
                 .iter()
@@ -138,9 +144,27 @@ impl RaftMember {
     }
 
     /// Until this node is a member: asks the `join` addresses (following leader hints) to add
-    /// it. Returns at once for a node that already is one or has nowhere to ask.
+    /// it. Returns at once for a node that already is one or has nowhere to ask. A StatefulSet's
+    /// ordinal 0 first asks whether a cluster exists, and starts one when none does.
     pub async fn join(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
         let targets = self.membership.join.clone();
+        if self.membership.pod.is_some()
+            && !self.membership.initial.is_empty()
+            && !self.is_member()
+            && crate::raft_identity::may_initialize(&targets, &stop).await
+        {
+            let members: BTreeMap<u64, BasicNode> = self
+                .membership
+                .initial
+                .iter()
+                .map(|p| (p.id, BasicNode::new(p.addr.clone())))
+                .collect();
+            match self.raft.initialize(members).await {
+                Ok(()) => tracing::info!(id = self.membership.id, "initialized a new raft cluster"),
+                Err(e) => tracing::info!(reason = %e, "raft cluster already initialized"),
+            }
+            return;
+        }
         if targets.is_empty() {
             return;
         }
@@ -205,6 +229,38 @@ impl RaftMember {
             ServerState::Shutdown => "shutdown",
         }
         .to_owned()
+    }
+
+    /// Removes member `id`, voter or learner, from the membership (on the leader).
+    pub(crate) async fn remove_member(&self, id: u64) -> Result<(), kvplane_api::ClusterError> {
+        let voter = {
+            let m = self.raft.metrics().borrow_watched().clone();
+            m.membership_config
+                .membership()
+                .voter_ids()
+                .any(|v| v == id)
+        };
+        let ids: std::collections::BTreeSet<u64> = [id].into();
+        let change = if voter {
+            openraft::ChangeMembers::RemoveVoters(ids)
+        } else {
+            openraft::ChangeMembers::RemoveNodes(ids)
+        };
+        self.raft
+            .change_membership(change, false)
+            .await
+            .map_err(membership_error)?;
+        Ok(())
+    }
+
+    /// The members as (id, address).
+    pub(crate) fn members(&self) -> Vec<(u64, String)> {
+        let m = self.raft.metrics().borrow_watched().clone();
+        m.membership_config
+            .membership()
+            .nodes()
+            .map(|(i, n)| (*i, n.addr.clone()))
+            .collect()
     }
 
     pub(crate) fn is_leader(&self) -> bool {
@@ -289,7 +345,7 @@ impl kvplane_api::ClusterControl for RaftMember {
         Box::pin(async move {
             self.leader_only()?;
             self.raft
-                .add_learner(id, BasicNode::new(addr), true)
+                .add_learner(id, BasicNode::new(addr.clone()), true)
                 .await
                 .map_err(membership_error)?;
             let ids: std::collections::BTreeSet<u64> = [id].into();
@@ -297,7 +353,22 @@ impl kvplane_api::ClusterControl for RaftMember {
                 .change_membership(openraft::ChangeMembers::AddVoterIds(ids), false)
                 .await
                 .map_err(membership_error)?;
-            tracing::info!(id, "member added");
+            tracing::info!(id, addr, "member added");
+            // An earlier incarnation at the same address (a pod back with a new volume) is gone
+            // for good: it leaves the membership, so it never counts toward a quorum again.
+            let stale = {
+                let m = self.raft.metrics().borrow_watched().clone();
+                let membership = m.membership_config.membership();
+                crate::raft_identity::stale_members(
+                    membership.nodes().map(|(i, n)| (*i, n.addr.as_str())),
+                    id,
+                    &addr,
+                )
+            };
+            for old in stale {
+                self.remove_member(old).await?;
+                tracing::info!(old, id, "earlier incarnation at the same address removed");
+            }
             Ok(())
         })
     }
@@ -308,11 +379,7 @@ impl kvplane_api::ClusterControl for RaftMember {
     ) -> futures::future::BoxFuture<'_, Result<(), kvplane_api::ClusterError>> {
         Box::pin(async move {
             self.leader_only()?;
-            let ids: std::collections::BTreeSet<u64> = [id].into();
-            self.raft
-                .change_membership(openraft::ChangeMembers::RemoveVoters(ids), false)
-                .await
-                .map_err(membership_error)?;
+            self.remove_member(id).await?;
             tracing::info!(id, "member removed");
             Ok(())
         })

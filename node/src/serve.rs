@@ -412,6 +412,30 @@ pub async fn run(
             stop_rx.clone(),
         ))
     });
+    // A StatefulSet's leader follows scale-downs.
+    let members_task = match (
+        &member,
+        cfg.raft.as_ref().and_then(|r| r.kubernetes.as_ref()),
+    ) {
+        (Some(m), Some(k)) if k.manage_membership => {
+            match (&m.membership.pod, kube::Client::try_default().await) {
+                (Some(pod), Ok(client)) => Some(tokio::spawn(crate::kube_members::run(
+                    client,
+                    k.namespace().unwrap_or_else(|_| "default".into()),
+                    pod.set.clone(),
+                    Duration::from_millis(k.membership_check_ms),
+                    m.clone(),
+                    stop_rx.clone(),
+                ))),
+                (_, Err(e)) => {
+                    tracing::warn!(error = %e, "no kubernetes client: scale-downs will not leave the membership by themselves");
+                    None
+                }
+                (None, _) => None,
+            }
+        }
+        _ => None,
+    };
     // A new member that is to join asks for membership once its Raft service is up.
     let join_task = member.clone().map(|m| {
         let rx = stop_rx.clone();
@@ -424,6 +448,7 @@ pub async fn run(
     let _ = ingest_task.await;
     for t in [
         join_task,
+        members_task,
         policy_task,
         kube_task,
         Some(refill_task),

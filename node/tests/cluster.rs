@@ -190,3 +190,47 @@ async fn the_cluster_grows_to_four_and_shrinks_to_three_while_serving() {
         "failed routes on live members: {failed:?}"
     );
 }
+
+/// A member whose volume was lost comes back empty at the same address under a new id (a
+/// StatefulSet pod with a new volume): it joins, its old id leaves the membership, and it
+/// holds the same state as the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_leaves() {
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let mut last = publish_chains(&js, 0, 10).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let addr = cluster.nodes[2].grpc.to_string();
+    cluster.nodes[2].kill();
+    std::fs::remove_dir_all(&cluster.nodes[2].dir).unwrap();
+    last = publish_chains(&js, 10, 20).await;
+
+    let o = NodeOptions {
+        grpc_listen: addr.clone(),
+        raft: Some(harness::RaftOptions {
+            id: 13,
+            peers: vec![(13, addr.clone())],
+            join: vec![cluster.nodes[0].grpc.to_string()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    cluster.add_node("kvplane-2-again", &o);
+    let any = cluster.nodes[0].endpoint();
+    let status = wait_for(
+        "the new incarnation to replace the old one",
+        Duration::from_secs(30),
+        || async {
+            let s = kvplane_ok(&["cluster", "status", "--addr", &any]);
+            let members: Vec<&str> = s.lines().filter(|l| l.starts_with("member")).collect();
+            (members.len() == 3
+                && members.iter().all(|l| l.ends_with("voter"))
+                && members.iter().any(|l| l.contains(" 13 "))
+                && !members.iter().any(|l| l.contains(" 3 ")))
+            .then_some(s)
+        },
+    )
+    .await;
+    assert!(status.contains(&addr), "{status}");
+    last = last.max(publish_chains(&js, 20, 30).await);
+    cluster.all_agree(&[0, 1, 3], last).await;
+}

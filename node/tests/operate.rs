@@ -52,22 +52,30 @@ async fn started(env: Vec<(String, String)>) -> (Cluster, tempfile::TempDir) {
         br#"{"status":"up","address":"http://w0:8000"}"#.to_vec(),
     )
     .await;
-    wait_for(
-        "every replica to know the limits and the worker",
-        Duration::from_secs(30),
-        || async {
-            for n in &cluster.nodes {
-                let s = n.status().await;
-                if s.policy_objects.get("InferencePolicy") != Some(&1)
-                    || s.workers.iter().all(|w| !w.up)
-                {
-                    return None;
-                }
-            }
-            Some(())
-        },
-    )
-    .await;
+    // On a timeout, say what each replica holds and what the stream has.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut seen = String::new();
+        let mut ready = true;
+        for n in &cluster.nodes {
+            let s = n.status().await;
+            seen.push_str(&format!(
+                "{}: index {}, objects {:?}, workers {:?}\n",
+                n.name, s.applied_index, s.policy_objects, s.workers
+            ));
+            ready &= s.policy_objects.get("InferencePolicy") == Some(&1)
+                && s.workers.iter().any(|w| w.up);
+        }
+        if ready {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            let mut stream = js.get_stream("KVPLANE").await.unwrap();
+            let state = stream.info().await.unwrap().state.clone();
+            panic!("the replicas do not know the limits and the worker:\n{seen}stream: {state:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     (cluster, dir)
 }
 
@@ -213,6 +221,43 @@ async fn a_route_call_with_a_traceparent_continues_that_trace_with_the_decision_
         by_name("policy.evaluate").span_id
     );
 
+    // Through the gateway: the caller's traceparent header reaches kvplane's Route.
+    let gateway = harness::Proc::start(
+        vec![
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            node.endpoint(),
+        ],
+        cluster.root.path().join("gateway.log"),
+        "kvplane-gateway ready",
+    );
+    let http_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let _ = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", gateway.field("http")))
+        .header("x-tenant", "acme")
+        .header(
+            "traceparent",
+            format!("00-{http_trace}-00f067aa0ba902b7-01"),
+        )
+        .json(&serde_json::json!({"model": "m", "prompt": "hello there", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    let server = wait_for(
+        "the gateway's trace in kvplane",
+        Duration::from_secs(20),
+        || async {
+            collector
+                .spans()
+                .into_iter()
+                .find(|s| hex(&s.trace_id) == http_trace && s.name == "/kvplane.v1.Router/Route")
+        },
+    )
+    .await;
+    assert_eq!(hex(&server.parent_span_id), "00f067aa0ba902b7");
+
     // The leader's own work is traced too: the quota grant it proposed and applied, the
     // ingest batch of the worker's announcement.
     wait_for("raft and ingest spans", Duration::from_secs(20), || async {
@@ -238,6 +283,21 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
             .into_inner();
         assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
     }
+    // One settled, one refused: their series exist only once they happen.
+    router
+        .report_usage(kvplane_proto::v1::UsageReport {
+            request_id: "m-0".into(),
+            prompt_tokens: 48,
+            completion_tokens: 4,
+            observed_ttft_ms: 20.0,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut big = acme_request("too-big");
+    big.max_output_tokens = 1_000_000;
+    let r = router.route(big).await.unwrap().into_inner();
+    assert!(matches!(r.decision, Some(Decision::Rejection(_))), "{r:?}");
     // The Raft gauges are sampled every second.
     let scrape = wait_for("raft gauges", Duration::from_secs(10), || async {
         let text = node.metrics().await;
@@ -270,14 +330,65 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
     );
     assert!(find("kvplane_quota_escrow_tokens", tenant).is_some());
     assert_eq!(
+        find("kvplane_quota_settled_tokens_total", tenant).map(value),
+        Some(52.0)
+    );
+    assert_eq!(
+        find("kvplane_quota_rejected_requests_total", tenant).map(value),
+        Some(1.0)
+    );
+    assert_eq!(
         find("kvplane_route_decisions_total", Some(("outcome", "routed"))).map(value),
         Some(5.0)
+    );
+    assert_eq!(
+        find(
+            "kvplane_route_decisions_total",
+            Some(("outcome", "rate_limited"))
+        )
+        .map(value),
+        Some(1.0)
     );
     assert!(find("kvplane_route_duration_seconds_count", None).is_some_and(|s| value(s) >= 5.0));
     assert!(find("kvplane_raft_role", Some(("role", "leader"))).is_some());
     assert_eq!(find("kvplane_raft_voters", None).map(value), Some(3.0));
     assert_eq!(find("kvplane_raft_ready", None).map(value), Some(1.0));
     assert!(find("kvplane_raft_term", None).is_some_and(|s| value(s) >= 1.0));
+    // Every node series the Grafana dashboard in deploy/ plots is one the node exports.
+    let known: std::collections::BTreeSet<String> = scrape
+        .samples
+        .iter()
+        .map(|s| s.metric.clone())
+        .chain(
+            scrape
+                .docs
+                .keys()
+                .flat_map(|k| [k.clone(), format!("{k}_total")]),
+        )
+        .collect();
+    let dashboard = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/kvplane.json"),
+    )
+    .unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut plotted = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap();
+            plotted.extend(metric_names(expr));
+        }
+    }
+    assert!(plotted.len() > 15, "{plotted:?}");
+    for name in plotted
+        .iter()
+        .filter(|n| !n.starts_with("kvplane_gateway_"))
+    {
+        let base = name.strip_suffix("_bucket").unwrap_or(name);
+        assert!(
+            known.contains(base),
+            "the dashboard plots {name}, which the node does not export"
+        );
+    }
     for name in [
         "kvplane_raft_committed_index",
         "kvplane_raft_snapshot_bytes",
@@ -287,6 +398,21 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
     ] {
         assert!(find(name, None).is_some(), "{name} missing");
     }
+}
+
+/// The `kvplane_*` series named in a PromQL expression.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("kvplane_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        out.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
 }
 
 fn value(s: &prometheus_parse::Sample) -> f64 {

@@ -12,6 +12,7 @@ use kvplane_proto::v1::raft_server;
 use kvplane_proto::v1::{RaftPayload, SnapshotChunk};
 use openraft::BasicNode;
 use openraft::alias::{SnapshotMetaOf, SnapshotOf, VoteOf};
+use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{
     Fatal, NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Unreachable,
 };
@@ -101,9 +102,20 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     }
 }
 
+/// Metadata naming the Raft node an RPC is for: whoever answers at that address now must be
+/// it. A pod back with a new volume (so a new id) never answers, or votes, for its old id.
+const TARGET: &str = "kvplane-raft-target";
+
+fn addressed<T>(mut request: Request<T>, target: u64) -> Request<T> {
+    request
+        .metadata_mut()
+        .insert(TARGET, tonic::metadata::MetadataValue::from(target));
+    request
+}
+
 fn status_error<E: std::error::Error>(s: &Status) -> RPCError<TypeConfig, E> {
     match s.code() {
-        tonic::Code::Unavailable | tonic::Code::Unknown => {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::FailedPrecondition => {
             RPCError::Unreachable(Unreachable::from_string(s.message()))
         }
         _ => RPCError::Network(NetworkError::from_string(format!(
@@ -138,7 +150,7 @@ impl Connection {
         Fut: Future<Output = Result<Response<RaftPayload>, Status>>,
     {
         let client = self.client()?;
-        let mut request = Request::new(RaftPayload { data: encode(req) });
+        let mut request = addressed(Request::new(RaftPayload { data: encode(req) }), self.target);
         request.set_timeout(option.soft_ttl());
         let reply = tokio::time::timeout(option.hard_ttl(), f(client, request))
             .await
@@ -201,7 +213,10 @@ impl RaftNetworkV2<TypeConfig> for Connection {
             chunks.push(SnapshotChunk::default());
         }
         chunks[0].header = header;
-        let send = client.install_snapshot(tokio_stream::iter(chunks));
+        let send = client.install_snapshot(addressed(
+            Request::new(tokio_stream::iter(chunks)),
+            self.target,
+        ));
         let reply = tokio::select! {
             r = tokio::time::timeout(option.hard_ttl().max(Duration::from_secs(30)), send) => r,
             closed = cancel => return Err(StreamingError::Closed(closed)),
@@ -223,11 +238,29 @@ impl RaftNetworkV2<TypeConfig> for Connection {
 #[derive(Clone)]
 pub struct RaftGrpc {
     raft: KvRaft,
+    id: u64,
 }
 
 impl RaftGrpc {
     pub fn new(raft: KvRaft) -> Self {
-        Self { raft }
+        let id = raft.metrics().borrow_watched().id;
+        Self { raft, id }
+    }
+
+    /// Refuses an RPC meant for another Raft node (an earlier incarnation at this address).
+    fn for_me<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let to = request
+            .metadata()
+            .get(TARGET)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        match to {
+            Some(to) if to != self.id => Err(Status::failed_precondition(format!(
+                "addressed to raft node {to}; this is raft node {}",
+                self.id
+            ))),
+            _ => Ok(()),
+        }
     }
 
     pub fn into_service(self) -> raft_server::RaftServer<Self> {
@@ -245,6 +278,7 @@ impl raft_server::Raft for RaftGrpc {
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
+        self.for_me(&request)?;
         let rpc: AppendEntriesRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.append_entries(rpc).await;
@@ -254,6 +288,7 @@ impl raft_server::Raft for RaftGrpc {
     }
 
     async fn vote(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
+        self.for_me(&request)?;
         let rpc: VoteRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.vote(rpc).await;
@@ -266,6 +301,7 @@ impl raft_server::Raft for RaftGrpc {
         &self,
         request: Request<tonic::Streaming<SnapshotChunk>>,
     ) -> Result<Response<RaftPayload>, Status> {
+        self.for_me(&request)?;
         let mut stream = request.into_inner();
         let mut header = None;
         let mut data = Vec::new();

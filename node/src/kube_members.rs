@@ -1,0 +1,58 @@
+//! Scale-down: the leader removes the members whose ordinal the StatefulSet no longer has.
+//!
+//! Every `membership_check_ms` the leader reads its StatefulSet's `spec.replicas` and removes,
+//! one per round, a member whose address is `<set>-<ordinal>....` with `ordinal >= replicas`
+//! (see [`crate::raft_identity::departed`]). A member leaving is a joint-consensus membership
+//! change, so the cluster keeps a quorum throughout; scaling up again brings the pod back under
+//! a new id when its volume is new, or its old one when the volume was kept (it then joins as
+//! a new member again).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+
+use crate::raft_log::RaftMember;
+
+pub async fn run(
+    client: kube::Client,
+    namespace: String,
+    set: String,
+    every: Duration,
+    member: Arc<RaftMember>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let api: kube::Api<StatefulSet> = kube::Api::namespaced(client, &namespace);
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        if !member.is_leader() {
+            continue;
+        }
+        let replicas = match api.get(&set).await {
+            Ok(s) => s.spec.and_then(|s| s.replicas).unwrap_or(1),
+            Err(e) => {
+                if failures.is_multiple_of(30) {
+                    tracing::warn!(statefulset = set, error = %e, "cannot read the statefulset's replicas");
+                }
+                failures += 1;
+                continue;
+            }
+        };
+        let members = member.members();
+        let gone = crate::raft_identity::departed(
+            members.iter().map(|(i, a)| (*i, a.as_str())),
+            &set,
+            u64::try_from(replicas).unwrap_or(0),
+        );
+        if let Some(&id) = gone.first() {
+            match member.remove_member(id).await {
+                Ok(()) => tracing::info!(id, replicas, "member of a scaled-down ordinal removed"),
+                Err(e) => tracing::warn!(id, error = %e, "cannot remove a scaled-down member"),
+            }
+        }
+    }
+}

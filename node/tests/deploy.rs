@@ -1,0 +1,330 @@
+//! The Kubernetes manifests in deploy/: every overlay renders with `kubectl kustomize`, every
+//! rendered object parses strictly as its Kubernetes type (unknown or misplaced fields fail),
+//! and what the code defines - the CRDs, the node configuration, the kinds the watcher needs -
+//! is what the manifests say.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+/// `kubectl kustomize` of a directory under deploy/, as JSON documents.
+fn render(dir: &str) -> Vec<Value> {
+    let out = std::process::Command::new("kubectl")
+        .args(["kustomize"])
+        .arg(deploy_dir().join(dir))
+        .output()
+        .unwrap_or_else(|e| panic!("kubectl is needed to render deploy/ ({e})"));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    yaml_documents(&String::from_utf8(out.stdout).unwrap())
+}
+
+fn yaml_documents(text: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// `doc` as a `T`, failing when any field of it is not one of `T`'s (a typo, a field at the
+/// wrong level, a field of another API version): the typed value must serialize back to the
+/// very same document.
+fn strict<T: DeserializeOwned + serde::Serialize>(doc: &Value) -> T {
+    let typed: T = serde_path_to_error::deserialize(doc.clone()).unwrap_or_else(|e| {
+        panic!("{}: {e}", name_of(doc));
+    });
+    let back = serde_json::to_value(&typed).unwrap();
+    if let Some(path) = first_difference(doc, &back, String::new()) {
+        panic!("{}: field {path} is not part of its kind", name_of(doc));
+    }
+    typed
+}
+
+fn name_of(doc: &Value) -> String {
+    format!(
+        "{}/{}",
+        doc["kind"].as_str().unwrap_or("?"),
+        doc["metadata"]["name"].as_str().unwrap_or("?")
+    )
+}
+
+fn first_difference(a: &Value, b: &Value, path: String) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => x.iter().find_map(|(k, v)| match y.get(k) {
+            None => Some(format!("{path}.{k}")),
+            Some(w) => first_difference(v, w, format!("{path}.{k}")),
+        }),
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (v, w))| first_difference(v, w, format!("{path}[{i}]"))),
+        // Numbers may come back as another representation of the same value.
+        (Value::Number(x), Value::Number(y)) if x.as_f64() == y.as_f64() => None,
+        _ if a == b => None,
+        _ => Some(path),
+    }
+}
+
+/// Every object of a rendering, parsed by kind.
+#[derive(Default)]
+struct Rendered {
+    statefulsets: Vec<StatefulSet>,
+    services: Vec<Service>,
+    pdbs: Vec<PodDisruptionBudget>,
+    roles: Vec<Role>,
+    config_maps: Vec<ConfigMap>,
+    crds: Vec<CustomResourceDefinition>,
+    deployments: Vec<Deployment>,
+    kvplane_objects: usize,
+}
+
+fn parse(docs: &[Value]) -> Rendered {
+    let mut r = Rendered::default();
+    for d in docs {
+        match (d["apiVersion"].as_str(), d["kind"].as_str()) {
+            (Some("v1"), Some("Namespace")) => drop(strict::<Namespace>(d)),
+            (Some("v1"), Some("ServiceAccount")) => drop(strict::<ServiceAccount>(d)),
+            (Some("v1"), Some("Service")) => r.services.push(strict(d)),
+            (Some("v1"), Some("ConfigMap")) => r.config_maps.push(strict(d)),
+            (Some("apps/v1"), Some("StatefulSet")) => r.statefulsets.push(strict(d)),
+            (Some("apps/v1"), Some("Deployment")) => r.deployments.push(strict(d)),
+            (Some("policy/v1"), Some("PodDisruptionBudget")) => r.pdbs.push(strict(d)),
+            (Some("rbac.authorization.k8s.io/v1"), Some("Role")) => r.roles.push(strict(d)),
+            (Some("rbac.authorization.k8s.io/v1"), Some("RoleBinding")) => {
+                drop(strict::<RoleBinding>(d));
+            }
+            (Some("apiextensions.k8s.io/v1"), Some("CustomResourceDefinition")) => {
+                r.crds.push(strict(d));
+            }
+            (Some("kvplane.io/v1alpha1"), Some(kind)) => {
+                let mut docs = kvplane_policy::Documents::default();
+                docs.add_file(kind, &serde_yaml_ng::to_string(d).unwrap());
+                let (_, problems) = docs.check();
+                assert!(problems.is_empty(), "{}: {problems:?}", name_of(d));
+                r.kvplane_objects += 1;
+            }
+            other => panic!("{}: no strict check for {other:?}", name_of(d)),
+        }
+    }
+    r
+}
+
+const CONTROL_PLANE: [(&str, &str); 2] = [
+    ("app.kubernetes.io/name", "kvplane"),
+    ("app.kubernetes.io/component", "control-plane"),
+];
+
+fn check_control_plane(overlay: &str, replicas: i32) -> Rendered {
+    let r = parse(&render(overlay));
+    assert_eq!(r.statefulsets.len(), 1, "{overlay}");
+    let set = &r.statefulsets[0];
+    let spec = set.spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(replicas), "{overlay}");
+    assert_eq!(spec.pod_management_policy.as_deref(), Some("Parallel"));
+    assert_eq!(spec.service_name.as_deref(), Some("kvplane-peers"));
+    let claims = spec.volume_claim_templates.as_ref().unwrap();
+    assert_eq!(claims[0].metadata.name.as_deref(), Some("data"));
+    let retention = spec
+        .persistent_volume_claim_retention_policy
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        retention.when_scaled.as_deref(),
+        Some("Delete"),
+        "ids are never reused"
+    );
+    let selector = spec.selector.match_labels.as_ref().unwrap();
+    for (k, v) in CONTROL_PLANE {
+        assert_eq!(selector.get(k).map(String::as_str), Some(v));
+    }
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert!(
+        pod.affinity
+            .as_ref()
+            .and_then(|a| a.pod_anti_affinity.as_ref())
+            .is_some(),
+        "{overlay}: anti-affinity"
+    );
+    let c = &pod.containers[0];
+    let port = |name: &str| {
+        c.ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|p| p.name.as_deref() == Some(name))
+            .map(|p| p.container_port)
+    };
+    assert_eq!((port("grpc"), port("http")), (Some(7070), Some(7071)));
+    let probe_path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        let g = p.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(g.port, IntOrString::String("http".into()));
+        g.path.clone().unwrap()
+    };
+    assert_eq!(probe_path(&c.liveness_probe), "/healthz");
+    assert_eq!(probe_path(&c.readiness_probe), "/readyz");
+
+    // The disruption budget keeps a quorum: at most (n - 1) / 2 members down.
+    let pdb = r.pdbs[0].spec.as_ref().unwrap();
+    let down = match &pdb.max_unavailable {
+        Some(IntOrString::Int(n)) => *n,
+        Some(IntOrString::String(s)) => panic!("maxUnavailable {s:?}: give a count"),
+        None => {
+            replicas
+                - pdb.min_available.as_ref().map_or(0, |m| match m {
+                    IntOrString::Int(n) => *n,
+                    IntOrString::String(s) => panic!("minAvailable {s:?}: give a count"),
+                })
+        }
+    };
+    assert!(
+        down >= 1 && down <= (replicas - 1) / 2,
+        "{overlay}: {down} of {replicas} may be down"
+    );
+
+    // Peers reach each other through the headless Service, also before they are ready.
+    let peers = r
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("kvplane-peers"))
+        .unwrap()
+        .spec
+        .clone()
+        .unwrap();
+    assert_eq!(peers.cluster_ip.as_deref(), Some("None"));
+    assert_eq!(peers.publish_not_ready_addresses, Some(true));
+    assert!(
+        r.services
+            .iter()
+            .any(|s| s.metadata.name.as_deref() == Some("kvplane"))
+    );
+    r
+}
+
+#[test]
+fn every_overlay_renders_and_each_object_parses_strictly_as_its_kind() {
+    let dev = check_control_plane("overlays/dev", 3);
+    let prod = check_control_plane("overlays/prod", 5);
+    for r in [&dev, &prod] {
+        assert_eq!(r.crds.len(), 5);
+        assert_eq!(r.roles.len(), 1);
+        assert_eq!(r.config_maps.len(), 1);
+    }
+    let vllm = parse(&render("examples/vllm"));
+    assert_eq!(vllm.deployments.len(), 1);
+    assert_eq!(vllm.kvplane_objects, 1);
+    let pod = vllm.deployments[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let names: Vec<&str> = pod.containers.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["vllm", "kvplane-bridge"]);
+    let bridge = &pod.containers[1];
+    let args = bridge.args.as_ref().unwrap();
+    assert_eq!(args[0], "bridge");
+    // The bridge's flags are ones `kvplane bridge` takes.
+    for a in &args[1..] {
+        let flag = a.split('=').next().unwrap();
+        let help = kvplane_help(&["bridge", "--help"]);
+        assert!(help.contains(flag), "kvplane bridge has no {flag}");
+    }
+}
+
+fn kvplane_help(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn the_crds_in_deploy_are_the_ones_the_code_generates() {
+    let committed = std::fs::read_to_string(deploy_dir().join("base/crds.yaml")).unwrap();
+    assert!(
+        committed == kvplane_policy::crds_yaml(),
+        "deploy/base/crds.yaml drifted from the code: run `kvplane crds > deploy/base/crds.yaml`"
+    );
+}
+
+#[test]
+fn the_role_grants_the_watcher_exactly_the_policy_kinds_and_their_status() {
+    let r = parse(&render("overlays/dev"));
+    let plurals: BTreeSet<String> = r.crds.iter().map(|c| c.spec.names.plural.clone()).collect();
+    assert_eq!(plurals.len(), kvplane_policy::Kind::ALL.len());
+    let rules = r.roles[0].rules.clone().unwrap();
+    let granted = |group: &str, verbs: &[&str]| -> BTreeSet<String> {
+        rules
+            .iter()
+            .filter(|x| x.api_groups.as_deref() == Some(&[group.to_owned()][..]))
+            .filter(|x| x.verbs.iter().map(String::as_str).eq(verbs.iter().copied()))
+            .flat_map(|x| x.resources.clone().unwrap_or_default())
+            .collect()
+    };
+    assert_eq!(granted("kvplane.io", &["get", "list", "watch"]), plurals);
+    let status: BTreeSet<String> = plurals.iter().map(|p| format!("{p}/status")).collect();
+    assert_eq!(granted("kvplane.io", &["get", "patch", "update"]), status);
+    // Nothing else but reading its own StatefulSet.
+    let other: Vec<_> = rules
+        .iter()
+        .filter(|x| x.api_groups.as_deref() != Some(&["kvplane.io".to_owned()][..]))
+        .collect();
+    assert_eq!(other.len(), 1);
+    assert_eq!(
+        other[0].resources.as_deref(),
+        Some(&["statefulsets".to_owned()][..])
+    );
+    assert_eq!(
+        other[0].resource_names.as_deref(),
+        Some(&["kvplane".to_owned()][..])
+    );
+    assert_eq!(other[0].verbs, ["get"]);
+}
+
+#[test]
+fn the_node_configuration_in_the_config_map_is_valid() {
+    for overlay in ["overlays/dev", "overlays/prod"] {
+        let r = parse(&render(overlay));
+        let text = r.config_maps[0].data.as_ref().unwrap()["kvplane.toml"].clone();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvplane.toml");
+        std::fs::write(&path, &text).unwrap();
+        let mut cfg = kvplane_node::config::Config::from_file(&path)
+            .unwrap_or_else(|e| panic!("{overlay}: {e}"));
+        // What the pod's environment gives it.
+        cfg.node_id = "kvplane-0".into();
+        let k = cfg
+            .raft
+            .as_mut()
+            .and_then(|r| r.kubernetes.as_mut())
+            .unwrap();
+        k.pod_name = Some("kvplane-0".into());
+        k.namespace = Some("kvplane".into());
+        assert_eq!(cfg.problems(), Vec::<String>::new(), "{overlay}");
+        assert!(cfg.policy_kubernetes.is_some());
+        assert_eq!(cfg.http_listen, "0.0.0.0:7071");
+        assert_eq!(cfg.grpc_listen, "0.0.0.0:7070");
+    }
+}
