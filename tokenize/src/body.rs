@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use crate::{TokenizeError, WordTokenizer};
+use crate::{ModelTokenizer, TokenizeError, WordTokenizer};
 
 /// Where the prompt tokens came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +42,15 @@ pub struct Prompt {
 /// Chat: `messages`, each `{role, content}` with string content or an array of `{type: "text"}`
 /// parts; other part types are refused. Rendering is [`render_chat`].
 pub fn prompt_from_body(body: &[u8]) -> Result<Prompt, TokenizeError> {
+    prompt_from_body_with(body, None)
+}
+
+/// As [`prompt_from_body`], with the model's own tokenizer and chat template when it has them
+/// (see [`ModelTokenizer`]); token ids given in the body are taken as they are either way.
+pub fn prompt_from_body_with(
+    body: &[u8],
+    tokenizer: Option<&ModelTokenizer>,
+) -> Result<Prompt, TokenizeError> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))?;
     let model = v.get("model").and_then(Value::as_str).map(str::to_owned);
@@ -51,17 +60,24 @@ pub fn prompt_from_body(body: &[u8]) -> Result<Prompt, TokenizeError> {
         .and_then(Value::as_u64)
         .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
     if let Some(messages) = v.get("messages") {
-        let text = render_chat(messages)?;
+        let tokens = match tokenizer {
+            Some(t) => t.encode_chat(body)?,
+            None => WordTokenizer.encode(&render_chat(messages)?),
+        };
         return Ok(Prompt {
-            tokens: WordTokenizer.encode(&text),
+            tokens,
             source: PromptSource::Chat,
             model,
             max_tokens,
         });
     }
+    let text = |s: &str| match tokenizer {
+        Some(t) => t.encode_completion(s),
+        None => Ok(WordTokenizer.encode(s)),
+    };
     let (tokens, source) = match v.get("prompt") {
-        Some(Value::String(s)) => (WordTokenizer.encode(s), PromptSource::Completions),
-        Some(Value::Array(items)) => completions_array(items)?,
+        Some(Value::String(s)) => (text(s)?, PromptSource::Completions),
+        Some(Value::Array(items)) => completions_array(items, text)?,
         Some(_) => {
             return Err(TokenizeError::Unsupported {
                 field: "prompt",
@@ -78,9 +94,12 @@ pub fn prompt_from_body(body: &[u8]) -> Result<Prompt, TokenizeError> {
     })
 }
 
-fn completions_array(items: &[Value]) -> Result<(Vec<u32>, PromptSource), TokenizeError> {
+fn completions_array(
+    items: &[Value],
+    text: impl Fn(&str) -> Result<Vec<u32>, TokenizeError>,
+) -> Result<(Vec<u32>, PromptSource), TokenizeError> {
     match items {
-        [Value::String(s)] => Ok((WordTokenizer.encode(s), PromptSource::Completions)),
+        [Value::String(s)] => Ok((text(s)?, PromptSource::Completions)),
         _ => items
             .iter()
             .map(|t| {

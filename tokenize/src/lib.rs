@@ -1,14 +1,20 @@
 //! From an OpenAI-style request body to prompt token ids.
 //!
-//! Until real tokenizers are loaded per model, kvplane and its engine simulator share one
-//! documented, deterministic text tokenizer ([`WordTokenizer`]): the same text always gives
-//! the same ids, and texts that share a prefix share a token prefix. That is all prefix-cache
-//! routing needs from it.
+//! - A model with tokenizer files ([`ModelTokenizer`]: Hugging Face `tokenizer.json` and its
+//!   chat template) gets the very ids vLLM computes (parity tests against transformers in
+//!   `tests/parity.rs`).
+//! - Without them, kvplane and its engine simulator share one documented, deterministic text
+//!   tokenizer ([`WordTokenizer`]): the same text always gives the same ids, and texts that
+//!   share a prefix share a token prefix.
 
 mod body;
+mod hf;
+mod pyjson;
+mod pytime;
 mod word;
 
-pub use body::{Prompt, PromptSource, prompt_from_body, render_chat};
+pub use body::{Prompt, PromptSource, prompt_from_body, prompt_from_body_with, render_chat};
+pub use hf::{LoadError, ModelTokenizer};
 pub use word::{VOCAB_SIZE, WordTokenizer};
 
 /// Why a request body could not be turned into a prompt.
@@ -20,4 +26,8 @@ pub enum TokenizeError {
     NoPrompt,
     #[error("unsupported {field}: {reason}")]
     Unsupported { field: &'static str, reason: String },
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
 }

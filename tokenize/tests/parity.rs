@@ -1,0 +1,112 @@
+//! kvplane's prompt token ids equal Hugging Face transformers' for the same tokenizer files:
+//! `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` for chat bodies,
+//! `tokenizer(prompt)` for completions. The fixtures (a small byte-level BPE trained for the
+//! purpose, a Llama 3 style and a ChatML / Qwen 2 style template, and the expected ids) come
+//! from `scripts/gen-tokenizer-fixtures.py`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+
+use kvplane_tokenize::{ModelTokenizer, PromptSource, TokenizeError, prompt_from_body_with};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+#[derive(serde::Deserialize)]
+struct Case {
+    name: String,
+    body: String,
+    ids: Vec<u32>,
+}
+
+fn cases(family: &str) -> Vec<Case> {
+    serde_json::from_str(&std::fs::read_to_string(fixture(family).join("cases.json")).unwrap())
+        .unwrap()
+}
+
+fn check_family(family: &str) -> usize {
+    let tok = ModelTokenizer::load(&fixture(family)).unwrap();
+    let cases = cases(family);
+    for c in &cases {
+        let p = prompt_from_body_with(c.body.as_bytes(), Some(&tok))
+            .unwrap_or_else(|e| panic!("{family} {}: {e}", c.name));
+        if p.tokens != c.ids {
+            let rendered = tok.render_chat(c.body.as_bytes()).unwrap_or_default();
+            panic!(
+                "{family} {}: ids differ\n kvplane:      {:?}\n transformers: {:?}\n rendered: {rendered:?}",
+                c.name, p.tokens, c.ids
+            );
+        }
+        let chat = c.name.starts_with("chat/");
+        assert_eq!(
+            p.source,
+            if chat {
+                PromptSource::Chat
+            } else {
+                PromptSource::Completions
+            }
+        );
+    }
+    cases.len()
+}
+
+#[test]
+fn llama3_style_template_and_tokenizer_match_transformers() {
+    assert!(check_family("llama3-style") >= 12);
+}
+
+#[test]
+fn chatml_style_template_with_tools_matches_transformers() {
+    assert!(check_family("chatml-style") >= 12);
+}
+
+#[test]
+fn the_template_writes_the_only_bos_and_completions_get_the_tokenizers() {
+    let tok = ModelTokenizer::load(&fixture("llama3-style")).unwrap();
+    let chat = prompt_from_body_with(
+        br#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        Some(&tok),
+    )
+    .unwrap();
+    let completion = prompt_from_body_with(br#"{"prompt":"hi"}"#, Some(&tok)).unwrap();
+    let bos = completion.tokens[0];
+    assert_eq!(chat.tokens[0], bos);
+    assert_ne!(chat.tokens[1], bos, "no double BOS");
+    assert_eq!(completion.tokens.iter().filter(|t| **t == bos).count(), 1);
+}
+
+#[test]
+fn bad_files_fail_at_load_and_unsupported_content_is_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = ModelTokenizer::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+    std::fs::copy(
+        fixture("chatml-style").join("tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    let err = ModelTokenizer::load(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("chat template does not compile"), "{err}");
+
+    let tok = ModelTokenizer::load(&fixture("chatml-style")).unwrap();
+    let image = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"what is it?"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+    match prompt_from_body_with(image, Some(&tok)) {
+        Err(TokenizeError::Unsupported { reason, .. }) => {
+            assert!(reason.contains("image_url"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let llama = ModelTokenizer::load(&fixture("llama3-style")).unwrap();
+    let bad_role = br#"{"messages":[{"role":"system","content":"a"},{"role":"narrator","content":"b"}]}"#;
+    match prompt_from_body_with(bad_role, Some(&llama)) {
+        Err(TokenizeError::Template(reason)) => {
+            assert!(reason.contains("roles must be user"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
