@@ -91,6 +91,7 @@ fn workload() -> (Vec<(u64, KvEvent)>, Vec<u64>) {
                     token_ids: doc.iter().chain(&tail).copied().collect(),
                     block_size: BS,
                     lora_name: None,
+                    cache_salt: None,
                     tier: Tier::Gpu,
                 }
             } else {
@@ -100,6 +101,7 @@ fn workload() -> (Vec<(u64, KvEvent)>, Vec<u64>) {
                     token_ids: tail,
                     block_size: BS,
                     lora_name: None,
+                    cache_salt: None,
                     tier: Tier::Gpu,
                 }
             };

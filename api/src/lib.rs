@@ -15,6 +15,7 @@ mod quota;
 mod quota_metrics;
 mod quota_refill;
 mod router;
+mod tokenizers;
 mod trace;
 mod usage;
 
@@ -27,3 +28,4 @@ pub use quota::{Escrow, QuotaConfig, Refusal, Reservation};
 pub use quota_metrics::QuotaMetrics;
 pub use quota_refill::run_refiller;
 pub use router::{Prompted, RouterService};
+pub use tokenizers::{Tokenizers, run_loader as run_tokenizer_loader};

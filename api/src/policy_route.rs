@@ -19,6 +19,7 @@ use crate::predict::Predictor;
 pub(crate) struct ViewFleet<'a> {
     pub(crate) view: &'a View,
     pub(crate) tokens: &'a [u32],
+    keys: HashKeys<'a>,
     pub(crate) cost: &'a CostModel,
     predictor: &'a Predictor,
     overlaps: RefCell<BTreeMap<String, Overlap>>,
@@ -26,16 +27,27 @@ pub(crate) struct ViewFleet<'a> {
     factors: RefCell<BTreeMap<String, (f64, Option<f64>)>>,
 }
 
+/// What besides the tokens a request's block hashes depend on, as the engines hash them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HashKeys<'a> {
+    /// The model the request names (a LoRA adapter of some worker sets).
+    pub model: &'a str,
+    /// vLLM's `cache_salt`: only blocks cached under the same salt match.
+    pub cache_salt: Option<&'a str>,
+}
+
 impl<'a> ViewFleet<'a> {
     pub(crate) fn new(
         view: &'a View,
         tokens: &'a [u32],
+        keys: HashKeys<'a>,
         cost: &'a CostModel,
         predictor: &'a Predictor,
     ) -> Self {
         Self {
             view,
             tokens,
+            keys,
             cost,
             predictor,
             overlaps: RefCell::default(),
@@ -88,7 +100,15 @@ impl Fleet for ViewFleet<'_> {
                 best_overlap_blocks = tracing::field::Empty
             );
             let _in = span.enter();
-            let o = pool.index.overlaps(self.tokens, None);
+            let lora = self
+                .view
+                .catalog
+                .worker_sets
+                .get(worker_set)
+                .and_then(|s| s.adapter_for(self.keys.model));
+            let o = pool
+                .index
+                .overlaps_keyed(self.tokens, lora, self.keys.cache_salt);
             span.record("best_overlap_blocks", o.best_blocks());
             o
         });

@@ -8,7 +8,7 @@ use kvplane_proto::v1::{
     Rejection, RouteRequest, RouteResponse, UsageAck, UsageReport, route_response,
 };
 use kvplane_state::StateHandle;
-use kvplane_tokenize::{PromptSource, prompt_from_body};
+use kvplane_tokenize::{PromptSource, prompt_from_body_with};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use tracing::field::Empty;
@@ -27,6 +27,8 @@ pub struct Prompted {
     pub model: String,
     /// The most output tokens: the request's, else the body's `max_tokens`.
     pub max_tokens: Option<u32>,
+    /// The body's `cache_salt` (vLLM: blocks are shared only among requests with the same).
+    pub cache_salt: Option<String>,
 }
 
 /// A decision through the policy catalog, before admission.
@@ -49,6 +51,7 @@ pub struct RouterService {
     escrow: Option<Arc<Escrow>>,
     predictor: Arc<Predictor>,
     routed_sink: Option<crate::predict::RoutedSink>,
+    tokenizers: Arc<crate::Tokenizers>,
 }
 
 impl std::fmt::Debug for dyn Consistency {
@@ -68,6 +71,7 @@ impl RouterService {
             escrow: None,
             predictor: Arc::new(Predictor::new(crate::predict::wall_clock())),
             routed_sink: None,
+            tokenizers: Arc::default(),
         }
     }
 
@@ -78,6 +82,12 @@ impl RouterService {
     }
 
     /// Predicts with this clock (a benchmark's virtual time) and these metrics.
+    /// The models' own tokenizers (see [`crate::Tokenizers`]).
+    pub fn with_tokenizers(mut self, tokenizers: Arc<crate::Tokenizers>) -> Self {
+        self.tokenizers = tokenizers;
+        self
+    }
+
     pub fn with_predictor(mut self, predictor: Arc<Predictor>) -> Self {
         self.predictor = predictor;
         self
@@ -109,41 +119,57 @@ impl RouterService {
         .await
     }
 
-    /// Resolves the prompt: token ids from the request, else the body tokenized.
-    pub fn prompt(req: &RouteRequest) -> Result<Prompted, String> {
-        let max_tokens = (req.max_output_tokens > 0).then_some(req.max_output_tokens);
-        if !req.token_ids.is_empty() {
-            let body = (!req.body.is_empty())
-                .then(|| kvplane_tokenize::prompt_from_body(&req.body).ok())
-                .flatten();
-            let model = if req.model.is_empty() {
-                body.as_ref()
-                    .and_then(|p| p.model.clone())
-                    .unwrap_or_default()
-            } else {
-                req.model.clone()
-            };
+    /// Resolves the prompt: token ids from the request, else the body tokenized (with the
+    /// model's own tokenizer when one is loaded, see [`crate::Tokenizers`]). The model, output
+    /// limit and cache salt come from the request, else from the body.
+    pub fn prompt(
+        &self,
+        req: &RouteRequest,
+        view: &kvplane_state::View,
+    ) -> Result<Prompted, String> {
+        let text = req.token_ids.is_empty();
+        if text && req.body.is_empty() {
+            return Err("request has neither token_ids nor a body".into());
+        }
+        let fields = if req.body.is_empty() {
+            kvplane_tokenize::BodyFields::default()
+        } else {
+            match kvplane_tokenize::body_fields(&req.body) {
+                Ok(f) => f,
+                Err(e) if text => return Err(e.to_string()),
+                // Token ids given: a body that is not JSON only lacks the defaults.
+                Err(_) => kvplane_tokenize::BodyFields::default(),
+            }
+        };
+        let model = if req.model.is_empty() {
+            fields.model.clone().unwrap_or_default()
+        } else {
+            req.model.clone()
+        };
+        let max_tokens = (req.max_output_tokens > 0)
+            .then_some(req.max_output_tokens)
+            .or(fields.max_tokens);
+        let cache_salt = (!req.cache_salt.is_empty())
+            .then(|| req.cache_salt.clone())
+            .or(fields.cache_salt);
+        if !text {
             return Ok(Prompted {
                 tokens: req.token_ids.clone(),
                 source: PromptSource::TokenIds,
                 model,
-                max_tokens: max_tokens.or(body.and_then(|p| p.max_tokens)),
+                max_tokens,
+                cache_salt,
             });
         }
-        if req.body.is_empty() {
-            return Err("request has neither token_ids nor a body".into());
-        }
-        let p = prompt_from_body(&req.body).map_err(|e| e.to_string())?;
-        let model = if req.model.is_empty() {
-            p.model.unwrap_or_default()
-        } else {
-            req.model.clone()
-        };
+        let tokenizer = self.tokenizers.for_model(view, &model);
+        let p =
+            prompt_from_body_with(&req.body, tokenizer.as_deref()).map_err(|e| e.to_string())?;
         Ok(Prompted {
             tokens: p.tokens,
             source: p.source,
             model,
-            max_tokens: max_tokens.or(p.max_tokens),
+            max_tokens,
+            cache_salt,
         })
     }
 
@@ -153,7 +179,7 @@ impl RouterService {
         if view.catalog.is_empty() {
             return None;
         }
-        let p = Self::prompt(req).ok()?;
+        let p = self.prompt(req, &view).ok()?;
         let tenant = if req.tenant.is_empty() {
             view.catalog
                 .backend_for(&p.model)
@@ -162,8 +188,16 @@ impl RouterService {
         } else {
             req.tenant.as_str()
         };
-        let fleet =
-            crate::policy_route::ViewFleet::new(&view, &p.tokens, &self.cost, &self.predictor);
+        let fleet = crate::policy_route::ViewFleet::new(
+            &view,
+            &p.tokens,
+            crate::policy_route::HashKeys {
+                model: &p.model,
+                cache_salt: p.cache_salt.as_deref(),
+            },
+            &self.cost,
+            &self.predictor,
+        );
         let span = tracing::debug_span!(
             "policy.evaluate",
             tenant,
@@ -260,7 +294,7 @@ impl RouterService {
         f: impl FnOnce(&Prompted, &Decision<'_>) -> R,
     ) -> R {
         let view = self.state.load();
-        let prompted = match Self::prompt(req) {
+        let prompted = match self.prompt(req, &view) {
             Ok(p) => p,
             Err(reason) => {
                 let p = Prompted {
@@ -268,6 +302,7 @@ impl RouterService {
                     source: PromptSource::TokenIds,
                     model: req.model.clone(),
                     max_tokens: None,
+                    cache_salt: None,
                 };
                 let d = Decision {
                     applied_index: view.applied_index,

@@ -199,14 +199,34 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
         Some(Value::String(s)) => s.as_str().map(str::to_owned),
         Some(_) => return Err(malformed("lora_name", "must be a string or nil")),
     };
+    let cache_salt = cache_salt(f.present("extra_keys"), lora_name.as_deref());
     Ok(Some(KvEvent::Stored {
         block_hashes,
         parent_hash,
         token_ids,
         block_size,
         lora_name,
+        cache_salt,
         tier,
     }))
+}
+
+/// The request's `cache_salt`, from the extra keys of the event's first block: vLLM puts the
+/// salt (after the LoRA key) only in the keys of a request's block 0. Its last string that is
+/// not the LoRA name. Extra keys of another shape carry no salt.
+fn cache_salt(extra_keys: Option<&Value>, lora_name: Option<&str>) -> Option<String> {
+    let Some(Value::Array(per_block)) = extra_keys else {
+        return None;
+    };
+    let Some(Value::Array(first)) = per_block.first() else {
+        return None;
+    };
+    first
+        .iter()
+        .rev()
+        .filter_map(Value::as_str)
+        .find(|s| Some(*s) != lora_name)
+        .map(str::to_owned)
 }
 
 /// Full-attention groups (or unspecified) describe the prefix cache; others do not.
@@ -322,6 +342,7 @@ fn encode_event(ev: &KvEvent) -> Value {
             token_ids,
             block_size,
             lora_name,
+            cache_salt,
             tier,
         } => {
             let mut m = vec![
@@ -343,6 +364,12 @@ fn encode_event(ev: &KvEvent) -> Value {
                     lora_name.as_deref().map_or(Value::Nil, Value::from),
                 ),
             ];
+            if let Some(salt) = cache_salt {
+                // vLLM's extra keys: per block, the first block's holding the salt.
+                let mut keys = vec![Value::Nil; block_hashes.len().max(1)];
+                keys[0] = Value::Array(vec![Value::from(salt.as_str())]);
+                m.push((s("extra_keys"), Value::Array(keys)));
+            }
             if *tier == Tier::Remote {
                 m.push((s("locality"), s("REMOTE")));
             }

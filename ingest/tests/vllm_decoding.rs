@@ -189,6 +189,7 @@ fn encoded_batches_decode_to_the_same_events() {
                 token_ids: (0..8).collect(),
                 block_size: 4,
                 lora_name: Some("adapter".into()),
+                cache_salt: None,
                 tier: Tier::Gpu,
             },
             KvEvent::Removed {
@@ -201,6 +202,7 @@ fn encoded_batches_decode_to_the_same_events() {
                 token_ids: (0..4).collect(),
                 block_size: 4,
                 lora_name: None,
+                cache_salt: None,
                 tier: Tier::Remote,
             },
             KvEvent::Cleared,
@@ -209,4 +211,56 @@ fn encoded_batches_decode_to_the_same_events() {
     let d = decode_batch(&encode_batch(3.0, &b)).unwrap();
     assert_eq!(d.batch, b);
     assert_eq!(d.ts, 3.0);
+}
+
+#[test]
+fn the_cache_salt_comes_from_the_first_blocks_extra_keys_after_the_lora_key() {
+    let salt_of = |extra: Vec<(Value, Value)>| match &decode_batch(&batch(vec![stored_map(extra)]))
+        .unwrap()
+        .batch
+        .events[0]
+    {
+        KvEvent::Stored { cache_salt, .. } => cache_salt.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(salt_of(vec![]), None);
+    let keys = |k: Vec<Value>| (s("extra_keys"), Value::Array(vec![Value::Array(k)]));
+    assert_eq!(
+        salt_of(vec![keys(vec![s("alice")])]).as_deref(),
+        Some("alice")
+    );
+    assert_eq!(
+        salt_of(vec![
+            (s("lora_name"), s("ad")),
+            keys(vec![s("ad"), s("alice")])
+        ])
+        .as_deref(),
+        Some("alice")
+    );
+    assert_eq!(
+        salt_of(vec![(s("lora_name"), s("ad")), keys(vec![s("ad")])]),
+        None
+    );
+    assert_eq!(
+        salt_of(vec![(s("extra_keys"), Value::Array(vec![Value::Nil]))]),
+        None
+    );
+    // What the simulator and tests encode decodes back the same.
+    let ev = KvEvent::Stored {
+        block_hashes: vec![1, 2],
+        parent_hash: None,
+        token_ids: (0..8).collect(),
+        block_size: 4,
+        lora_name: Some("ad".into()),
+        cache_salt: Some("alice".into()),
+        tier: Tier::Gpu,
+    };
+    let b = KvBatch {
+        dp_rank: 0,
+        events: vec![ev.clone()],
+    };
+    assert_eq!(
+        decode_batch(&encode_batch(0.0, &b)).unwrap().batch.events,
+        vec![ev]
+    );
 }

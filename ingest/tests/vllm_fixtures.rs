@@ -63,6 +63,7 @@ fn expected_events(list: &Value) -> Vec<KvEvent> {
                 token_ids: u32s(&e["token_ids"]),
                 block_size: e["block_size"].as_u64().unwrap() as u32,
                 lora_name: e["lora_name"].as_str().map(str::to_owned),
+                cache_salt: None,
                 tier: tier_of(&e["medium"]),
             },
             "BlockRemoved" => KvEvent::Removed {

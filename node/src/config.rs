@@ -62,6 +62,18 @@ pub struct Config {
     pub policy_kubernetes: Option<crate::kube_source::KubeSourceSection>,
     /// Replication. Absent: a standalone node with an in-process log.
     pub raft: Option<RaftSection>,
+    /// Models' own tokenizers (Hugging Face files on local disk), for nodes without policies;
+    /// with policies, an InferenceWorkerSet's `tokenizer` names the directory.
+    pub tokenizers: Vec<TokenizerSection>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerSection {
+    /// The model name requests use.
+    pub model: String,
+    /// The directory with `tokenizer.json` and `tokenizer_config.json`.
+    pub dir: PathBuf,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -111,6 +123,7 @@ impl Default for Config {
                 models: Vec::new(),
             }],
             raft: None,
+            tokenizers: Vec::new(),
             policy_dir: None,
             policy_poll_ms: 1000,
             policy_kubernetes: None,
@@ -301,6 +314,18 @@ impl Config {
             }
             if k.namespace.as_deref() == Some("") {
                 p.push("policy_kubernetes.namespace must not be empty".into());
+            }
+        }
+        let mut models = std::collections::BTreeSet::new();
+        for (i, t) in self.tokenizers.iter().enumerate() {
+            if !models.insert(&t.model) {
+                p.push(format!(
+                    "tokenizers[{i}]: model {:?} is listed twice",
+                    t.model
+                ));
+            }
+            if let Err(e) = kvplane_tokenize::ModelTokenizer::load(&t.dir) {
+                p.push(format!("tokenizers[{i}] (model {:?}): {e}", t.model));
             }
         }
         if let Some(r) = &self.raft {

@@ -102,6 +102,8 @@ type Key = (Kind, String);
 struct Mirror {
     stores: BTreeMap<Kind, reflector::Store<DynamicObject>>,
     ready: BTreeSet<Kind>,
+    /// Worker sets' tokenizer directories, checked before they are admitted.
+    tokenizers: crate::tokenizer_check::TokenizerCheck,
 }
 
 impl Mirror {
@@ -124,13 +126,22 @@ impl Mirror {
     }
 }
 
-fn submitted(objects: &BTreeMap<Key, Arc<DynamicObject>>) -> Vec<Submitted> {
+fn submitted(
+    objects: &BTreeMap<Key, Arc<DynamicObject>>,
+    tokenizers: &crate::tokenizer_check::TokenizerCheck,
+) -> Vec<Submitted> {
     objects
         .iter()
         .map(|((kind, name), o)| Submitted {
             kind: *kind,
             name: name.clone(),
-            object: parse(*kind, name, o),
+            object: parse(*kind, name, o).and_then(|obj| match &obj.spec {
+                kvplane_policy::Spec::WorkerSet(s) => match tokenizers.problem(s) {
+                    Some(p) => Err(p),
+                    None => Ok(obj),
+                },
+                _ => Ok(obj),
+            }),
         })
         .collect()
 }
@@ -166,6 +177,7 @@ pub async fn run(
     let mut mirror = Mirror {
         stores: BTreeMap::new(),
         ready: BTreeSet::new(),
+        tokenizers: Default::default(),
     };
     let mut streams: Vec<
         BoxStream<'static, (Kind, watcher::Result<watcher::Event<DynamicObject>>)>,
@@ -227,7 +239,7 @@ async fn reconcile(
     written: &mut BTreeMap<Key, ObjectStatus>,
 ) {
     let objects = mirror.objects();
-    let submitted = submitted(&objects);
+    let submitted = submitted(&objects, &mirror.tokenizers);
     let current = state.load().catalog.clone();
     let admission = admit(&submitted, &current);
     metrics

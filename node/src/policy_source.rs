@@ -53,9 +53,18 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut last_problems = Vec::new();
+    let tokenizers = crate::tokenizer_check::TokenizerCheck::default();
     loop {
         if leading() {
-            sync_once(&dir, &log, &state, &metrics, &mut last_problems).await;
+            sync_once(
+                &dir,
+                &log,
+                &state,
+                &metrics,
+                &mut last_problems,
+                &tokenizers,
+            )
+            .await;
         }
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -90,6 +99,7 @@ async fn sync_once(
     state: &StateHandle,
     metrics: &PolicySourceMetrics,
     last_problems: &mut Vec<String>,
+    tokenizers: &crate::tokenizer_check::TokenizerCheck,
 ) {
     let (desired, problems) = match crate::policy_cmd::load(&[dir.to_owned()]) {
         Ok(r) => r,
@@ -98,7 +108,12 @@ async fn sync_once(
             return;
         }
     };
-    let problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    let mut problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    for (name, spec) in &desired.worker_sets {
+        if let Some(p) = tokenizers.problem(spec) {
+            problems.push(format!("InferenceWorkerSet/{name}: {p}"));
+        }
+    }
     metrics
         .problems
         .set(i64::try_from(problems.len()).unwrap_or(i64::MAX));

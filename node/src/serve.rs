@@ -163,6 +163,16 @@ pub async fn run(
             Some((client, namespace, Duration::from_millis(k.resync_ms)))
         }
     };
+    let tokenizers = Arc::new(
+        kvplane_api::Tokenizers::with_models(
+            &cfg.tokenizers
+                .iter()
+                .map(|t| (t.model.clone(), t.dir.clone()))
+                .collect::<Vec<_>>(),
+        )
+        .context("tokenizers")?,
+    );
+    tokenizers.register(&mut registry);
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
 
@@ -304,6 +314,12 @@ pub async fn run(
         consistency.clone(),
         stop_rx.clone(),
     ));
+    let tokenizer_task = tokio::spawn(kvplane_api::run_tokenizer_loader(
+        tokenizers.clone(),
+        handle.clone(),
+        Duration::from_secs(1),
+        stop_rx.clone(),
+    ));
     let (routed_sink, routed_rx) = crate::routed_share::sink(share_metrics.clone());
     let share_task = tokio::spawn(crate::routed_share::run(
         nats.clone(),
@@ -314,6 +330,7 @@ pub async fn run(
         stop_rx.clone(),
     ));
     let router = RouterService::new(handle.clone(), cfg.cost, api_metrics.clone())
+        .with_tokenizers(tokenizers.clone())
         .with_consistency(consistency.clone())
         .with_quota(escrow.clone())
         .with_predictor(predictor)
@@ -453,6 +470,7 @@ pub async fn run(
         kube_task,
         Some(refill_task),
         Some(share_task),
+        Some(tokenizer_task),
     ]
     .into_iter()
     .flatten()

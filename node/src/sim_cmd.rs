@@ -40,6 +40,10 @@ pub struct SimEngineArgs {
     pub step_base_ms: f64,
     #[arg(long, default_value_t = EngineParams::default().per_seq_ms)]
     pub per_seq_ms: f64,
+    /// A directory with the model's `tokenizer.json` and `tokenizer_config.json`: prompts are
+    /// then tokenized as vLLM does (else with the built-in word tokenizer).
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 pub async fn engine(
@@ -65,6 +69,12 @@ pub async fn engine(
             problems.join("\n  - ")
         );
     }
+    let tokenizer = match &a.tokenizer {
+        Some(dir) => Some(std::sync::Arc::new(kvplane_tokenize::ModelTokenizer::load(
+            dir,
+        )?)),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(&a.http_listen).await?;
     let cfg = SimConfig {
         model: a.model,
@@ -76,6 +86,7 @@ pub async fn engine(
         speedup: a.speedup,
         seed: a.seed,
         default_max_tokens: 16,
+        tokenizer,
     };
     run(cfg, listener, shutdown, |b| {
         println!(

@@ -272,3 +272,158 @@ async fn the_bridge_fills_dropped_and_missed_batches_from_replay() {
     let dropped: u64 = s.ingest.unwrap().dropped.values().sum();
     assert_eq!(dropped, 0, "nothing applied twice or out of order");
 }
+
+/// With the model's own tokenizer files (Hugging Face `tokenizer.json` and a ChatML template)
+/// on the engines and named by the InferenceWorkerSet, `/v1/chat/completions` requests that
+/// share a system prompt go to the engine holding it, and kvplane counts exactly the prompt
+/// tokens the engine counts. Requests naming a LoRA adapter, or carrying a `cache_salt`, match
+/// only blocks the engines cached under the same adapter or salt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_models_tokenizer() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tokenize/tests/fixtures/chatml-style")
+        .canonicalize()
+        .unwrap();
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(
+        policies.path().join("fleet.yaml"),
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: chatml}}\nspec: {{model: chatml-style, blockSize: 16, loraAdapters: [chatml-lora], tokenizer: {:?}}}\n",
+            fixture.display().to_string()
+        ),
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies.path().to_owned()),
+            ..Default::default()
+        },
+    );
+    let root = cluster.root.path().to_owned();
+    let sim_args = [
+        "--model".to_owned(),
+        "chatml-style".to_owned(),
+        "--tokenizer".to_owned(),
+        fixture.display().to_string(),
+    ];
+    let engines: Vec<Engine> = (1..=3)
+        .map(|i| {
+            Engine::start_for(
+                &root.join("fleet"),
+                &cluster.nats.url(),
+                "chatml",
+                &format!("engine-{i}"),
+                [0, 0, 0],
+                &sim_args,
+            )
+        })
+        .collect();
+    let node = &cluster.nodes[0];
+    wait_workers_up(node, 3).await;
+    let gateway = Proc::start(
+        vec![
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            node.endpoint(),
+        ],
+        root.join("gateway.log"),
+        "kvplane-gateway ready",
+    );
+    let system = "You are a helpful assistant. Routing a request to the engine that already holds \
+                  its system prompt avoids recomputing thousands of tokens. "
+        .repeat(12);
+    let chat = |q: &str| {
+        json!({"model": "chatml-style", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    let first = complete(
+        &format!("{}/v1/chat/completions", engines[1].http),
+        &chat("What is the capital of France?"),
+    )
+    .await;
+    let first: serde_json::Value = first.json().await.unwrap();
+    let second = chat("And of Germany? Größe, 東京 🚀");
+    let (worker, matched, prompt_blocks) = wait_for(
+        "kvplane to index engine-2's blocks of the system prompt",
+        Duration::from_secs(20),
+        || async {
+            let (w, matched, blocks) = routed(node, &second).await;
+            (w == "engine-2" && matched >= 20).then_some((w, matched, blocks))
+        },
+    )
+    .await;
+    assert_eq!(worker, "engine-2");
+
+    let r = complete(
+        &format!("http://{}/v1/chat/completions", gateway.field("http")),
+        &second,
+    )
+    .await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "chatml/engine-2");
+    let body: serde_json::Value = r.json().await.unwrap();
+    let usage = &body["usage"];
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= u64::from(matched) * 16,
+        "{usage} vs {matched} blocks"
+    );
+    // kvplane's prompt is the engine's, token for token: the same block count.
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(u64::from(prompt_blocks), prompt_tokens / 16, "{usage}");
+    assert!(
+        first["usage"]["prompt_tokens"].as_u64().unwrap() > 200,
+        "{first}"
+    );
+
+    // The same prompt under a LoRA adapter, cached on engine-3 only.
+    let with = |model: &str, salt: Option<&str>| {
+        let mut b = chat("Another question");
+        b["model"] = json!(model);
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    complete(
+        &format!("{}/v1/chat/completions", engines[2].http),
+        &with("chatml-lora", None),
+    )
+    .await;
+    let adapter = wait_for(
+        "the adapter's blocks indexed",
+        Duration::from_secs(20),
+        || async {
+            let (w, matched, _) = routed(node, &with("chatml-lora", None)).await;
+            (w == "engine-3" && matched >= 20).then_some(matched)
+        },
+    )
+    .await;
+    assert!(adapter >= 20);
+    let (w, _, _) = routed(node, &with("chatml-style", None)).await;
+    assert_eq!(
+        w, "engine-2",
+        "the base model's blocks are engine-2's, not the adapter's"
+    );
+    // Under a salt: engine-1 caches the prompt for "alice"; "bob" matches nothing.
+    complete(
+        &format!("{}/v1/chat/completions", engines[0].http),
+        &with("chatml-style", Some("alice")),
+    )
+    .await;
+    wait_for(
+        "alice's salted blocks indexed",
+        Duration::from_secs(20),
+        || async {
+            let (w, matched, _) = routed(node, &with("chatml-style", Some("alice"))).await;
+            (w == "engine-1" && matched >= 20).then_some(())
+        },
+    )
+    .await;
+    let (_, bob, _) = routed(node, &with("chatml-style", Some("bob"))).await;
+    assert_eq!(bob, 0, "another salt matches none of alice's blocks");
+}

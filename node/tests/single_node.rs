@@ -49,6 +49,7 @@ fn chain_batch(tokens: &[u32], block_size: u32, salt: u64) -> Vec<u8> {
             token_ids: tokens[..n * block_size as usize].to_vec(),
             block_size,
             lora_name: None,
+            cache_salt: None,
             tier: Tier::Gpu,
         }],
     };

@@ -179,7 +179,7 @@ impl Catalog {
 
     /// Whether some worker set serves `model`, or some backend publishes it.
     pub fn knows_model(&self, model: &str) -> bool {
-        self.worker_sets.values().any(|w| w.model == model) || self.backend_for(model).is_some()
+        self.worker_sets.values().any(|w| w.serves(model)) || self.backend_for(model).is_some()
     }
 
     /// Every inconsistency: values out of range, references that do not resolve, alias cycles,
@@ -277,6 +277,24 @@ impl Catalog {
                 "spec.blockSize",
                 format!("must be within 1..=1024, got {}", ws.block_size),
             );
+        }
+        let mut adapters = BTreeSet::new();
+        for (i, a) in ws.lora_adapters.iter().enumerate() {
+            if a.is_empty() || *a == ws.model {
+                c.fail(
+                    format!("spec.loraAdapters[{i}]"),
+                    "must be a name other than the base model's",
+                );
+            }
+            if !adapters.insert(a) {
+                c.fail(
+                    format!("spec.loraAdapters[{i}]"),
+                    format!("{a:?} is listed twice"),
+                );
+            }
+        }
+        if ws.tokenizer.as_deref().is_some_and(str::is_empty) {
+            c.fail("spec.tokenizer", "must be a directory path");
         }
         let mut seen = BTreeSet::new();
         for (i, e) in ws.endpoints.iter().enumerate() {

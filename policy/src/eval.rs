@@ -158,7 +158,7 @@ impl Catalog {
             return;
         }
         for (name, ws) in &self.worker_sets {
-            if model.is_empty() || ws.model == model {
+            if model.is_empty() || ws.serves(model) {
                 out.entry(name.clone()).or_insert(weight);
             }
         }

@@ -149,6 +149,7 @@ fn store(seq: u64, worker: u64) -> Command {
                     token_ids: tokens,
                     block_size: 16,
                     lora_name: None,
+                    cache_salt: None,
                     tier: Tier::Gpu,
                 }],
             }),

@@ -9,11 +9,29 @@ pub const NONE_HASH: u64 = 0x6b76_706c_616e_6500;
 
 /// The chained hashes of every full block of `tokens`.
 pub fn block_hashes(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
+    salted_block_hashes(tokens, block_size, lora_name, None)
+}
+
+/// As [`block_hashes`], for a request with a `cache_salt`: as in vLLM, the salt is an extra key
+/// of the first block only, and the chain carries it to every later block.
+pub fn salted_block_hashes(
+    tokens: &[u32],
+    block_size: u32,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+) -> Vec<u64> {
     let mut parent = NONE_HASH;
     tokens
         .chunks_exact(block_size as usize)
-        .map(|block| {
+        .enumerate()
+        .map(|(i, block)| {
             parent = next_hash(parent, block, lora_name);
+            if let (0, Some(salt)) = (i, cache_salt) {
+                let mut h = Xxh3::new();
+                h.update(&parent.to_le_bytes());
+                h.update(salt.as_bytes());
+                parent = h.digest();
+            }
             parent
         })
         .collect()

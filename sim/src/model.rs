@@ -19,7 +19,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use kvplane_state::{KvEvent, Tier};
 
 use crate::EngineParams;
-use crate::hash::block_hashes;
+use crate::hash::{block_hashes, salted_block_hashes};
 
 /// A request as the engine sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +28,8 @@ pub struct SimRequest {
     pub tokens: Vec<u32>,
     pub max_tokens: u32,
     pub lora_name: Option<String>,
+    /// vLLM's `cache_salt`: the request shares cached blocks only with requests of the same.
+    pub cache_salt: Option<String>,
 }
 
 /// Token counts of a finished request, as `usage` reports them.
@@ -88,6 +90,7 @@ struct Seq {
     tokens: Vec<u32>,
     max_tokens: u32,
     lora_name: Option<String>,
+    cache_salt: Option<String>,
     arrival_ms: f64,
     hashes: Vec<u64>,
     blocks: Vec<u32>,
@@ -187,12 +190,18 @@ impl Engine {
                 capacity: self.p.num_gpu_blocks,
             });
         }
-        let hashes = block_hashes(&r.tokens, self.p.block_size, r.lora_name.as_deref());
+        let hashes = salted_block_hashes(
+            &r.tokens,
+            self.p.block_size,
+            r.lora_name.as_deref(),
+            r.cache_salt.as_deref(),
+        );
         self.waiting.push_back(Seq {
             id: r.id,
             tokens: r.tokens,
             max_tokens: r.max_tokens.max(1),
             lora_name: r.lora_name,
+            cache_salt: r.cache_salt,
             arrival_ms: self.now_ms,
             hashes,
             blocks: Vec::new(),
@@ -449,6 +458,12 @@ fn stored_event(s: &Seq, first_block: usize, hashes: Vec<u64>, block_size: u32) 
         token_ids: s.tokens[first_block * bs..(first_block + n) * bs].to_vec(),
         block_size,
         lora_name: s.lora_name.clone(),
+        // vLLM's extra keys hold the salt for a request's first block only.
+        cache_salt: if first_block == 0 {
+            s.cache_salt.clone()
+        } else {
+            None
+        },
         tier: Tier::Gpu,
     }
 }

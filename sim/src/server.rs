@@ -41,6 +41,8 @@ pub struct SimConfig {
     pub speedup: f64,
     pub seed: u64,
     pub default_max_tokens: u32,
+    /// The model's tokenizer and chat template (else the built-in word tokenizer).
+    pub tokenizer: Option<std::sync::Arc<kvplane_tokenize::ModelTokenizer>>,
 }
 
 impl Default for SimConfig {
@@ -55,6 +57,7 @@ impl Default for SimConfig {
             speedup: 1.0,
             seed: 0,
             default_max_tokens: 16,
+            tokenizer: None,
         }
     }
 }
@@ -226,12 +229,13 @@ struct Parsed {
     include_usage: bool,
     model: String,
     lora: Option<String>,
+    cache_salt: Option<String>,
 }
 
 fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid json: {e}")))?;
-    let p = kvplane_tokenize::prompt_from_body(body)
+    let p = kvplane_tokenize::prompt_from_body_with(body, app.cfg.tokenizer.as_deref())
         .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
     let model = p.model.clone().unwrap_or_else(|| app.cfg.model.clone());
     Ok(Parsed {
@@ -243,6 +247,11 @@ fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
         lora: (model != app.cfg.model).then(|| model.clone()),
+        cache_salt: v
+            .get("cache_salt")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned),
         model,
     })
 }
@@ -265,6 +274,7 @@ fn submit(app: &App, p: &Parsed) -> Result<(u64, mpsc::UnboundedReceiver<Output>
                 tokens: p.tokens.clone(),
                 max_tokens: p.max_tokens,
                 lora_name: p.lora.clone(),
+                cache_salt: p.cache_salt.clone(),
             })
             .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
         s.waiters.insert(id, tx);

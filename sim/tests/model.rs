@@ -46,6 +46,7 @@ fn req(id: u64, tokens: Vec<u32>) -> SimRequest {
         tokens,
         max_tokens: 8,
         lora_name: None,
+        cache_salt: None,
     }
 }
 
@@ -164,6 +165,7 @@ fn kvplane_state_from_the_events_matches_the_engine_cache_under_eviction() {
                 tokens: t,
                 max_tokens: 1 + rng.below(20) as u32,
                 lora_name: None,
+                cache_salt: None,
             })
             .unwrap();
             for _ in 0..rng.below(4) {

@@ -4,6 +4,9 @@
 //! the prefix index while its GPU reference count is above zero and leaves it only when the
 //! count returns to zero. Lower tiers are counted the same way but never indexed.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use rustc_hash::FxHashMap;
 
 use crate::Tier;
@@ -21,6 +24,15 @@ pub(crate) struct RankBlocks {
     pub(crate) digest: u128,
     /// Blocks with a GPU reference.
     pub(crate) gpu_blocks: u64,
+    /// The cache salt of salted blocks (a continuation of their chain is hashed under it).
+    pub(crate) salts: BTreeMap<u64, Arc<str>>,
+}
+
+/// The contribution of a block's salt to the digest.
+pub(crate) fn salt_fact(worker: u64, dp_rank: u32, hash: u64, salt: &str) -> u128 {
+    let mut h = crate::digest::Hasher::new();
+    h.u64(worker).u64(u64::from(dp_rank)).u64(hash).str(salt);
+    h.finish().0
 }
 
 /// What a reference change did to a block's presence in one tier.
@@ -39,6 +51,26 @@ pub(crate) enum Change {
 impl RankBlocks {
     pub(crate) fn refs(&self, hash: u64) -> Refs {
         self.blocks.get(&hash).copied().unwrap_or_default()
+    }
+
+    pub(crate) fn salt(&self, hash: u64) -> Option<Arc<str>> {
+        self.salts.get(&hash).cloned()
+    }
+
+    /// Records the salt of a block now present; returns the digest delta.
+    pub(crate) fn set_salt(
+        &mut self,
+        worker: u64,
+        dp_rank: u32,
+        hash: u64,
+        salt: Arc<str>,
+    ) -> u128 {
+        let mut d = salt_fact(worker, dp_rank, hash, &salt);
+        if let Some(old) = self.salts.insert(hash, salt) {
+            d = d.wrapping_sub(salt_fact(worker, dp_rank, hash, &old));
+        }
+        self.digest = self.digest.wrapping_add(d);
+        d
     }
 
     /// Adds (`delta = 1`) or drops (`delta = -1`) one reference of `hash` in `tier`.
@@ -78,6 +110,9 @@ impl RankBlocks {
         }
         if new == [0; 4] {
             self.blocks.remove(&hash);
+            if let Some(salt) = self.salts.remove(&hash) {
+                removed = removed.wrapping_add(salt_fact(worker, dp_rank, hash, &salt));
+            }
         } else {
             added = block_fact(worker, dp_rank, hash, &new);
             self.blocks.insert(hash, new);

@@ -143,6 +143,9 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: u32,
         lora_name: Option<String>,
+        /// vLLM's `cache_salt` of the request that stored the chain, when this event starts it
+        /// (its first block's extra keys); a continuation inherits its parent's.
+        cache_salt: Option<String>,
         tier: Tier,
     },
     Removed {

@@ -81,6 +81,35 @@ impl PoolIndex {
     }
 
     /// Prompt blocks cached per worker rank. Safe to call while the writer applies events.
+    /// [`PoolIndex::overlaps`] of a request under a LoRA adapter and a cache salt (vLLM's
+    /// `cache_salt`, mixed into every block's hash as the engines' chained hashes carry it).
+    pub fn overlaps_keyed(
+        &self,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Overlap {
+        self.overlaps_hashed(&self.hash_tokens_keyed(tokens, lora_name, cache_salt))
+    }
+
+    /// Block hashes under a LoRA adapter and a cache salt.
+    pub fn hash_tokens_keyed(
+        &self,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Vec<LocalBlockHash> {
+        compute_block_hash_for_seq(
+            tokens,
+            self.block_size,
+            BlockHashOptions {
+                lora_name,
+                cache_namespace: cache_salt,
+                ..Default::default()
+            },
+        )
+    }
+
     pub fn overlaps(&self, tokens: &[u32], lora_name: Option<&str>) -> Overlap {
         let hashes = self.hash_tokens(tokens, lora_name);
         self.overlaps_hashed(&hashes)

@@ -317,6 +317,7 @@ impl StateMachine {
                 token_ids,
                 block_size,
                 lora_name,
+                cache_salt,
                 tier,
             } => {
                 if *block_size != index.block_size() {
@@ -343,15 +344,26 @@ impl StateMachine {
                         return drop(out, DropReason::ParentMissing);
                     }
                 }
-                let locals = index.hash_tokens(token_ids, lora_name.as_deref());
+                let rank = self.ranks.entry((wid, dp)).or_default();
+                // A salted chain's continuation is hashed under its parent's salt.
+                let salt: Option<std::sync::Arc<str>> = match (cache_salt, parent_hash) {
+                    (Some(s), _) => Some(s.as_str().into()),
+                    (None, Some(p)) => rank.salt(*p),
+                    (None, None) => None,
+                };
+                let locals =
+                    index.hash_tokens_keyed(token_ids, lora_name.as_deref(), salt.as_deref());
                 let mut runs: Vec<(Option<u64>, Vec<_>)> = Vec::new();
                 let mut run_parent = *parent_hash;
                 let mut run = Vec::new();
-                let rank = self.ranks.entry((wid, dp)).or_default();
                 for (&h, &local) in block_hashes.iter().zip(locals.iter()) {
                     let (change, d, g) = rank.adjust(wid, dp, h, Tier::Gpu, true);
                     self.blocks_digest = self.blocks_digest.wrapping_add(d);
                     self.indexed_blocks = self.indexed_blocks.saturating_add_signed(g as i64);
+                    if let Some(s) = &salt {
+                        let d = rank.set_salt(wid, dp, h, s.clone());
+                        self.blocks_digest = self.blocks_digest.wrapping_add(d);
+                    }
                     if change == Change::Appeared {
                         run.push((h, local));
                     } else {

@@ -19,7 +19,7 @@ use crate::machine::{DropReason, Pool, Worker};
 use crate::{PoolIndex, SnapshotError, StateMachine};
 
 const MAGIC: &[u8; 8] = b"KVPSNAP\0";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 
 #[derive(Serialize, Deserialize)]
 struct Payload {
@@ -42,6 +42,7 @@ struct RankSnap {
     worker: u64,
     dp_rank: u32,
     blocks: Vec<(u64, Refs)>,
+    salts: Vec<(u64, String)>,
 }
 
 impl StateMachine {
@@ -57,6 +58,7 @@ impl StateMachine {
                     worker,
                     dp_rank,
                     blocks,
+                    salts: r.salts.iter().map(|(h, s)| (*h, s.to_string())).collect(),
                 }
             })
             .collect();
@@ -180,6 +182,9 @@ impl StateMachine {
                     rank.gpu_blocks += 1;
                 }
                 rank.blocks.insert(h, refs);
+            }
+            for (h, salt) in r.salts {
+                rank.set_salt(r.worker, r.dp_rank, h, salt.into());
             }
             sm.blocks_digest = sm.blocks_digest.wrapping_add(rank.digest);
             sm.indexed_blocks += rank.gpu_blocks;

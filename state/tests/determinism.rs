@@ -100,6 +100,7 @@ fn item(seq: u64, op: &Op) -> IngestItem {
                 token_ids: toks[start * BS as usize..end * BS as usize].to_vec(),
                 block_size: BS,
                 lora_name: None,
+                cache_salt: None,
                 tier: *tier,
             };
             (
@@ -408,6 +409,7 @@ fn applying_many_entries_inside_one_async_task_completes() {
                                 token_ids: (0..BS).map(|t| seq as u32 * 10 + t).collect(),
                                 block_size: BS,
                                 lora_name: None,
+                                cache_salt: None,
                                 tier: Tier::Gpu,
                             }],
                         }),

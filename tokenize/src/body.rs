@@ -36,6 +36,46 @@ pub struct Prompt {
     pub max_tokens: Option<u32>,
 }
 
+/// The fields of a body that decide how to read the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodyFields {
+    pub model: Option<String>,
+    /// `max_tokens`, else `max_completion_tokens`.
+    pub max_tokens: Option<u32>,
+    /// vLLM's `cache_salt`.
+    pub cache_salt: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawFields {
+    #[serde(default)]
+    model: Option<Value>,
+    #[serde(default)]
+    max_tokens: Option<Value>,
+    #[serde(default)]
+    max_completion_tokens: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
+}
+
+/// The model and output limit of a body, without reading its prompt.
+pub fn body_fields(body: &[u8]) -> Result<BodyFields, TokenizeError> {
+    let raw: RawFields =
+        serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))?;
+    Ok(BodyFields {
+        model: raw.model.and_then(|m| m.as_str().map(str::to_owned)),
+        max_tokens: raw
+            .max_tokens
+            .or(raw.max_completion_tokens)
+            .and_then(|n| n.as_u64())
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)),
+        cache_salt: raw
+            .cache_salt
+            .and_then(|s| s.as_str().map(str::to_owned))
+            .filter(|s| !s.is_empty()),
+    })
+}
+
 /// Parses an OpenAI-style body and tokenizes its prompt.
 ///
 /// Completions: `prompt` as a string, an array of token ids, or an array holding one string.

@@ -205,9 +205,10 @@ impl ModelTokenizer {
 
 fn template_error(e: &minijinja::Error) -> String {
     match e.kind() {
-        ErrorKind::InvalidOperation => e
-            .detail()
-            .map_or_else(|| e.to_string(), |d| format!("the chat template refused it: {d}")),
+        ErrorKind::InvalidOperation => e.detail().map_or_else(
+            || e.to_string(),
+            |d| format!("the chat template refused it: {d}"),
+        ),
         _ => e.to_string(),
     }
 }
@@ -250,7 +251,9 @@ fn template_messages(messages: &JValue) -> Result<JValue, TokenizeError> {
         let mut m = m;
         if let Some(content) = attr(&m, "content") {
             match content.kind() {
-                ValueKind::Seq => m = with_field(&m, "content", JValue::from(text_parts(i, &content)?)),
+                ValueKind::Seq => {
+                    m = with_field(&m, "content", JValue::from(text_parts(i, &content)?))
+                }
                 ValueKind::String => {}
                 _ => {
                     return Err(TokenizeError::Unsupported {
@@ -263,7 +266,12 @@ fn template_messages(messages: &JValue) -> Result<JValue, TokenizeError> {
         if let Some(calls) = attr(&m, "tool_calls")
             && calls.kind() == ValueKind::Seq
         {
-            let calls: Vec<JValue> = calls.try_iter().into_iter().flatten().map(|c| tool_call(&c)).collect();
+            let calls: Vec<JValue> = calls
+                .try_iter()
+                .into_iter()
+                .flatten()
+                .map(|c| tool_call(&c))
+                .collect();
             m = with_field(&m, "tool_calls", JValue::from(calls));
         }
         out.push(m);
@@ -276,7 +284,10 @@ fn text_parts(i: usize, parts: &JValue) -> Result<String, TokenizeError> {
     for p in parts.try_iter().into_iter().flatten() {
         let kind = attr(&p, "type");
         let text = attr(&p, "text");
-        match (kind.as_ref().and_then(JValue::as_str), text.as_ref().and_then(JValue::as_str)) {
+        match (
+            kind.as_ref().and_then(JValue::as_str),
+            text.as_ref().and_then(JValue::as_str),
+        ) {
             (Some("text"), Some(t)) => texts.push(t.to_owned()),
             (kind, _) => {
                 return Err(TokenizeError::Unsupported {
@@ -318,10 +329,15 @@ fn environment() -> Environment<'static> {
         env.set_syntax(syntax);
     }
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<JValue, minijinja::Error> {
-        Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<JValue, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_function("strftime_now", |fmt: String| {
+        crate::pytime::strftime_now(&fmt)
     });
-    env.add_function("strftime_now", |fmt: String| crate::pytime::strftime_now(&fmt));
     env.add_filter("tojson", crate::pyjson::tojson);
     env
 }

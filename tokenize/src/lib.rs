@@ -13,7 +13,10 @@ mod pyjson;
 mod pytime;
 mod word;
 
-pub use body::{Prompt, PromptSource, prompt_from_body, prompt_from_body_with, render_chat};
+pub use body::{
+    BodyFields, Prompt, PromptSource, body_fields, prompt_from_body, prompt_from_body_with,
+    render_chat,
+};
 pub use hf::{LoadError, ModelTokenizer};
 pub use word::{VOCAB_SIZE, WordTokenizer};
 

@@ -22,13 +22,23 @@ pub fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         Some(v) => match (v.as_i64(), v.as_str()) {
             (Some(n), _) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
             (None, Some(s)) => Some(s.to_owned()),
-            _ => return Err(Error::new(ErrorKind::InvalidOperation, "indent must be a number or a string")),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "indent must be a number or a string",
+                ));
+            }
         },
     };
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
     let (item_sep, key_sep) = match separators {
         Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
-        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "separators must be two strings")),
+        Some(_) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "separators must be two strings",
+            ));
+        }
         None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
         None => (", ".to_owned(), ": ".to_owned()),
     };
@@ -84,7 +94,7 @@ fn write(out: &mut String, v: &Value, style: &Style, depth: usize) -> Result<(),
                 return Ok(());
             }
             if style.sort_keys {
-                keys.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+                keys.sort_by_key(ToString::to_string);
             }
             out.push('{');
             for (i, k) in keys.iter().enumerate() {

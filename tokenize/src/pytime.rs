@@ -108,7 +108,10 @@ mod tests {
         // 2024-07-26 13:05:09 UTC, a Friday, day 208.
         let t = 1_721_999_109;
         assert_eq!(format(t, "%d %b %Y").unwrap(), "26 Jul 2024");
-        assert_eq!(format(t, "%A %B %j %H:%M:%S %y%%").unwrap(), "Friday July 208 13:05:09 24%");
+        assert_eq!(
+            format(t, "%A %B %j %H:%M:%S %y%%").unwrap(),
+            "Friday July 208 13:05:09 24%"
+        );
         assert_eq!(format(0, "%Y-%m-%d %a").unwrap(), "1970-01-01 Thu");
         assert!(format(t, "%Q").is_err());
     }

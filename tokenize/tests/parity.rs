@@ -89,7 +89,11 @@ fn bad_files_fail_at_load_and_unsupported_content_is_refused_with_a_reason() {
         dir.path().join("tokenizer.json"),
     )
     .unwrap();
-    std::fs::write(dir.path().join("chat_template.jinja"), "{% for m in messages %}").unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )
+    .unwrap();
     let err = ModelTokenizer::load(dir.path()).unwrap_err().to_string();
     assert!(err.contains("chat template does not compile"), "{err}");
 
@@ -102,7 +106,8 @@ fn bad_files_fail_at_load_and_unsupported_content_is_refused_with_a_reason() {
         other => panic!("{other:?}"),
     }
     let llama = ModelTokenizer::load(&fixture("llama3-style")).unwrap();
-    let bad_role = br#"{"messages":[{"role":"system","content":"a"},{"role":"narrator","content":"b"}]}"#;
+    let bad_role =
+        br#"{"messages":[{"role":"system","content":"a"},{"role":"narrator","content":"b"}]}"#;
     match prompt_from_body_with(bad_role, Some(&llama)) {
         Err(TokenizeError::Template(reason)) => {
             assert!(reason.contains("roles must be user"), "{reason}");

@@ -126,6 +126,7 @@ fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
                                 .collect(),
                             block_size,
                             lora_name: None,
+                            cache_salt: None,
                             tier: Tier::Gpu,
                         }],
                     }),

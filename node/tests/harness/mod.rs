@@ -672,21 +672,35 @@ impl Engine {
 
     /// On fixed ports `[http, zmq pub, zmq replay]` (0: any), so a restart keeps its address.
     pub fn start_on(dir: &Path, nats_url: &str, worker: &str, ports: [u16; 3]) -> Self {
+        Self::start_for(dir, nats_url, "default", worker, ports, &[])
+    }
+
+    /// In pool `pool`, with more `kvplane sim engine` flags (`--model`, `--tokenizer`...).
+    pub fn start_for(
+        dir: &Path,
+        nats_url: &str,
+        pool: &str,
+        worker: &str,
+        ports: [u16; 3],
+        sim_args: &[String],
+    ) -> Self {
         std::fs::create_dir_all(dir).unwrap();
         let s = |v: &str| v.to_owned();
+        let mut args = vec![
+            s("sim"),
+            s("engine"),
+            s("--http-listen"),
+            format!("127.0.0.1:{}", ports[0]),
+            s("--zmq-pub"),
+            format!("tcp://127.0.0.1:{}", ports[1]),
+            s("--zmq-replay"),
+            format!("tcp://127.0.0.1:{}", ports[2]),
+            s("--speedup"),
+            s("10"),
+        ];
+        args.extend_from_slice(sim_args);
         let sim = Proc::start(
-            vec![
-                s("sim"),
-                s("engine"),
-                s("--http-listen"),
-                format!("127.0.0.1:{}", ports[0]),
-                s("--zmq-pub"),
-                format!("tcp://127.0.0.1:{}", ports[1]),
-                s("--zmq-replay"),
-                format!("tcp://127.0.0.1:{}", ports[2]),
-                s("--speedup"),
-                s("10"),
-            ],
+            args,
             dir.join(format!("{worker}.sim.log")),
             "kvplane-sim ready",
         );
@@ -694,6 +708,8 @@ impl Engine {
         let bridge = Proc::start(
             vec![
                 s("bridge"),
+                s("--pool"),
+                s(pool),
                 s("--worker"),
                 s(worker),
                 s("--engine-url"),

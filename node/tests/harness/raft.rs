@@ -36,6 +36,7 @@ pub fn chain(tokens: &[u32], salt: u64) -> Vec<u8> {
                 token_ids: tokens[..n * 16].to_vec(),
                 block_size: 16,
                 lora_name: None,
+                cache_salt: None,
                 tier: Tier::Gpu,
             }],
         },

@@ -40,6 +40,31 @@ pub struct InferenceWorkerSetSpec {
     /// Prefill speed of one engine, for predicted TTFT (default: the node's cost model).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_tokens_per_second: Option<f64>,
+    /// A directory on the kvplane nodes holding the model's `tokenizer.json` and
+    /// `tokenizer_config.json` (its chat template), e.g. a mounted ConfigMap: text requests
+    /// for the model are then tokenized exactly as the engines tokenize them. Never downloaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// The served names of the LoRA adapters these engines load (vLLM `--lora-modules`): a
+    /// request naming one is served here, and matches only blocks cached under that adapter
+    /// (the engines' KV events carry its name).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
+}
+
+impl InferenceWorkerSetSpec {
+    /// Whether requests for `model` are served here: the base model or one of its adapters.
+    pub fn serves(&self, model: &str) -> bool {
+        self.model == model || self.lora_adapters.iter().any(|a| a == model)
+    }
+
+    /// The LoRA adapter a request for `model` runs under here, if it names one.
+    pub fn adapter_for<'m>(&self, model: &'m str) -> Option<&'m str> {
+        self.lora_adapters
+            .iter()
+            .any(|a| a == model)
+            .then_some(model)
+    }
 }
 
 fn default_block_size() -> u32 {

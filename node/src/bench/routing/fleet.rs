@@ -175,6 +175,7 @@ pub fn run(reqs: &[Req], params: EngineParams, n: usize, router: &mut dyn Router
                     tokens: req.tokens.clone(),
                     max_tokens: req.max_tokens,
                     lora_name: None,
+                    cache_salt: None,
                 });
                 if submitted.is_err() {
                     out.refused += 1;

@@ -360,6 +360,7 @@ impl Oracle {
             tokens: req.tokens.clone(),
             max_tokens: req.max_tokens,
             lora_name: None,
+            cache_salt: None,
         })
         .ok()?;
         while let Some(step) = copy.step() {

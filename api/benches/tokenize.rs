@@ -1,0 +1,202 @@
+//! `cargo bench -p kvplane-api --bench tokenize`: what tokenizing a chat request with the
+//! model's own tokenizer and chat template costs, at 1k, 8k and 32k prompt tokens, next to the
+//! whole Route decision for the same requests in the same run (Route includes it). Prints one
+//! JSON object.
+//!
+//! Setup: the ChatML-style fixture tokenizer of `tokenize/tests/fixtures` (byte-level BPE),
+//! an InferenceWorkerSet naming it, 16 workers each holding a different system prompt of the
+//! size measured (as KV events of its real tokens); each request is one of those system prompts
+//! plus its own question, so Route finds a worker with most of the prompt cached.
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvplane_api::{CostModel, RouterService, Tokenizers};
+use kvplane_proto::v1::RouteRequest;
+use kvplane_proto::v1::router_server::Router;
+use kvplane_state::{
+    Command, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent,
+    StateMachine, Tier,
+};
+use kvplane_tokenize::ModelTokenizer;
+use serde_json::json;
+
+const WORKERS: usize = 16;
+const BS: u32 = 16;
+const MODEL: &str = "chatml-style";
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tokenize/tests/fixtures/chatml-style")
+}
+
+const TEXT: &str = "Routing a request to the engine that already holds its system prompt avoids \
+    recomputing thousands of tokens. Les modèles répondent en français; 東京は日本の首都です. \
+    def route(request): return min(engines, key=cost) ";
+
+/// A system prompt of about `tokens` tokens, distinct per `variant`.
+fn system_prompt(tok: &ModelTokenizer, tokens: usize, variant: usize) -> String {
+    let mut s = format!("Assistant number {variant}. ");
+    while tok.encode_completion(&s).unwrap().len() < tokens {
+        s.push_str(TEXT);
+    }
+    s
+}
+
+fn body(system: &str, question: usize) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": MODEL,
+        "max_tokens": 64,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": format!("Question {question}: what does this mean for latency?")},
+        ],
+    }))
+    .unwrap()
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+fn stats(mut ns: Vec<u64>) -> serde_json::Value {
+    ns.sort_unstable();
+    json!({"p50_us": percentile(&ns, 0.5), "p99_us": percentile(&ns, 0.99)})
+}
+
+/// A state holding the worker set and `systems[w]` cached on worker `w`.
+fn state(tok: &ModelTokenizer, systems: &[String]) -> StateMachine {
+    let mut sm = StateMachine::new();
+    let set = kvplane_policy::Object {
+        name: "chatml".into(),
+        spec: kvplane_policy::Spec::WorkerSet(
+            serde_json::from_value(json!({
+                "model": MODEL, "blockSize": BS, "tokenizer": fixture().display().to_string(),
+            }))
+            .unwrap(),
+        ),
+    };
+    let mut commands = vec![Command::ConfigApply {
+        puts: vec![ConfigObject::policy(&set)],
+        deletes: Vec::new(),
+    }];
+    let mut items = Vec::new();
+    for (w, system) in systems.iter().enumerate() {
+        let tokens = tok.encode_chat(&body(system, 0)).unwrap();
+        let blocks = tokens.len() / BS as usize;
+        items.push(IngestPayload::Worker {
+            up: true,
+            address: Some(format!("http://w{w}:8000")),
+        });
+        items.push(IngestPayload::Kv(KvBatch {
+            dp_rank: 0,
+            events: vec![KvEvent::Stored {
+                block_hashes: (0..blocks as u64).map(|b| (w as u64) << 32 | b).collect(),
+                parent_hash: None,
+                token_ids: tokens[..blocks * BS as usize].to_vec(),
+                block_size: BS,
+                lora_name: None,
+                cache_salt: None,
+                tier: Tier::Gpu,
+            }],
+        }));
+    }
+    let items: Vec<IngestItem> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, payload)| IngestItem {
+            seq: i as u64 + 1,
+            pool: "chatml".into(),
+            worker: format!("w{}", i / 2),
+            payload,
+        })
+        .collect();
+    commands.push(Command::Ingest(IngestBatch {
+        first_seq: 1,
+        last_seq: items.len() as u64,
+        items,
+    }));
+    for (i, command) in commands.into_iter().enumerate() {
+        let a = sm
+            .apply(&Entry {
+                index: i as u64 + 1,
+                timestamp_ms: 0,
+                command,
+            })
+            .unwrap();
+        assert!(a.rejected.is_none(), "{:?}", a.rejected);
+    }
+    sm
+}
+
+fn main() {
+    let tok = Arc::new(ModelTokenizer::load(&fixture()).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut sizes = Vec::new();
+    for (target, rounds) in [(1_000usize, 400usize), (8_000, 100), (32_000, 30)] {
+        let systems: Vec<String> = (0..WORKERS)
+            .map(|w| system_prompt(&tok, target, w))
+            .collect();
+        let sm = state(&tok, &systems);
+        let tokenizers =
+            Arc::new(Tokenizers::with_models(&[(MODEL.to_owned(), fixture())]).unwrap());
+        let service = RouterService::new(sm.handle(), CostModel::default(), Default::default())
+            .with_tokenizers(tokenizers);
+        let bodies: Vec<Vec<u8>> = (0..rounds)
+            .map(|i| body(&systems[i % WORKERS], i))
+            .collect();
+        let prompt_tokens = tok.encode_chat(&bodies[0]).unwrap().len();
+        // Warm up, then the template and tokenizer alone, then whole Route decisions.
+        for b in bodies.iter().take(5) {
+            tok.encode_chat(b).unwrap();
+        }
+        let mut tokenize_ns = Vec::new();
+        for b in &bodies {
+            let t = Instant::now();
+            std::hint::black_box(tok.encode_chat(b).unwrap());
+            tokenize_ns.push(t.elapsed().as_nanos() as u64);
+        }
+        let mut route_ns = Vec::new();
+        let mut matched = 0u64;
+        for (i, b) in bodies.iter().enumerate() {
+            let req = RouteRequest {
+                request_id: format!("r{i}"),
+                body: b.clone(),
+                ..Default::default()
+            };
+            let t = Instant::now();
+            let r = rt
+                .block_on(service.route(tonic::Request::new(req)))
+                .unwrap()
+                .into_inner();
+            route_ns.push(t.elapsed().as_nanos() as u64);
+            matched += u64::from(r.matched_blocks);
+        }
+        let tokenize = stats(tokenize_ns);
+        let route = stats(route_ns);
+        let share = tokenize["p50_us"].as_f64().unwrap() / route["p50_us"].as_f64().unwrap();
+        sizes.push(json!({
+            "target_tokens": target,
+            "prompt_tokens": prompt_tokens,
+            "body_bytes": bodies[0].len(),
+            "requests": rounds,
+            "tokenize_and_template": tokenize,
+            "route_decision": route,
+            "tokenize_share_of_route_p50": share,
+            "mean_matched_blocks": matched as f64 / rounds as f64,
+        }));
+    }
+    println!(
+        "{}",
+        serde_json::to_string_pretty(
+            &json!({"tokenizer": "chatml-style fixture (byte-level BPE)", "sizes": sizes})
+        )
+        .unwrap()
+    );
+}
