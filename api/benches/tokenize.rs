@@ -38,11 +38,9 @@ const TEXT: &str = "Routing a request to the engine that already holds its syste
 
 /// A system prompt of about `tokens` tokens, distinct per `variant`.
 fn system_prompt(tok: &ModelTokenizer, tokens: usize, variant: usize) -> String {
-    let mut s = format!("Assistant number {variant}. ");
-    while tok.encode_completion(&s).unwrap().len() < tokens {
-        s.push_str(TEXT);
-    }
-    s
+    let per_chunk = tok.encode_completion(&TEXT.repeat(10)).unwrap().len() as f64 / 10.0;
+    let chunks = (tokens as f64 / per_chunk).ceil() as usize;
+    format!("Assistant number {variant}. {}", TEXT.repeat(chunks))
 }
 
 fn body(system: &str, question: usize) -> Vec<u8> {
@@ -144,51 +142,89 @@ fn main() {
             .map(|w| system_prompt(&tok, target, w))
             .collect();
         let sm = state(&tok, &systems);
-        let tokenizers =
-            Arc::new(Tokenizers::with_models(&[(MODEL.to_owned(), fixture())]).unwrap());
-        let service = RouterService::new(sm.handle(), CostModel::default(), Default::default())
-            .with_tokenizers(tokenizers);
+        let service_with = |tokenizers: Arc<Tokenizers>| {
+            RouterService::new(sm.handle(), CostModel::default(), Default::default())
+                .with_tokenizers(tokenizers)
+        };
+        let fresh = || Arc::new(Tokenizers::with_models(&[(MODEL.to_owned(), fixture())]).unwrap());
+        let warm = service_with(fresh());
         let bodies: Vec<Vec<u8>> = (0..rounds)
             .map(|i| body(&systems[i % WORKERS], i))
             .collect();
         let prompt_tokens = tok.encode_chat(&bodies[0]).unwrap().len();
-        // Warm up, then the template and tokenizer alone, then whole Route decisions.
-        for b in bodies.iter().take(5) {
+        let route = |service: &RouterService, req: RouteRequest| {
+            rt.block_on(service.route(tonic::Request::new(req)))
+                .unwrap()
+                .into_inner()
+        };
+        let by_body = |i: usize, b: &[u8]| RouteRequest {
+            request_id: format!("r{i}"),
+            body: b.to_vec(),
+            ..Default::default()
+        };
+        // Warm: every system prompt seen once (the piece cache holds it).
+        for (i, b) in bodies.iter().take(WORKERS).enumerate() {
             tok.encode_chat(b).unwrap();
+            route(&warm, by_body(i, b));
         }
-        let mut tokenize_ns = Vec::new();
-        for b in &bodies {
-            let t = Instant::now();
-            std::hint::black_box(tok.encode_chat(b).unwrap());
-            tokenize_ns.push(t.elapsed().as_nanos() as u64);
-        }
-        let mut route_ns = Vec::new();
+        // Interleaved, request by request: the template alone; template and tokenizer on a
+        // prompt never seen (the whole text) and on one whose system prompt was seen; the whole
+        // Route decision from the body, on a node that never saw the system prompt (cold) and
+        // on one that did (warm); the Route decision given the same token ids.
+        let mut ns: [Vec<u64>; 6] = Default::default();
         let mut matched = 0u64;
         for (i, b) in bodies.iter().enumerate() {
+            let t = Instant::now();
+            std::hint::black_box(tok.render_chat(b).unwrap());
+            ns[0].push(t.elapsed().as_nanos() as u64);
+            let t = Instant::now();
+            let ids = std::hint::black_box(tok.encode_chat_whole(b).unwrap());
+            ns[1].push(t.elapsed().as_nanos() as u64);
+            let t = Instant::now();
+            std::hint::black_box(tok.encode_chat(b).unwrap());
+            ns[2].push(t.elapsed().as_nanos() as u64);
+            let cold = service_with(fresh());
+            let t = Instant::now();
+            route(&cold, by_body(i, b));
+            ns[3].push(t.elapsed().as_nanos() as u64);
+            let t = Instant::now();
+            let r = route(&warm, by_body(i, b));
+            ns[4].push(t.elapsed().as_nanos() as u64);
+            matched += u64::from(r.matched_blocks);
             let req = RouteRequest {
-                request_id: format!("r{i}"),
-                body: b.clone(),
+                request_id: format!("t{i}"),
+                model: MODEL.into(),
+                token_ids: ids,
                 ..Default::default()
             };
             let t = Instant::now();
-            let r = rt
-                .block_on(service.route(tonic::Request::new(req)))
-                .unwrap()
-                .into_inner();
-            route_ns.push(t.elapsed().as_nanos() as u64);
-            matched += u64::from(r.matched_blocks);
+            route(&warm, req);
+            ns[5].push(t.elapsed().as_nanos() as u64);
         }
-        let tokenize = stats(tokenize_ns);
-        let route = stats(route_ns);
-        let share = tokenize["p50_us"].as_f64().unwrap() / route["p50_us"].as_f64().unwrap();
+        let [
+            template,
+            cold_tok,
+            warm_tok,
+            cold_route,
+            warm_route,
+            ids_route,
+        ] = ns.map(stats);
+        let share = |a: &serde_json::Value, b: &serde_json::Value| {
+            a["p50_us"].as_f64().unwrap() / b["p50_us"].as_f64().unwrap()
+        };
         sizes.push(json!({
             "target_tokens": target,
             "prompt_tokens": prompt_tokens,
             "body_bytes": bodies[0].len(),
             "requests": rounds,
-            "tokenize_and_template": tokenize,
-            "route_decision": route,
-            "tokenize_share_of_route_p50": share,
+            "template": template,
+            "tokenize_new_prompt": cold_tok,
+            "tokenize_seen_system_prompt": warm_tok,
+            "route_new_prompt": cold_route,
+            "route_seen_system_prompt": warm_route,
+            "route_given_token_ids": ids_route,
+            "tokenize_share_of_route_new_prompt": share(&cold_tok, &cold_route),
+            "tokenize_share_of_route_seen_system_prompt": share(&warm_tok, &warm_route),
             "mean_matched_blocks": matched as f64 / rounds as f64,
         }));
     }

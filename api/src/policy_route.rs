@@ -116,9 +116,13 @@ impl Fleet for ViewFleet<'_> {
             .iter()
             .map(|w| {
                 let (overlap_blocks, dp_rank) = overlap.best_for(w.id);
-                let f =
-                    self.predictor
-                        .pending(worker_set, &w.name, w.metrics_at_ms, w.metrics.waiting);
+                let f = self.predictor.pending(
+                    worker_set,
+                    &w.name,
+                    w.metrics_at_ms,
+                    w.metrics.waiting,
+                    (w.metrics.ttft_sum_s, w.metrics.ttft_count),
+                );
                 let others = w.metrics.waiting.saturating_sub(f.in_metrics);
                 WorkerState {
                     worker: w.name.clone(),

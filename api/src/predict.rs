@@ -11,7 +11,11 @@
 //!
 //! `rate` is the worker set's `prefillTokensPerSecond` (else the cost model's). `calibration`
 //! is per worker set, learned online from the TTFTs that ReportUsage reports (an exponential
-//! average of observed / predicted, within 0.2..5). A routed request stays pending until its
+//! average of observed / predicted, within 0.2..5). Where gateways do not report usage, the
+//! engines' own TTFT histograms (vLLM's `time_to_first_token_seconds`, in their metrics) stand
+//! in: once the engines of a set counted 32 more first tokens and this replica predicted 32
+//! more, the ratio of their mean TTFT to the mean prediction moves the calibration the same
+//! way (only while no usage was reported for 10 s). A routed request stays pending until its
 //! usage is reported, until metrics sampled after it was routed show nothing waiting, or for a
 //! minute.
 
@@ -29,6 +33,10 @@ pub fn wall_clock() -> Clock {
 }
 
 const PENDING_TTL_MS: u64 = 60_000;
+/// First tokens (observed and predicted) a histogram calibration step needs.
+const HISTOGRAM_STEP: u64 = 32;
+/// Histograms stand in for usage reports only when none came for this long.
+const REPORTS_QUIET_MS: u64 = 10_000;
 const RECENT: usize = 4096;
 const ALPHA: f64 = 0.1;
 
@@ -80,6 +88,19 @@ struct Queue {
     /// Requests that had their first token lately: (routed at, first token at). A metrics
     /// sample taken in between may still count them as waiting.
     started: Vec<(u64, u64)>,
+    /// The engine's TTFT histogram as last seen: (sum in seconds, count).
+    histogram: Option<(f64, u64)>,
+}
+
+/// Since the last histogram calibration step of a worker set: what this replica predicted and
+/// what its engines' histograms observed (sums in ms, counts).
+#[derive(Debug, Default, Clone, Copy)]
+struct HistogramWindow {
+    predicted_ms: f64,
+    predicted: u64,
+    observed_ms: f64,
+    observed: u64,
+    last_report_ms: u64,
 }
 
 impl Inner {
@@ -103,6 +124,47 @@ struct Inner {
     /// An average of the prefill time of the requests this replica routes, by worker set: what
     /// a request the metrics show waiting (another replica's) is taken to cost.
     typical_ms: BTreeMap<String, f64>,
+    /// By worker set (see [`HistogramWindow`]).
+    windows: BTreeMap<String, HistogramWindow>,
+}
+
+impl Inner {
+    /// Folds an engine's histogram sample into its set's window; takes a calibration step when
+    /// the window is full and no usage was reported lately.
+    fn engine_histogram(
+        &mut self,
+        worker_set: &str,
+        worker: &str,
+        now: u64,
+        (sum, count): (f64, u64),
+    ) {
+        let q = self.queue(worker_set, worker);
+        let prev = q.histogram.replace((sum, count));
+        let Some((prev_sum, prev_count)) = prev else {
+            return;
+        };
+        // A restarted engine starts its histogram again.
+        if count <= prev_count || sum < prev_sum {
+            return;
+        }
+        let w = self.windows.entry(worker_set.to_owned()).or_default();
+        w.observed += count - prev_count;
+        w.observed_ms += (sum - prev_sum) * 1000.0;
+        if w.observed < HISTOGRAM_STEP || w.predicted < HISTOGRAM_STEP {
+            return;
+        }
+        let quiet = now.saturating_sub(w.last_report_ms) >= REPORTS_QUIET_MS;
+        let ratio = (w.observed_ms / w.observed as f64) / (w.predicted_ms / w.predicted as f64);
+        let last_report_ms = w.last_report_ms;
+        *w = HistogramWindow {
+            last_report_ms,
+            ..HistogramWindow::default()
+        };
+        if quiet && ratio.is_finite() && ratio > 0.0 {
+            let c = self.calibration.entry(worker_set.to_owned()).or_insert(1.0);
+            *c = (*c * (1.0 - ALPHA + ALPHA * ratio)).clamp(0.2, 5.0);
+        }
+    }
 }
 
 /// This replica's in-flight view and calibration.
@@ -154,9 +216,18 @@ impl Predictor {
         worker: &str,
         metrics_at_ms: u64,
         metrics_waiting: u32,
+        ttft_histogram: (f64, u64),
     ) -> InFlight {
         let now = self.now_ms();
         let mut g = self.lock();
+        if ttft_histogram.1 > 0
+            && g.queues
+                .get(worker_set)
+                .and_then(|s| s.get(worker))
+                .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != ttft_histogram.1))
+        {
+            g.engine_histogram(worker_set, worker, now, ttft_histogram);
+        }
         let Some(q) = g.queues.get_mut(worker_set).and_then(|s| s.get_mut(worker)) else {
             return InFlight::default();
         };
@@ -222,6 +293,9 @@ impl Predictor {
             .entry(worker_set.to_owned())
             .or_insert(prefill_ms);
         *t = *t * (1.0 - ALPHA) + prefill_ms * ALPHA;
+        let w = g.windows.entry(worker_set.to_owned()).or_default();
+        w.predicted += 1;
+        w.predicted_ms += predicted_ms.max(0.0);
         g.queue(worker_set, worker).pending.push(Pending {
             request_id: request_id.to_owned(),
             at_ms,
@@ -269,6 +343,10 @@ impl Predictor {
         if !(predicted_ms > 0.0 && observed_ms > 0.0) {
             return;
         }
+        g.windows
+            .entry(worker_set.to_owned())
+            .or_default()
+            .last_report_ms = now;
         let ratio = observed_ms / predicted_ms;
         self.error_ratio.observe(ratio);
         let c = g.calibration.entry(worker_set.to_owned()).or_insert(1.0);
@@ -310,14 +388,14 @@ mod tests {
         let (p, now) = predictor();
         p.routed("ws", "w0", "a", (1000, 100.0), 150.0);
         p.routed("ws", "w0", "b", (1000, 100.0), 260.0);
-        let f = p.pending("ws", "w0", 0, 0);
+        let f = p.pending("ws", "w0", 0, 0, (0.0, 0));
         assert_eq!((f.requests, f.prefill_tokens, f.busy_ms), (2, 2000, 260));
         now.store(1_100, Ordering::Relaxed);
-        assert_eq!(p.pending("ws", "w0", 0, 0).busy_ms, 160);
+        assert_eq!(p.pending("ws", "w0", 0, 0, (0.0, 0)).busy_ms, 160);
         // The first is reported: it leaves the queue; metrics sampled before it was routed
         // cannot have counted it, one sampled after may.
         p.observed("ws", "w0", "a", 150.0, 140.0);
-        let f = p.pending("ws", "w0", 1_050, 1);
+        let f = p.pending("ws", "w0", 1_050, 1, (0.0, 0));
         assert_eq!((f.requests, f.in_metrics), (1, 2));
         assert!(
             p.outcome("a")
@@ -329,17 +407,17 @@ mod tests {
     fn without_reports_a_request_leaves_once_metrics_after_its_due_time_show_no_queue() {
         let (p, _) = predictor();
         p.routed("ws", "w0", "", (500, 50.0), 100.0);
-        assert_eq!(p.pending("ws", "w0", 1_050, 0).requests, 1);
-        assert_eq!(p.pending("ws", "w0", 1_200, 0).requests, 0);
+        assert_eq!(p.pending("ws", "w0", 1_050, 0, (0.0, 0)).requests, 1);
+        assert_eq!(p.pending("ws", "w0", 1_200, 0, (0.0, 0)).requests, 0);
     }
 
     #[test]
     fn other_replicas_requests_count_until_due_and_calibration_follows_observations() {
         let (p, now) = predictor();
         p.routed_elsewhere("ws", "w1", 990, 1_300);
-        assert_eq!(p.pending("ws", "w1", 0, 0).busy_ms, 300);
+        assert_eq!(p.pending("ws", "w1", 0, 0, (0.0, 0)).busy_ms, 300);
         now.store(1_301, Ordering::Relaxed);
-        assert_eq!(p.pending("ws", "w1", 0, 0).requests, 0);
+        assert_eq!(p.pending("ws", "w1", 0, 0, (0.0, 0)).requests, 0);
         for i in 0..50 {
             let id = format!("r{i}");
             p.routed("ws", "w0", &id, (0, 0.0), 100.0);
@@ -347,5 +425,44 @@ mod tests {
         }
         let c = p.calibration("ws");
         assert!(c > 1.9 && c <= 5.0, "{c}");
+    }
+
+    #[test]
+    fn engine_histograms_calibrate_when_no_usage_is_reported() {
+        let (p, now) = predictor();
+        // 64 requests predicted at 100 ms; the engine's histogram says 200 ms on average.
+        let mut sample = (0.0, 0u64);
+        p.pending("ws", "w0", 0, 0, (0.0, 1));
+        for i in 0..64 {
+            p.routed("ws", "w0", &format!("r{i}"), (0, 0.0), 100.0);
+            sample = (sample.0 + 0.2, sample.1 + 1);
+            now.fetch_add(500, Ordering::Relaxed);
+            p.pending(
+                "ws",
+                "w0",
+                now.load(Ordering::Relaxed),
+                0,
+                (sample.0, sample.1 + 1),
+            );
+        }
+        let c = p.calibration("ws");
+        assert!(c > 1.15, "two steps toward 2: {c}");
+        // Usage reported: the histograms no longer move it.
+        p.routed("ws", "w1", "x", (0, 0.0), 100.0);
+        p.observed("ws", "w1", "x", 100.0, 100.0);
+        let reported = p.calibration("ws");
+        for i in 0..64 {
+            p.routed("ws", "w0", &format!("s{i}"), (0, 0.0), 100.0);
+            sample = (sample.0 + 0.2, sample.1 + 1);
+            now.fetch_add(10, Ordering::Relaxed);
+            p.pending(
+                "ws",
+                "w0",
+                now.load(Ordering::Relaxed),
+                0,
+                (sample.0, sample.1 + 1),
+            );
+        }
+        assert_eq!(p.calibration("ws"), reported);
     }
 }

@@ -249,6 +249,8 @@ impl<P: Proposer> Ingestor<P> {
                         waiting: m.num_requests_waiting,
                         kv_cache_usage: m.kv_cache_usage_perc,
                         prefix_cache_hit_rate: m.prefix_cache_hit_rate,
+                        ttft_sum_s: m.time_to_first_token_seconds_sum,
+                        ttft_count: m.time_to_first_token_seconds_count,
                     }),
                     Err(e) => return self.reject(RejectReason::BadMetrics, seq, subject, &e),
                 }

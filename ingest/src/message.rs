@@ -14,6 +14,12 @@ pub struct MetricsMessage {
     /// 0..=1 (hits / queries over the engine's lifetime); absent when the engine had no queries.
     #[serde(default)]
     pub prefix_cache_hit_rate: f64,
+    /// vLLM's `time_to_first_token_seconds` histogram over the engine's lifetime: its sum (s)
+    /// and count. Absent from older bridges.
+    #[serde(default)]
+    pub time_to_first_token_seconds_sum: f64,
+    #[serde(default)]
+    pub time_to_first_token_seconds_count: u64,
 }
 
 impl MetricsMessage {
@@ -26,6 +32,12 @@ impl MetricsMessage {
             if !(0.0..=1.0).contains(&v) {
                 return Err(format!("{name} must be within 0..=1, got {v}"));
             }
+        }
+        let sum = self.time_to_first_token_seconds_sum;
+        if !(sum.is_finite() && sum >= 0.0) {
+            return Err(format!(
+                "time_to_first_token_seconds_sum must be a non-negative number, got {sum}"
+            ));
         }
         Ok(())
     }

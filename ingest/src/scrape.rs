@@ -67,7 +67,19 @@ pub fn parse_vllm_metrics(text: &str) -> Result<MetricsMessage, ScrapeError> {
             0
         }
     };
+    let ttft_sum = value(&["vllm_time_to_first_token_seconds_sum"]).map_or(0.0, |v| v.0);
+    let ttft_count = value(&["vllm_time_to_first_token_seconds_count"]).map_or(0.0, |v| v.0);
     Ok(MetricsMessage {
+        time_to_first_token_seconds_sum: if ttft_sum.is_finite() {
+            ttft_sum.max(0.0)
+        } else {
+            0.0
+        },
+        time_to_first_token_seconds_count: if ttft_count.is_finite() && ttft_count > 0.0 {
+            ttft_count.round() as u64
+        } else {
+            0
+        },
         num_requests_running: to_u32(running.0),
         num_requests_waiting: to_u32(waiting.0),
         // Averaged over engines (data-parallel ranks) when there are several.

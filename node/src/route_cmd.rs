@@ -244,6 +244,13 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
             "node_id": s.node_id, "role": s.role, "applied_index": s.applied_index,
             "state_digest": s.state_digest, "indexed_blocks": s.indexed_blocks,
             "config_index": s.config_index, "workers": workers,
+            "quota": s.quota.iter().map(|q| json!({
+                "tenant": q.tenant, "model": q.model, "window_start_ms": q.window_start_ms,
+                "window_ms": q.window_ms, "budget_tokens": q.budget_tokens,
+                "granted_tokens": q.granted_tokens, "held_tokens": q.held_tokens,
+                "spent_tokens": q.spent_tokens, "spent_requests": q.spent_requests,
+                "fail_open_tokens": q.fail_open_tokens,
+            })).collect::<Vec<_>>(),
             "ingest": {
                 "applied_stream_sequence": ingest.applied_stream_sequence,
                 "stream_last_sequence": ingest.stream_last_sequence,
@@ -287,6 +294,30 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
             w.kv_cache_usage * 100.0,
             w.address
         );
+    }
+    if !s.quota.is_empty() {
+        println!();
+        println!(
+            "{:<24} {:>14} {:>10} {:>10} {:>10} {:>10} {:>9}",
+            "tenant/model", "window start", "budget", "granted", "held", "spent", "requests"
+        );
+        for q in &s.quota {
+            let scope = if q.model.is_empty() {
+                q.tenant.clone()
+            } else {
+                format!("{}/{}", q.tenant, q.model)
+            };
+            println!(
+                "{:<24} {:>14} {:>10} {:>10} {:>10} {:>10} {:>9}",
+                scope,
+                q.window_start_ms,
+                q.budget_tokens,
+                q.granted_tokens,
+                q.held_tokens,
+                q.spent_tokens,
+                q.spent_requests
+            );
+        }
     }
     Ok(())
 }

@@ -354,6 +354,12 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
     assert_eq!(find("kvplane_raft_voters", None).map(value), Some(3.0));
     assert_eq!(find("kvplane_raft_ready", None).map(value), Some(1.0));
     assert!(find("kvplane_raft_term", None).is_some_and(|s| value(s) >= 1.0));
+    // `kvplane status` shows the tenant's window.
+    let out = harness::kvplane_ok(&["status", "--addr", &node.endpoint()]);
+    assert!(
+        out.contains("tenant/model") && out.lines().any(|l| l.starts_with("acme ")),
+        "{out}"
+    );
     // Every node series the Grafana dashboard in deploy/ plots is one the node exports.
     let known: std::collections::BTreeSet<String> = scrape
         .samples

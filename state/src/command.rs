@@ -165,6 +165,9 @@ pub struct WorkerMetrics {
     pub kv_cache_usage: f64,
     /// Prefix-cache hit rate over the engine's lifetime, 0..=1.
     pub prefix_cache_hit_rate: f64,
+    /// The engine's time-to-first-token histogram so far: sum (seconds) and count.
+    pub ttft_sum_s: f64,
+    pub ttft_count: u64,
 }
 
 impl Entry {

@@ -596,7 +596,9 @@ impl StateMachine {
             h.u64(u64::from(w.metrics.running))
                 .u64(u64::from(w.metrics.waiting))
                 .f64(w.metrics.kv_cache_usage)
-                .f64(w.metrics.prefix_cache_hit_rate);
+                .f64(w.metrics.prefix_cache_hit_rate)
+                .f64(w.metrics.ttft_sum_s)
+                .u64(w.metrics.ttft_count);
         }
         self.quota.hash(&mut h);
         h.finish()

@@ -139,6 +139,7 @@ fn item(seq: u64, op: &Op) -> IngestItem {
                 waiting: *waiting,
                 kv_cache_usage: f64::from(*running) / 10.0,
                 prefix_cache_hit_rate: 0.5,
+                ..Default::default()
             }),
         ),
         Op::Down { w } => (

@@ -43,6 +43,8 @@ pub struct ModelTokenizer {
     has_template: bool,
     /// Special tokens the template may use (`bos_token`, `eos_token`, ...).
     special: Vec<(&'static str, String)>,
+    /// Chat prompts piece by piece, repeated pieces from a cache (see [`crate::segments`]).
+    segments: Option<crate::segments::Segmenter>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -74,6 +76,11 @@ impl ModelTokenizer {
     /// Loads `dir/tokenizer.json`, and `dir/tokenizer_config.json` with its chat template (or
     /// `dir/chat_template.jinja`, which takes precedence, as in transformers).
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        // One request, one thread: a server tokenizes many requests at once, and splitting one
+        // prompt over the thread pool only adds jitter under load.
+        if !tokenizers::utils::parallelism::is_parallelism_configured() {
+            tokenizers::utils::parallelism::set_parallelism(false);
+        }
         let tokenizer_path = dir.join("tokenizer.json");
         let tokenizer =
             tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| LoadError::File {
@@ -124,12 +131,14 @@ impl ModelTokenizer {
                     reason: e.to_string(),
                 })?;
         }
+        let segments = crate::segments::Segmenter::new(&tokenizer);
         Ok(Self {
             dir: dir.to_owned(),
             tokenizer,
             env,
             has_template,
             special,
+            segments,
         })
     }
 
@@ -198,6 +207,17 @@ impl ModelTokenizer {
 
     /// A chat body's prompt ids: the rendered template, without added special tokens.
     pub fn encode_chat(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat(body)?;
+        match &self.segments {
+            Some(s) => s
+                .encode(&self.tokenizer, &text)
+                .map_err(|e| TokenizeError::Tokenizer(e.to_string())),
+            None => self.encode(&text, false),
+        }
+    }
+
+    /// [`ModelTokenizer::encode_chat`] without the piece cache: the tokenizer on the whole text.
+    pub fn encode_chat_whole(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;
         self.encode(&text, false)
     }

@@ -11,6 +11,7 @@ mod body;
 mod hf;
 mod pyjson;
 mod pytime;
+mod segments;
 mod word;
 
 pub use body::{

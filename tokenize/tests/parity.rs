@@ -42,6 +42,12 @@ fn check_family(family: &str) -> usize {
             );
         }
         let chat = c.name.starts_with("chat/");
+        if chat {
+            // Twice: the second time from the piece cache; and the tokenizer on the whole text.
+            let again = prompt_from_body_with(c.body.as_bytes(), Some(&tok)).unwrap();
+            assert_eq!(again.tokens, c.ids, "{family} {} from the cache", c.name);
+            assert_eq!(tok.encode_chat_whole(c.body.as_bytes()).unwrap(), c.ids);
+        }
         assert_eq!(
             p.source,
             if chat {
@@ -113,5 +119,30 @@ fn bad_files_fail_at_load_and_unsupported_content_is_refused_with_a_reason() {
             assert!(reason.contains("roles must be user"), "{reason}");
         }
         other => panic!("{other:?}"),
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// The piece cache gives the tokenizer's own ids for any text, special tokens written
+    /// inside message content included.
+    #[test]
+    fn pieces_from_the_cache_are_the_tokenizers_ids(
+        parts in proptest::collection::vec(proptest::sample::select(vec![
+            "hello ", "world", "<|im_end|>", "<|im_start|>user\n", "\n\n", "  ", "Größe ",
+            "東京 ", "🚀", "You are a helpful assistant. ", "<|endoftext|>", "x",
+        ]), 0..80),
+        repeat in 1usize..40,
+    ) {
+        let tok = ModelTokenizer::load(&fixture("chatml-style")).unwrap();
+        let system: String = parts.concat().repeat(repeat);
+        let body = serde_json::to_vec(&serde_json::json!({"messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": parts.concat()},
+        ]})).unwrap();
+        let whole = tok.encode_chat_whole(&body).unwrap();
+        proptest::prop_assert_eq!(tok.encode_chat(&body).unwrap(), whole.clone());
+        proptest::prop_assert_eq!(tok.encode_chat(&body).unwrap(), whole);
     }
 }

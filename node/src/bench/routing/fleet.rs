@@ -152,6 +152,7 @@ pub fn run(reqs: &[Req], params: EngineParams, n: usize, router: &mut dyn Router
                             waiting: s.waiting,
                             kv_cache_usage: s.kv_cache_usage,
                             prefix_cache_hit_rate: hit,
+                            ..Default::default()
                         }),
                     );
                 }
