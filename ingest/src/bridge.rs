@@ -9,7 +9,9 @@
 //!   blocks rather than keep a wrong picture.
 //! - Metrics: scrapes the engine's `/metrics` every interval and publishes a
 //!   [`MetricsMessage`] on `kvplane.metrics.<pool>.<worker>`; announces the worker up (with its
-//!   address) when the engine answers and down after three failed scrapes in a row.
+//!   address) when the engine answers (and again every `announce_every` while it does: an
+//!   announcement that arrived before the worker's InferenceWorkerSet existed was dropped) and
+//!   down after three failed scrapes in a row.
 //! - NATS or the engine going away is never fatal: the bridge reconnects, holds up to
 //!   `max_pending` batches, and counts what it could not deliver.
 
@@ -48,6 +50,10 @@ pub struct BridgeConfig {
     pub scrape_interval: Duration,
     pub max_pending: usize,
     pub replay_timeout: Duration,
+    /// While up, the worker is announced again this often: an announcement that reached the
+    /// cluster before its worker set existed (and was dropped as of an unknown pool) is made
+    /// good.
+    pub announce_every: Duration,
 }
 
 /// Counters of one bridge.
@@ -591,6 +597,7 @@ async fn scrape_loop(
         .clone()
         .unwrap_or_else(|| cfg.engine_url.clone());
     let mut up: Option<bool> = None;
+    let mut announced = tokio::time::Instant::now();
     let mut failures = 0u32;
     let mut comebacks = 0u64;
     let mut tick = tokio::time::interval(cfg.scrape_interval);
@@ -603,7 +610,7 @@ async fn scrape_loop(
         match scrape(&client, &url).await {
             Ok(m) => {
                 failures = 0;
-                if up != Some(true) {
+                if up != Some(true) || announced.elapsed() >= cfg.announce_every {
                     if up == Some(false) {
                         comebacks += 1;
                         let _ = resubscribe.send(comebacks);
@@ -613,8 +620,11 @@ async fn scrape_loop(
                         address: Some(address.clone()),
                     };
                     if publish_json(&js, worker_subject(&cfg.pool, &cfg.worker), &msg).await {
+                        if up != Some(true) {
+                            tracing::info!(address, "worker announced up");
+                        }
                         up = Some(true);
-                        tracing::info!(address, "worker announced up");
+                        announced = tokio::time::Instant::now();
                     }
                 }
                 if !publish_json(&js, metrics_subject(&cfg.pool, &cfg.worker), &m).await {

@@ -49,6 +49,9 @@ pub struct BridgeArgs {
     /// Address for the bridge's own /metrics. Port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub http_listen: String,
+    /// While the engine is up, announce it again this often (ms).
+    #[arg(long, default_value_t = 30_000)]
+    pub announce_every_ms: u64,
 }
 
 pub async fn bridge(
@@ -112,6 +115,7 @@ pub async fn bridge(
         scrape_interval: Duration::from_millis(a.scrape_interval_ms),
         max_pending: a.max_pending,
         replay_timeout: Duration::from_secs(2),
+        announce_every: Duration::from_millis(a.announce_every_ms.max(1)),
     };
     println!("kvplane-bridge ready http={addr}");
     let task = tokio::spawn(run(cfg, metrics, stop_rx));

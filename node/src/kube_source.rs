@@ -163,6 +163,7 @@ pub async fn run(
     state: StateHandle,
     leading: impl Fn() -> bool + Send,
     metrics: Arc<KubeSourceMetrics>,
+    synced: crate::policy_source::Synced,
     mut stop: watch::Receiver<bool>,
 ) {
     let apis: BTreeMap<Kind, Api<DynamicObject>> = Kind::ALL
@@ -219,6 +220,7 @@ pub async fn run(
         }
         if mirror.complete() && leading() {
             reconcile(&mirror, &apis, &log, &state, &metrics, &mut written).await;
+            synced.send_modify(|n| *n += 1);
         } else {
             written.clear();
         }

@@ -42,7 +42,12 @@ impl PolicySourceMetrics {
     }
 }
 
+/// Counts the config sources' passes while leading: a new leader's ingest waits for one, so
+/// the catalog (and the pools of its worker sets) is in the state before the engines' messages.
+pub type Synced = Arc<watch::Sender<u64>>;
+
 /// Keeps the state's catalog equal to `dir` while `leading()` holds, until `stop`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     dir: PathBuf,
     every: Duration,
@@ -50,6 +55,7 @@ pub async fn run(
     state: StateHandle,
     leading: impl Fn() -> bool + Send,
     metrics: Arc<PolicySourceMetrics>,
+    synced: Synced,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut last_problems = Vec::new();
@@ -65,6 +71,7 @@ pub async fn run(
                 &tokenizers,
             )
             .await;
+            synced.send_modify(|n| *n += 1);
         }
         tokio::select! {
             _ = tokio::time::sleep(every) => {}

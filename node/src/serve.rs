@@ -262,6 +262,7 @@ pub async fn run(
         });
     }
 
+    let synced: crate::policy_source::Synced = Arc::new(watch::channel(0).0);
     // Ingest: always on a standalone node; only while leading on a cluster member.
     let nats = async_nats::ConnectOptions::new()
         .name(format!("kvplane-{}", cfg.node_id))
@@ -284,15 +285,26 @@ pub async fn run(
             log.clone(),
         );
         match member.clone() {
-            None => tokio::spawn(async move {
-                let ingestor = Ingestor::new(js, icfg, log, m);
-                if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
-                    tracing::error!(error = %e, "ingest stopped");
-                }
-            }),
+            None => {
+                let mut first = (cfg.policy_dir.is_some() || cfg.policy_kubernetes.is_some())
+                    .then(|| synced.subscribe());
+                tokio::spawn(async move {
+                    if let Some(rx) = &mut first {
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > 0))
+                                .await;
+                    }
+                    let ingestor = Ingestor::new(js, icfg, log, m);
+                    if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
+                        tracing::error!(error = %e, "ingest stopped");
+                    }
+                })
+            }
             Some(member) => {
                 let cfg = cfg.clone();
-                tokio::spawn(lead_ingest(member, cfg, js, icfg, log, m, h, rx))
+                let first = (cfg.policy_dir.is_some() || cfg.policy_kubernetes.is_some())
+                    .then(|| synced.subscribe());
+                tokio::spawn(lead_ingest(member, cfg, js, icfg, log, m, h, first, rx))
             }
         }
     };
@@ -413,6 +425,7 @@ pub async fn run(
             handle.clone(),
             leading(&member),
             policy_metrics.clone(),
+            synced.clone(),
             stop_rx.clone(),
         ))
     });
@@ -426,6 +439,7 @@ pub async fn run(
             handle.clone(),
             leading(&member),
             kube_metrics.clone(),
+            synced.clone(),
             stop_rx.clone(),
         ))
     });
@@ -523,11 +537,18 @@ async fn lead_ingest(
     log: Log,
     metrics: Arc<IngestMetrics>,
     handle: StateHandle,
+    mut config_synced: Option<watch::Receiver<u64>>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         if !member.wait_leadership(&mut stop).await {
             return;
+        }
+        // The config sources apply what they have first (at most 10 s): an engine's messages
+        // for a worker set the catalog is about to hold are not dropped as of an unknown pool.
+        if let Some(rx) = &mut config_synced {
+            let seen = *rx.borrow_and_update();
+            let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > seen)).await;
         }
         tracing::info!(
             applied = handle.load().applied_index,

@@ -10,8 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness::{Cluster, NodeOptions, prompt, publish, wait_for};
-use kvplane_ingest::worker_subject;
+use harness::{Cluster, prompt, wait_for};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -38,45 +37,7 @@ spec:
 
 /// A 3-node cluster with the policies above and one live worker `gpu/w0`.
 async fn started(env: Vec<(String, String)>) -> (Cluster, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("tenants.yaml"), POLICIES).unwrap();
-    let o = NodeOptions {
-        policy_dir: Some(dir.path().to_owned()),
-        env,
-        ..Default::default()
-    };
-    let (cluster, js) = harness::started(&o).await;
-    publish(
-        &js,
-        worker_subject("gpu", "w0"),
-        br#"{"status":"up","address":"http://w0:8000"}"#.to_vec(),
-    )
-    .await;
-    // On a timeout, say what each replica holds and what the stream has.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let mut seen = String::new();
-        let mut ready = true;
-        for n in &cluster.nodes {
-            let s = n.status().await;
-            seen.push_str(&format!(
-                "{}: index {}, objects {:?}, workers {:?}\n",
-                n.name, s.applied_index, s.policy_objects, s.workers
-            ));
-            ready &= s.policy_objects.get("InferencePolicy") == Some(&1)
-                && s.workers.iter().any(|w| w.up);
-        }
-        if ready {
-            break;
-        }
-        if std::time::Instant::now() > deadline {
-            let mut stream = js.get_stream("KVPLANE").await.unwrap();
-            let state = stream.info().await.unwrap().state.clone();
-            panic!("the replicas do not know the limits and the worker:\n{seen}stream: {state:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (cluster, dir)
+    harness::started_with_policies(POLICIES, env).await
 }
 
 fn acme_request(id: &str) -> RouteRequest {

@@ -11,8 +11,7 @@ mod harness;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use harness::{Cluster, NodeOptions, prompt, publish, wait_for};
-use kvplane_ingest::worker_subject;
+use harness::{Cluster, prompt, wait_for};
 use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
 
 /// Budgets per 2 s window: acme 20,000 tokens, beta 10,000.
@@ -205,36 +204,7 @@ fn check_windows(
 }
 
 async fn started() -> (Cluster, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("tenants.yaml"), POLICIES).unwrap();
-    let o = NodeOptions {
-        policy_dir: Some(dir.path().to_owned()),
-        ..Default::default()
-    };
-    let (cluster, js) = harness::started(&o).await;
-    publish(
-        &js,
-        worker_subject("gpu", "w0"),
-        br#"{"status":"up","address":"http://w0:8000"}"#.to_vec(),
-    )
-    .await;
-    wait_for(
-        "every replica to know the limits and the worker",
-        Duration::from_secs(30),
-        || async {
-            for n in &cluster.nodes {
-                let s = n.status().await;
-                if s.policy_objects.get("InferencePolicy") != Some(&1)
-                    || s.workers.iter().all(|w| !w.up)
-                {
-                    return None;
-                }
-            }
-            Some(())
-        },
-    )
-    .await;
-    (cluster, dir)
+    harness::started_with_policies(POLICIES, Vec::new()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -76,6 +76,69 @@ pub async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Contex
     (cluster, js)
 }
 
+/// Three Raft members keeping the state in line with the policy file `policies` (which defines
+/// worker set `gpu`), and worker `gpu/w0` announced; returns once every replica knows both. On
+/// a timeout it says what each replica holds and what the stream has.
+pub async fn started_with_policies(
+    policies: &str,
+    env: Vec<(String, String)>,
+) -> (Cluster, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("policies.yaml"), policies).unwrap();
+    let o = NodeOptions {
+        policy_dir: Some(dir.path().to_owned()),
+        env,
+        ..Default::default()
+    };
+    let (cluster, js) = started(&o).await;
+    publish(
+        &js,
+        kvplane_ingest::worker_subject("gpu", "w0"),
+        br#"{"status":"up","address":"http://w0:8000"}"#.to_vec(),
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut seen = String::new();
+        let mut ready = true;
+        for n in &cluster.nodes {
+            let s = n.status().await;
+            seen.push_str(&format!(
+                "{} ({}): index {}, objects {:?}, workers {:?}, ingest {:?}\n",
+                n.name, s.role, s.applied_index, s.policy_objects, s.workers, s.ingest
+            ));
+            ready &= s.policy_objects.get("InferencePolicy") == Some(&1)
+                && s.workers.iter().any(|w| w.up);
+        }
+        if ready {
+            return (cluster, dir);
+        }
+        if std::time::Instant::now() > deadline {
+            let mut stream = js.get_stream("KVPLANE").await.unwrap();
+            let state = stream.info().await.unwrap().state.clone();
+            let logs: Vec<String> = cluster
+                .nodes
+                .iter()
+                .map(|n| {
+                    let log = n.log();
+                    let tail: Vec<&str> = log
+                        .lines()
+                        .filter(|l| !l.contains("openraft"))
+                        .rev()
+                        .take(15)
+                        .collect();
+                    format!("{}:\n{}", n.name, tail.join("\n"))
+                })
+                .collect();
+            panic!(
+                "the replicas do not know the policies and the worker:\n{seen}stream: {state:?}\n{}",
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Cluster {
     /// Waits until every node in `among` applied the stream up to `last` and all report the
     /// same digest and index size; returns the digest.

@@ -114,6 +114,7 @@ fn start(api: FakeApi) -> Source {
         state.clone(),
         move || l.load(Ordering::SeqCst),
         Arc::new(KubeSourceMetrics::default()),
+        Arc::new(tokio::sync::watch::channel(0).0),
         stop_rx,
     ));
     Source {
