@@ -430,39 +430,25 @@ mod tests {
     #[test]
     fn engine_histograms_calibrate_when_no_usage_is_reported() {
         let (p, now) = predictor();
-        // 64 requests predicted at 100 ms; the engine's histogram says 200 ms on average.
-        let mut sample = (0.0, 0u64);
-        p.pending("ws", "w0", 0, 0, (0.0, 1));
-        for i in 0..64 {
-            p.routed("ws", "w0", &format!("r{i}"), (0, 0.0), 100.0);
-            sample = (sample.0 + 0.2, sample.1 + 1);
-            now.fetch_add(500, Ordering::Relaxed);
-            p.pending(
-                "ws",
-                "w0",
-                now.load(Ordering::Relaxed),
-                0,
-                (sample.0, sample.1 + 1),
-            );
-        }
-        let c = p.calibration("ws");
+        // Requests predicted at 100 ms; the engine's histogram says 200 ms on average.
+        let mut count = 1u64;
+        p.pending("ws", "w0", 0, 0, (0.0, count));
+        let mut run = |tag: &str, step_ms: u64| {
+            for i in 0..64 {
+                p.routed("ws", "w0", &format!("{tag}{i}"), (0, 0.0), 100.0);
+                count += 1;
+                now.fetch_add(step_ms, Ordering::Relaxed);
+                let at = now.load(Ordering::Relaxed);
+                p.pending("ws", "w0", at, 0, (0.2 * (count - 1) as f64, count));
+            }
+            p.calibration("ws")
+        };
+        let c = run("r", 500);
         assert!(c > 1.15, "two steps toward 2: {c}");
         // Usage reported: the histograms no longer move it.
         p.routed("ws", "w1", "x", (0, 0.0), 100.0);
         p.observed("ws", "w1", "x", 100.0, 100.0);
         let reported = p.calibration("ws");
-        for i in 0..64 {
-            p.routed("ws", "w0", &format!("s{i}"), (0, 0.0), 100.0);
-            sample = (sample.0 + 0.2, sample.1 + 1);
-            now.fetch_add(10, Ordering::Relaxed);
-            p.pending(
-                "ws",
-                "w0",
-                now.load(Ordering::Relaxed),
-                0,
-                (sample.0, sample.1 + 1),
-            );
-        }
-        assert_eq!(p.calibration("ws"), reported);
+        assert_eq!(run("s", 10), reported);
     }
 }

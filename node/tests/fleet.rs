@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, NodeOptions, Proc, wait_for};
+use harness::{Cluster, Engine, NodeOptions, wait_for};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -87,21 +87,14 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
         .collect();
     let node = &cluster.nodes[0];
     wait_workers_up(node, 3).await;
-    let gateway = Proc::start(
-        vec![
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--replicas".into(),
-            // A dead replica first: the gateway fails over to the live one.
-            format!(
-                "http://127.0.0.1:{},{}",
-                harness::free_port(),
-                node.endpoint()
-            ),
-        ],
+    // A dead replica first: the gateway fails over to the live one.
+    let gateway = harness::gateway(
+        &format!(
+            "http://127.0.0.1:{},{}",
+            harness::free_port(),
+            node.endpoint()
+        ),
         root.join("gateway.log"),
-        "kvplane-gateway ready",
     );
     let gw = format!("http://{}/v1/chat/completions", gateway.field("http"));
 
@@ -321,17 +314,7 @@ async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_mode
         .collect();
     let node = &cluster.nodes[0];
     wait_workers_up(node, 3).await;
-    let gateway = Proc::start(
-        vec![
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--replicas".into(),
-            node.endpoint(),
-        ],
-        root.join("gateway.log"),
-        "kvplane-gateway ready",
-    );
+    let gateway = harness::gateway(&node.endpoint(), root.join("gateway.log"));
     let system = "You are a helpful assistant. Routing a request to the engine that already holds \
                   its system prompt avoids recomputing thousands of tokens. "
         .repeat(12);

@@ -183,17 +183,7 @@ async fn a_route_call_with_a_traceparent_continues_that_trace_with_the_decision_
     );
 
     // Through the gateway: the caller's traceparent header reaches kvplane's Route.
-    let gateway = harness::Proc::start(
-        vec![
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--replicas".into(),
-            node.endpoint(),
-        ],
-        cluster.root.path().join("gateway.log"),
-        "kvplane-gateway ready",
-    );
+    let gateway = harness::gateway(&node.endpoint(), cluster.root.path().join("gateway.log"));
     let http_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let _ = reqwest::Client::new()
         .post(format!("http://{}/v1/completions", gateway.field("http")))

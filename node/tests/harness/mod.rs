@@ -600,6 +600,21 @@ pub fn field(line: &str, key: &str) -> String {
         .to_owned()
 }
 
+/// `kvplane gateway` on a free port in front of `replicas` (comma-separated gRPC URLs).
+pub fn gateway(replicas: &str, log: PathBuf) -> Proc {
+    Proc::start(
+        vec![
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            replicas.into(),
+        ],
+        log,
+        "kvplane-gateway ready",
+    )
+}
+
 /// A process killed when dropped.
 pub struct Proc {
     pub child: Option<Child>,
