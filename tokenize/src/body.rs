@@ -56,13 +56,22 @@ struct RawFields {
     max_completion_tokens: Option<Value>,
     #[serde(default)]
     cache_salt: Option<Value>,
+    /// Only whether it is there: the chat template reads the messages from the bytes.
+    #[serde(default)]
+    messages: Option<serde::de::IgnoredAny>,
+}
+
+fn raw_fields(body: &[u8]) -> Result<RawFields, TokenizeError> {
+    serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))
 }
 
 /// The model and output limit of a body, without reading its prompt.
 pub fn body_fields(body: &[u8]) -> Result<BodyFields, TokenizeError> {
-    let raw: RawFields =
-        serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))?;
-    Ok(BodyFields {
+    Ok(fields_of(raw_fields(body)?))
+}
+
+fn fields_of(raw: RawFields) -> BodyFields {
+    BodyFields {
         model: raw.model.and_then(|m| m.as_str().map(str::to_owned)),
         max_tokens: raw
             .max_tokens
@@ -73,7 +82,7 @@ pub fn body_fields(body: &[u8]) -> Result<BodyFields, TokenizeError> {
             .cache_salt
             .and_then(|s| s.as_str().map(str::to_owned))
             .filter(|s| !s.is_empty()),
-    })
+    }
 }
 
 /// Parses an OpenAI-style body and tokenizes its prompt.
@@ -91,6 +100,20 @@ pub fn prompt_from_body_with(
     body: &[u8],
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Prompt, TokenizeError> {
+    // A chat body for a model's own template: read once for its fields (skipping the
+    // messages), once by the template, never copied into a JSON tree.
+    if let Some(t) = tokenizer {
+        let raw = raw_fields(body)?;
+        if raw.messages.is_some() {
+            let f = fields_of(raw);
+            return Ok(Prompt {
+                tokens: t.encode_chat(body)?,
+                source: PromptSource::Chat,
+                model: f.model,
+                max_tokens: f.max_tokens,
+            });
+        }
+    }
     let v: Value =
         serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidJson(e.to_string()))?;
     let model = v.get("model").and_then(Value::as_str).map(str::to_owned);
