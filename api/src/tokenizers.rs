@@ -2,7 +2,9 @@
 //!
 //! Two sources: the node config (`[[tokenizers]] model, dir`: loaded at start, a bad file is a
 //! config error) and each InferenceWorkerSet's `tokenizer` directory (loaded in the background
-//! as the catalog names it, see [`run_loader`]). The request path only looks up what is loaded:
+//! as the catalog names it, see [`run_loader`], and by the policy sources, which refuse a worker
+//! set whose files do not load: [`Tokenizers::check`]; one load serves both, and a directory
+//! whose files change is loaded again). The request path only looks up what is loaded:
 //! it never reads a file. A worker set whose files do not load is logged and counted
 //! (`kvplane_tokenizer_load_failures_total`); its text requests are tokenized with the built-in
 //! tokenizer until the files load, which only costs prefix hits.
@@ -10,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use kvplane_state::{StateHandle, View};
 use kvplane_tokenize::{LoadError, ModelTokenizer};
@@ -18,10 +20,28 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+/// The modification times of a directory's tokenizer files.
+type Stamp = [Option<SystemTime>; 3];
+
+fn stamp(dir: &Path) -> Stamp {
+    [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ]
+    .map(|f| {
+        std::fs::metadata(dir.join(f))
+            .and_then(|m| m.modified())
+            .ok()
+    })
+}
+
+/// A directory as last loaded: its files' stamp, and the tokenizer or why it did not load.
+type Entry = (Stamp, Result<Arc<ModelTokenizer>, String>);
+
 #[derive(Debug, Default)]
 struct Loaded {
-    /// By directory: the tokenizer, or why it did not load.
-    dirs: BTreeMap<PathBuf, Result<Arc<ModelTokenizer>, String>>,
+    dirs: BTreeMap<PathBuf, Entry>,
     /// From the node config: model to directory.
     models: BTreeMap<String, PathBuf>,
 }
@@ -42,7 +62,7 @@ impl Tokenizers {
             let mut g = t.write();
             for (model, dir) in models {
                 let tok = ModelTokenizer::load(dir)?;
-                g.dirs.insert(dir.clone(), Ok(Arc::new(tok)));
+                g.dirs.insert(dir.clone(), (stamp(dir), Ok(Arc::new(tok))));
                 g.models.insert(model.clone(), dir.clone());
             }
             t.loaded
@@ -86,40 +106,35 @@ impl Tokenizers {
                 .find(|s| s.serves(model) && s.tokenizer.is_some())
                 .and_then(|s| s.tokenizer.as_deref().map(PathBuf::from))
         })?;
-        g.dirs.get(&dir).and_then(|r| r.as_ref().ok()).cloned()
+        g.dirs.get(&dir).and_then(|(_, r)| r.as_ref().ok()).cloned()
     }
 
-    /// Why the tokenizer in `dir` did not load, if it did not.
-    pub fn problem(&self, dir: &Path) -> Option<String> {
-        self.read()
-            .dirs
-            .get(dir)
-            .and_then(|r| r.as_ref().err())
-            .cloned()
-    }
-
-    /// Loads each directory of `dirs` not tried yet (blocking: call off the request path).
-    fn load_new(&self, dirs: &[PathBuf]) {
-        for dir in dirs {
-            if self.read().dirs.contains_key(dir) {
-                continue;
-            }
-            let result = match ModelTokenizer::load(dir) {
-                Ok(t) => {
-                    tracing::info!(dir = %dir.display(), "model tokenizer loaded");
-                    Ok(Arc::new(t))
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "model tokenizer did not load");
-                    self.failures.inc();
-                    Err(e.to_string())
-                }
-            };
-            let mut g = self.write();
-            g.dirs.insert(dir.clone(), result);
-            let ok = g.dirs.values().filter(|r| r.is_ok()).count();
-            self.loaded.set(i64::try_from(ok).unwrap_or(i64::MAX));
+    /// Whether the tokenizer in `dir` loads: loaded now if it was never tried or its files
+    /// changed since (blocking: call off the request path), else as it last did.
+    pub fn check(&self, dir: &Path) -> Result<(), String> {
+        let now = stamp(dir);
+        if let Some((s, r)) = self.read().dirs.get(dir)
+            && *s == now
+        {
+            return r.as_ref().map(drop).map_err(Clone::clone);
         }
+        let result = match ModelTokenizer::load(dir) {
+            Ok(t) => {
+                tracing::info!(dir = %dir.display(), "model tokenizer loaded");
+                Ok(Arc::new(t))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "model tokenizer did not load");
+                self.failures.inc();
+                Err(e.to_string())
+            }
+        };
+        let answer = result.as_ref().map(drop).map_err(Clone::clone);
+        let mut g = self.write();
+        g.dirs.insert(dir.to_owned(), (now, result));
+        let ok = g.dirs.values().filter(|(_, r)| r.is_ok()).count();
+        self.loaded.set(i64::try_from(ok).unwrap_or(i64::MAX));
+        answer
     }
 }
 
@@ -136,9 +151,8 @@ fn named(view: &View) -> Vec<PathBuf> {
     dirs
 }
 
-/// Loads the tokenizers the worker sets name as they appear (checked every `every`), until
-/// `stop`. A directory that failed is tried again when a worker set names it anew (the node
-/// restarts, or the object changes to another directory).
+/// Loads the tokenizers the worker sets name as they appear or their files change (checked
+/// every `every`), until `stop`.
 pub async fn run_loader(
     tokenizers: Arc<Tokenizers>,
     state: StateHandle,
@@ -149,11 +163,43 @@ pub async fn run_loader(
         let dirs = named(&state.load());
         if !dirs.is_empty() {
             let t = tokenizers.clone();
-            let _ = tokio::task::spawn_blocking(move || t.load_new(&dirs)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                for d in &dirs {
+                    let _ = t.check(d);
+                }
+            })
+            .await;
         }
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_is_checked_once_and_again_when_its_files_change() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tokenize/tests/fixtures/chatml-style/tokenizer.json");
+        let dir = std::env::temp_dir().join(format!("kvplane-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let t = Tokenizers::default();
+        let missing = t.check(&dir).unwrap_err();
+        assert!(missing.contains("tokenizer.json"), "{missing}");
+        assert_eq!(t.failures.get(), 1);
+        assert!(t.check(&dir).is_err());
+        assert_eq!(
+            t.failures.get(),
+            1,
+            "not loaded again while the files are the same"
+        );
+        std::fs::copy(fixture, dir.join("tokenizer.json")).unwrap();
+        assert_eq!(t.check(&dir), Ok(()));
+        assert_eq!(t.loaded.get(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

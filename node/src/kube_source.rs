@@ -103,7 +103,7 @@ struct Mirror {
     stores: BTreeMap<Kind, reflector::Store<DynamicObject>>,
     ready: BTreeSet<Kind>,
     /// Worker sets' tokenizer directories, checked before they are admitted.
-    tokenizers: crate::tokenizer_check::TokenizerCheck,
+    tokenizers: Arc<kvplane_api::Tokenizers>,
 }
 
 impl Mirror {
@@ -128,7 +128,7 @@ impl Mirror {
 
 fn submitted(
     objects: &BTreeMap<Key, Arc<DynamicObject>>,
-    tokenizers: &crate::tokenizer_check::TokenizerCheck,
+    tokenizers: &kvplane_api::Tokenizers,
 ) -> Vec<Submitted> {
     objects
         .iter()
@@ -136,10 +136,12 @@ fn submitted(
             kind: *kind,
             name: name.clone(),
             object: parse(*kind, name, o).and_then(|obj| match &obj.spec {
-                kvplane_policy::Spec::WorkerSet(s) => match tokenizers.problem(s) {
-                    Some(p) => Err(p),
-                    None => Ok(obj),
-                },
+                kvplane_policy::Spec::WorkerSet(s) => {
+                    match crate::policy_source::tokenizer_problem(tokenizers, s) {
+                        Some(p) => Err(p),
+                        None => Ok(obj),
+                    }
+                }
                 _ => Ok(obj),
             }),
         })
@@ -164,6 +166,7 @@ pub async fn run(
     leading: impl Fn() -> bool + Send,
     metrics: Arc<KubeSourceMetrics>,
     synced: crate::policy_source::Synced,
+    tokenizers: Arc<kvplane_api::Tokenizers>,
     mut stop: watch::Receiver<bool>,
 ) {
     let apis: BTreeMap<Kind, Api<DynamicObject>> = Kind::ALL
@@ -178,7 +181,7 @@ pub async fn run(
     let mut mirror = Mirror {
         stores: BTreeMap::new(),
         ready: BTreeSet::new(),
-        tokenizers: Default::default(),
+        tokenizers,
     };
     let mut streams: Vec<
         BoxStream<'static, (Kind, watcher::Result<watcher::Event<DynamicObject>>)>,

@@ -24,4 +24,3 @@ pub mod serve;
 mod sim_cmd;
 pub mod snapshot_store;
 pub mod telemetry;
-mod tokenizer_check;

@@ -56,10 +56,10 @@ pub async fn run(
     leading: impl Fn() -> bool + Send,
     metrics: Arc<PolicySourceMetrics>,
     synced: Synced,
+    tokenizers: Arc<kvplane_api::Tokenizers>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut last_problems = Vec::new();
-    let tokenizers = crate::tokenizer_check::TokenizerCheck::default();
     loop {
         if leading() {
             sync_once(
@@ -106,7 +106,7 @@ async fn sync_once(
     state: &StateHandle,
     metrics: &PolicySourceMetrics,
     last_problems: &mut Vec<String>,
-    tokenizers: &crate::tokenizer_check::TokenizerCheck,
+    tokenizers: &kvplane_api::Tokenizers,
 ) {
     let (desired, problems) = match crate::policy_cmd::load(&[dir.to_owned()]) {
         Ok(r) => r,
@@ -117,7 +117,7 @@ async fn sync_once(
     };
     let mut problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
     for (name, spec) in &desired.worker_sets {
-        if let Some(p) = tokenizers.problem(spec) {
+        if let Some(p) = tokenizer_problem(tokenizers, spec) {
             problems.push(format!("InferenceWorkerSet/{name}: {p}"));
         }
     }
@@ -145,4 +145,16 @@ async fn sync_once(
         }
         Err(e) => tracing::warn!(error = %e, "policy change not applied"),
     }
+}
+
+/// Why a worker set's `tokenizer` directory does not load on this node (`spec.tokenizer: ...`).
+pub(crate) fn tokenizer_problem(
+    tokenizers: &kvplane_api::Tokenizers,
+    spec: &kvplane_policy::kinds::InferenceWorkerSetSpec,
+) -> Option<String> {
+    let dir = std::path::Path::new(spec.tokenizer.as_deref()?);
+    tokenizers
+        .check(dir)
+        .err()
+        .map(|e| format!("spec.tokenizer: {e}"))
 }

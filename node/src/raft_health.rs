@@ -146,13 +146,7 @@ impl RaftGauges {
         let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.term.set(i(x.current_term));
         self.leader_id.set(i(x.current_leader.unwrap_or(0)));
-        let role = match x.state {
-            ServerState::Leader => "leader",
-            ServerState::Follower => "follower",
-            ServerState::Candidate => "candidate",
-            ServerState::Learner => "learner",
-            ServerState::Shutdown => "shutdown",
-        };
+        let role = crate::raft_log::role_name(x.state);
         for r in ROLES {
             self.role
                 .get_or_create(&RoleLabel { role: r })

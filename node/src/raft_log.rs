@@ -221,14 +221,7 @@ impl RaftMember {
 
     /// This node's role, as Status reports it.
     pub fn role(&self) -> String {
-        match self.raft.metrics().borrow_watched().state {
-            ServerState::Leader => "leader",
-            ServerState::Follower => "follower",
-            ServerState::Candidate => "candidate",
-            ServerState::Learner => "learner",
-            ServerState::Shutdown => "shutdown",
-        }
-        .to_owned()
+        role_name(self.raft.metrics().borrow_watched().state).to_owned()
     }
 
     /// Removes member `id`, voter or learner, from the membership (on the leader).
@@ -431,5 +424,16 @@ fn membership_error(
             }
         }
         other => kvplane_api::ClusterError::Failed(other.to_string()),
+    }
+}
+
+/// A Raft role's name, as Status and `kvplane_raft_role` say it.
+pub(crate) fn role_name(state: ServerState) -> &'static str {
+    match state {
+        ServerState::Leader => "leader",
+        ServerState::Follower => "follower",
+        ServerState::Candidate => "candidate",
+        ServerState::Learner => "learner",
+        ServerState::Shutdown => "shutdown",
     }
 }

@@ -426,6 +426,7 @@ pub async fn run(
             leading(&member),
             policy_metrics.clone(),
             synced.clone(),
+            tokenizers.clone(),
             stop_rx.clone(),
         ))
     });
@@ -440,6 +441,7 @@ pub async fn run(
             leading(&member),
             kube_metrics.clone(),
             synced.clone(),
+            tokenizers.clone(),
             stop_rx.clone(),
         ))
     });

@@ -14,7 +14,7 @@
 use std::sync::OnceLock;
 use std::task::{Context, Poll};
 
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
@@ -127,28 +127,10 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
-struct HeaderInjector<'a>(&'a mut http::HeaderMap);
-
-impl Injector for HeaderInjector<'_> {
-    fn set(&mut self, key: &str, value: String) {
-        if let (Ok(k), Ok(v)) = (
-            http::HeaderName::from_bytes(key.as_bytes()),
-            http::HeaderValue::from_str(&value),
-        ) {
-            self.0.insert(k, v);
-        }
-    }
-}
-
 /// Makes `span` a child of the W3C trace context in `headers`, if any.
 pub fn continue_trace(span: &tracing::Span, headers: &http::HeaderMap) {
     let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
     let _ = span.set_parent(parent);
-}
-
-/// Writes `span`'s trace context into `headers` (`traceparent`, `tracestate`).
-pub fn inject_trace(span: &tracing::Span, headers: &mut http::HeaderMap) {
-    TraceContextPropagator::new().inject_context(&span.context(), &mut HeaderInjector(headers));
 }
 
 /// A tower layer for the gRPC server: each call runs in a `grpc` span (method, status) whose

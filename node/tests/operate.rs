@@ -21,23 +21,12 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 
-const POLICIES: &str = "\
-apiVersion: kvplane.io/v1alpha1
-kind: InferenceWorkerSet
-metadata: {name: gpu}
-spec: {model: m, blockSize: 16}
----
-apiVersion: kvplane.io/v1alpha1
-kind: InferencePolicy
-metadata: {name: tenants}
-spec:
-  limits:
-    - {tenant: acme, tokensPerMinute: 600000, burst: 5000}
-";
+/// Tenant acme's limit.
+const LIMITS: &str = "    - {tenant: acme, tokensPerMinute: 600000, burst: 5000}\n";
 
-/// A 3-node cluster with the policies above and one live worker `gpu/w0`.
+/// A 3-node cluster with acme's limit and one live worker `gpu/w0`.
 async fn started(env: Vec<(String, String)>) -> (Cluster, tempfile::TempDir) {
-    harness::started_with_policies(POLICIES, env).await
+    harness::started_with_limits(LIMITS, env).await
 }
 
 fn acme_request(id: &str) -> RouteRequest {

@@ -15,20 +15,10 @@ use harness::{Cluster, prompt, wait_for};
 use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
 
 /// Budgets per 2 s window: acme 20,000 tokens, beta 10,000.
-const POLICIES: &str = "\
-apiVersion: kvplane.io/v1alpha1
-kind: InferenceWorkerSet
-metadata: {name: gpu}
-spec: {model: m, blockSize: 16}
----
-apiVersion: kvplane.io/v1alpha1
-kind: InferencePolicy
-metadata: {name: tenants}
-spec:
-  limits:
-    - {tenant: acme, tokensPerMinute: 600000, burst: 2000, windowSeconds: 2}
-    - {tenant: beta, tokensPerMinute: 300000, burst: 1000, windowSeconds: 2}
-";
+const LIMITS: &str = concat!(
+    "    - {tenant: acme, tokensPerMinute: 600000, burst: 2000, windowSeconds: 2}\n",
+    "    - {tenant: beta, tokensPerMinute: 300000, burst: 1000, windowSeconds: 2}\n",
+);
 const WINDOW_MS: u64 = 2000;
 
 fn budget(tenant: &str) -> u64 {
@@ -204,7 +194,7 @@ fn check_windows(
 }
 
 async fn started() -> (Cluster, tempfile::TempDir) {
-    harness::started_with_policies(POLICIES, Vec::new()).await
+    harness::started_with_limits(LIMITS, Vec::new()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

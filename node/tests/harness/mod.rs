@@ -17,7 +17,7 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 
 mod raft;
-pub use raft::{chain, prompt, publish_chains, routed_worker, started, started_with_policies};
+pub use raft::{chain, prompt, publish_chains, routed_worker, started, started_with_limits};
 
 /// Runs the `kvplane` binary with `args`, asserts it succeeded, and returns its stdout.
 pub fn kvplane_ok(args: &[&str]) -> String {

@@ -76,14 +76,18 @@ pub async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Contex
     (cluster, js)
 }
 
-/// Three Raft members keeping the state in line with the policy file `policies` (which defines
-/// worker set `gpu`), and worker `gpu/w0` announced; returns once every replica knows both. On
-/// a timeout it says what each replica holds and what the stream has.
-pub async fn started_with_policies(
-    policies: &str,
+/// Three Raft members keeping the state in line with a policy file of worker set `gpu` (model
+/// `m`) and an InferencePolicy `tenants` with `limits` (YAML list items), and worker `gpu/w0`
+/// announced; returns once every replica knows both. On a timeout it says what each replica
+/// holds and what the stream has.
+pub async fn started_with_limits(
+    limits: &str,
     env: Vec<(String, String)>,
 ) -> (Cluster, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
+    let policies = format!(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: gpu}}\nspec: {{model: m, blockSize: 16}}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: tenants}}\nspec:\n  limits:\n{limits}"
+    );
     std::fs::write(dir.path().join("policies.yaml"), policies).unwrap();
     let o = NodeOptions {
         policy_dir: Some(dir.path().to_owned()),

@@ -115,6 +115,7 @@ fn start(api: FakeApi) -> Source {
         move || l.load(Ordering::SeqCst),
         Arc::new(KubeSourceMetrics::default()),
         Arc::new(tokio::sync::watch::channel(0).0),
+        Arc::default(),
         stop_rx,
     ));
     Source {
