@@ -7,6 +7,10 @@
 //! an InferenceWorkerSet naming it, 16 workers each holding a different system prompt of the
 //! size measured (as KV events of its real tokens); each request is one of those system prompts
 //! plus its own question, so Route finds a worker with most of the prompt cached.
+//!
+//! It checks its own consistency as it goes (the piece cache gives the whole encoding's ids;
+//! every request finds its system prompt cached). `-- --small` runs a few requests per size:
+//! CI runs it to check the output and those assertions, never the timings.
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)]
 
@@ -137,7 +141,13 @@ fn main() {
         .build()
         .unwrap();
     let mut sizes = Vec::new();
-    for (target, rounds) in [(1_000usize, 400usize), (8_000, 100), (32_000, 30)] {
+    let small = std::env::args().any(|a| a == "--small");
+    let plan: [(usize, usize); 3] = if small {
+        [(1_000, 24), (8_000, 20), (32_000, 17)]
+    } else {
+        [(1_000, 400), (8_000, 100), (32_000, 30)]
+    };
+    for (target, rounds) in plan {
         let systems: Vec<String> = (0..WORKERS)
             .map(|w| system_prompt(&tok, target, w))
             .collect();
@@ -181,8 +191,9 @@ fn main() {
             let ids = std::hint::black_box(tok.encode_chat_whole(b).unwrap());
             ns[1].push(t.elapsed().as_nanos() as u64);
             let t = Instant::now();
-            std::hint::black_box(tok.encode_chat(b).unwrap());
+            let pieces = std::hint::black_box(tok.encode_chat(b).unwrap());
             ns[2].push(t.elapsed().as_nanos() as u64);
+            assert_eq!(pieces, ids, "the piece cache gives the tokenizer's own ids");
             let cold = service_with(fresh());
             let t = Instant::now();
             route(&cold, by_body(i, b));
@@ -191,6 +202,11 @@ fn main() {
             let r = route(&warm, by_body(i, b));
             ns[4].push(t.elapsed().as_nanos() as u64);
             matched += u64::from(r.matched_blocks);
+            assert!(
+                u64::from(r.matched_blocks * BS) * 10 >= prompt_tokens as u64 * 8,
+                "request {i} finds its system prompt cached: {} blocks of {prompt_tokens} tokens",
+                r.matched_blocks
+            );
             let req = RouteRequest {
                 request_id: format!("t{i}"),
                 model: MODEL.into(),

@@ -167,6 +167,40 @@ impl Inner {
     }
 }
 
+/// Which of `pending` (oldest first) may still be waiting for their first token. A request
+/// leaves after a minute; once due, when metrics sampled after it was due show nothing
+/// waiting; a foreign one (another replica's, reported there) once due; and, without any
+/// usage report, by the engine's metrics alone: of the requests routed and due before the
+/// sample, at most as many as it shows waiting can still wait (the newest of them).
+fn still_pending(
+    pending: &[Pending],
+    now: u64,
+    metrics_at_ms: u64,
+    metrics_waiting: u32,
+) -> Vec<bool> {
+    let mut keep: Vec<bool> = pending
+        .iter()
+        .map(|p| {
+            p.at_ms + PENDING_TTL_MS > now
+                && !(metrics_waiting == 0 && p.due_ms < metrics_at_ms)
+                && !(p.foreign && p.due_ms < now)
+        })
+        .collect();
+    if metrics_at_ms > 0 {
+        let mut allowed = metrics_waiting as usize;
+        for (i, p) in pending.iter().enumerate().rev() {
+            if keep[i] && p.due_ms < metrics_at_ms {
+                if allowed == 0 {
+                    keep[i] = false;
+                } else {
+                    allowed -= 1;
+                }
+            }
+        }
+    }
+    keep
+}
+
 /// This replica's in-flight view and calibration.
 pub struct Predictor {
     inner: Mutex<Inner>,
@@ -218,9 +252,47 @@ impl Predictor {
         metrics_waiting: u32,
         ttft_histogram: (f64, u64),
     ) -> InFlight {
+        self.in_flight(
+            worker_set,
+            worker,
+            metrics_at_ms,
+            metrics_waiting,
+            ttft_histogram,
+            true,
+        )
+    }
+
+    /// What [`Self::pending`] would say, changing nothing (Explain).
+    pub fn peek_pending(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        metrics_at_ms: u64,
+        metrics_waiting: u32,
+    ) -> InFlight {
+        self.in_flight(
+            worker_set,
+            worker,
+            metrics_at_ms,
+            metrics_waiting,
+            (0.0, 0),
+            false,
+        )
+    }
+
+    fn in_flight(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        metrics_at_ms: u64,
+        metrics_waiting: u32,
+        ttft_histogram: (f64, u64),
+        update: bool,
+    ) -> InFlight {
         let now = self.now_ms();
         let mut g = self.lock();
-        if ttft_histogram.1 > 0
+        if update
+            && ttft_histogram.1 > 0
             && g.queues
                 .get(worker_set)
                 .and_then(|s| s.get(worker))
@@ -231,20 +303,33 @@ impl Predictor {
         let Some(q) = g.queues.get_mut(worker_set).and_then(|s| s.get_mut(worker)) else {
             return InFlight::default();
         };
-        q.started
-            .retain(|&(_, done)| done >= metrics_at_ms && done + PENDING_TTL_MS > now);
+        let started_live =
+            |&(_, done): &(u64, u64)| done >= metrics_at_ms && done + PENDING_TTL_MS > now;
+        let still = still_pending(&q.pending, now, metrics_at_ms, metrics_waiting);
+        if update {
+            q.started.retain(started_live);
+            let mut k = 0;
+            q.pending.retain(|_| {
+                k += 1;
+                still[k - 1]
+            });
+        }
         let started = q
             .started
             .iter()
+            .filter(|s| started_live(s))
             .filter(|&&(at, _)| at < metrics_at_ms)
             .count();
-        let list = &mut q.pending;
-        // Without usage reports: gone once metrics sampled after it was due show no queue.
-        list.retain(|p| {
-            p.at_ms + PENDING_TTL_MS > now
-                && !(metrics_waiting == 0 && p.due_ms < metrics_at_ms)
-                && !(p.foreign && p.due_ms < now)
-        });
+        let list: Vec<&Pending> = if update {
+            q.pending.iter().collect()
+        } else {
+            q.pending
+                .iter()
+                .zip(&still)
+                .filter(|(_, k)| **k)
+                .map(|(p, _)| p)
+                .collect()
+        };
         InFlight {
             requests: u32::try_from(list.len()).unwrap_or(u32::MAX),
             prefill_tokens: list.iter().map(|p| p.prefill_tokens).sum(),

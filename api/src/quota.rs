@@ -575,6 +575,7 @@ mod tests {
         let policy = ConfigObject::policy(&Object {
             name: "limits".into(),
             spec: Spec::Policy(InferencePolicySpec {
+                applies_to_models: vec![],
                 rules: vec![],
                 limits: vec![l],
             }),

@@ -4,54 +4,32 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvplane_proto::v1::{
-    self as pb, CandidateExplanation, Endpoint, ExplainResponse, ReadConsistency, RejectCode,
-    Rejection, RouteRequest, RouteResponse, UsageAck, UsageReport, route_response,
+    self as pb, ExplainResponse, ReadConsistency, RouteRequest, RouteResponse, UsageAck,
+    UsageReport,
 };
 use kvplane_state::StateHandle;
-use kvplane_tokenize::{PromptSource, prompt_from_body_with};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use tracing::field::Empty;
 
-use crate::decide::{Candidate, Decision, RejectKind};
+use crate::pipeline::Mode;
 use crate::predict::Predictor;
-use crate::quota::{Escrow, Reservation};
+use crate::quota::Escrow;
 use crate::usage::{Routed, UsageBook};
-use crate::{ApiMetrics, Consistency, CostModel, RouteInput, decide};
-
-/// A request's prompt as the service resolved it.
-#[derive(Debug, Clone)]
-pub struct Prompted {
-    pub tokens: Vec<u32>,
-    pub source: PromptSource,
-    pub model: String,
-    /// The most output tokens: the request's, else the body's `max_tokens`.
-    pub max_tokens: Option<u32>,
-    /// The body's `cache_salt` (vLLM: blocks are shared only among requests with the same).
-    pub cache_salt: Option<String>,
-}
-
-/// A decision through the policy catalog, before admission.
-struct PolicyDecision {
-    evaluation: kvplane_policy::Evaluation,
-    response: RouteResponse,
-    prompted: Prompted,
-    tenant: String,
-    view: Arc<kvplane_state::View>,
-}
+use crate::{ApiMetrics, Consistency, CostModel};
 
 /// Serves Route, Explain and ReportUsage from the local state.
 #[derive(Debug, Clone)]
 pub struct RouterService {
-    state: StateHandle,
-    cost: CostModel,
+    pub(crate) state: StateHandle,
+    pub(crate) cost: CostModel,
     metrics: Arc<ApiMetrics>,
     usage: Arc<UsageBook>,
     consistency: Option<Arc<dyn Consistency>>,
     escrow: Option<Arc<Escrow>>,
-    predictor: Arc<Predictor>,
+    pub(crate) predictor: Arc<Predictor>,
     routed_sink: Option<crate::predict::RoutedSink>,
-    tokenizers: Arc<crate::Tokenizers>,
+    pub(crate) tokenizers: Arc<crate::Tokenizers>,
 }
 
 impl std::fmt::Debug for dyn Consistency {
@@ -118,267 +96,6 @@ impl RouterService {
         )
         .await
     }
-
-    /// Resolves the prompt: token ids from the request, else the body tokenized (with the
-    /// model's own tokenizer when one is loaded, see [`crate::Tokenizers`]). The model, output
-    /// limit and cache salt come from the request, else from the body.
-    pub fn prompt(
-        &self,
-        req: &RouteRequest,
-        view: &kvplane_state::View,
-    ) -> Result<Prompted, String> {
-        let text = req.token_ids.is_empty();
-        if text && req.body.is_empty() {
-            return Err("request has neither token_ids nor a body".into());
-        }
-        let fields = if req.body.is_empty() {
-            kvplane_tokenize::BodyFields::default()
-        } else {
-            match kvplane_tokenize::body_fields(&req.body) {
-                Ok(f) => f,
-                Err(e) if text => return Err(e.to_string()),
-                // Token ids given: a body that is not JSON only lacks the defaults.
-                Err(_) => kvplane_tokenize::BodyFields::default(),
-            }
-        };
-        let model = if req.model.is_empty() {
-            fields.model.clone().unwrap_or_default()
-        } else {
-            req.model.clone()
-        };
-        let max_tokens = (req.max_output_tokens > 0)
-            .then_some(req.max_output_tokens)
-            .or(fields.max_tokens);
-        let cache_salt = (!req.cache_salt.is_empty())
-            .then(|| req.cache_salt.clone())
-            .or(fields.cache_salt);
-        if !text {
-            return Ok(Prompted {
-                tokens: req.token_ids.clone(),
-                source: PromptSource::TokenIds,
-                model,
-                max_tokens,
-                cache_salt,
-            });
-        }
-        let tokenizer = self.tokenizers.for_model(view, &model);
-        let p =
-            prompt_from_body_with(&req.body, tokenizer.as_deref()).map_err(|e| e.to_string())?;
-        Ok(Prompted {
-            tokens: p.tokens,
-            source: p.source,
-            model,
-            max_tokens,
-            cache_salt,
-        })
-    }
-
-    /// Decides through the policy catalog when the state holds one (and the prompt is valid).
-    fn with_policies(&self, req: &RouteRequest) -> Option<PolicyDecision> {
-        let view = self.state.load();
-        if view.catalog.is_empty() {
-            return None;
-        }
-        let p = self.prompt(req, &view).ok()?;
-        let tenant = if req.tenant.is_empty() {
-            view.catalog
-                .backend_for(&p.model)
-                .and_then(|(_, b)| req.headers.get(&b.tenant_header))
-                .map_or("", String::as_str)
-        } else {
-            req.tenant.as_str()
-        };
-        let fleet = crate::policy_route::ViewFleet::new(
-            &view,
-            &p.tokens,
-            crate::policy_route::HashKeys {
-                model: &p.model,
-                cache_salt: p.cache_salt.as_deref(),
-            },
-            &self.cost,
-            &self.predictor,
-        );
-        let span = tracing::debug_span!(
-            "policy.evaluate",
-            tenant,
-            model = %p.model,
-            rule = Empty,
-            candidates = Empty
-        );
-        let _in = span.enter();
-        let e = view.catalog.evaluate(
-            &fleet,
-            &kvplane_policy::Request {
-                tenant,
-                model: &p.model,
-                tags: &req.tags,
-                prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
-                max_output_tokens: req.max_output_tokens,
-                tie_break: xxhash_rust::xxh3::xxh3_64(req.request_id.as_bytes()),
-            },
-        );
-        span.record("candidates", e.candidates.len());
-        if let Some(r) = &e.rule {
-            span.record("rule", tracing::field::display(r));
-        }
-        drop(_in);
-        let resp = crate::policy_route::response(&e, view.applied_index, p.tokens.len(), &req.body);
-        let tenant = tenant.to_owned();
-        Some(PolicyDecision {
-            evaluation: e,
-            response: resp,
-            prompted: p,
-            tenant,
-            view,
-        })
-    }
-
-    /// Charges an admitted decision to the limits of its tenant; a refusal replaces it.
-    async fn admit(&self, d: &mut PolicyDecision) -> Vec<Reservation> {
-        let Some(escrow) = &self.escrow else {
-            return Vec::new();
-        };
-        if d.evaluation.chosen().is_none() {
-            return Vec::new();
-        }
-        let limits = d.view.catalog.limits_for(&d.tenant, &d.prompted.model);
-        if limits.is_empty() {
-            return Vec::new();
-        }
-        let tokens = escrow.tokens_for(d.prompted.tokens.len(), d.prompted.max_tokens);
-        let span = tracing::debug_span!(
-            "quota.admit",
-            tenant = %d.tenant,
-            limits = limits.len(),
-            tokens,
-            outcome = Empty
-        );
-        let reserved = escrow
-            .reserve(&limits, tokens)
-            .instrument(span.clone())
-            .await;
-        span.record(
-            "outcome",
-            if reserved.is_ok() {
-                "admitted"
-            } else {
-                "rate_limited"
-            },
-        );
-        match reserved {
-            Ok(r) => {
-                d.response.charges = r.iter().map(Reservation::charge).collect();
-                r
-            }
-            Err(refusal) => {
-                d.response = RouteResponse {
-                    applied_index: d.response.applied_index,
-                    prompt_tokens: d.response.prompt_tokens,
-                    decision: Some(route_response::Decision::Rejection(Rejection {
-                        code: RejectCode::RateLimited.into(),
-                        reason: refusal.to_string(),
-                        retry_after_ms: refusal.retry_after_ms(),
-                    })),
-                    ..Default::default()
-                };
-                Vec::new()
-            }
-        }
-    }
-
-    /// Runs the decision for a request (no side effects) and hands it to `f`.
-    pub fn with_decision<R>(
-        &self,
-        req: &RouteRequest,
-        explain: bool,
-        f: impl FnOnce(&Prompted, &Decision<'_>) -> R,
-    ) -> R {
-        let view = self.state.load();
-        let prompted = match self.prompt(req, &view) {
-            Ok(p) => p,
-            Err(reason) => {
-                let p = Prompted {
-                    tokens: Vec::new(),
-                    source: PromptSource::TokenIds,
-                    model: req.model.clone(),
-                    max_tokens: None,
-                    cache_salt: None,
-                };
-                let d = Decision {
-                    applied_index: view.applied_index,
-                    candidates: Vec::new(),
-                    outcome: Err((RejectKind::InvalidRequest, reason)),
-                    steps: Vec::new(),
-                };
-                return f(&p, &d);
-            }
-        };
-        let decision = decide(
-            &view,
-            RouteInput {
-                request_id: &req.request_id,
-                model: &prompted.model,
-                tokens: &prompted.tokens,
-                lora_name: None,
-            },
-            &self.cost,
-            explain,
-        );
-        f(&prompted, &decision)
-    }
-}
-
-fn endpoint(c: &Candidate<'_>) -> Endpoint {
-    Endpoint {
-        address: c.address.unwrap_or_default().to_owned(),
-        worker_id: c.worker.to_owned(),
-        pool: c.pool.to_owned(),
-        dp_rank: c.dp_rank,
-        provider: String::new(),
-    }
-}
-
-fn reject_code(kind: RejectKind) -> RejectCode {
-    match kind {
-        RejectKind::UnknownModel => RejectCode::UnknownModel,
-        RejectKind::NoCapacity => RejectCode::NoCapacity,
-        RejectKind::InvalidRequest => RejectCode::InvalidRequest,
-    }
-}
-
-pub(crate) fn outcome_label(d: &Decision<'_>) -> &'static str {
-    match &d.outcome {
-        Ok(_) => "routed",
-        Err((RejectKind::UnknownModel, _)) => "unknown_model",
-        Err((RejectKind::NoCapacity, _)) => "no_capacity",
-        Err((RejectKind::InvalidRequest, _)) => "invalid_request",
-    }
-}
-
-fn response(p: &Prompted, d: &Decision<'_>) -> RouteResponse {
-    let mut out = RouteResponse {
-        applied_index: d.applied_index,
-        prompt_tokens: u32::try_from(p.tokens.len()).unwrap_or(u32::MAX),
-        ..Default::default()
-    };
-    match &d.outcome {
-        Ok(i) => {
-            let c = &d.candidates[*i];
-            out.decision = Some(route_response::Decision::Endpoint(endpoint(c)));
-            out.predicted_ttft_ms = c.cost;
-            out.matched_blocks = c.overlap_blocks;
-            out.prompt_blocks = c.prompt_blocks;
-        }
-        Err((kind, reason)) => {
-            out.decision = Some(route_response::Decision::Rejection(Rejection {
-                code: reject_code(*kind).into(),
-                reason: reason.clone(),
-                retry_after_ms: 0,
-            }));
-            out.prompt_blocks = d.candidates.first().map_or(0, |c| c.prompt_blocks);
-        }
-    }
-    out
 }
 
 #[tonic::async_trait]
@@ -426,75 +143,48 @@ impl RouterService {
     async fn route_in(&self, req: RouteRequest) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         self.fresh_enough(&req).await?;
-        if let Some(mut d) = self.with_policies(&req) {
-            let reservations = self.admit(&mut d).await;
-            let e = &d.evaluation;
-            let limited = matches!(
-                &d.response.decision,
-                Some(route_response::Decision::Rejection(r)) if r.code == i32::from(RejectCode::RateLimited)
-            );
-            if let (Some(c), false) = (e.chosen(), limited) {
-                let mut worker = None;
-                if let kvplane_policy::Target::Worker { worker_set, state } = &c.target {
-                    if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
-                        let note = self.predictor.routed(
-                            worker_set,
-                            &state.worker,
-                            &req.request_id,
-                            crate::policy_route::uncached(
-                                d.prompted.tokens.len(),
-                                spec,
-                                state,
-                                &self.cost,
-                            ),
-                            c.predicted_ttft_ms,
-                        );
-                        if let Some(sink) = &self.routed_sink {
-                            (sink.0)(note);
-                        }
+        let mut d = self.decide(&req, Mode::Route);
+        let reservations = crate::pipeline::admit(self.escrow.as_deref(), &mut d).await;
+        if let Some(c) = d.chosen() {
+            let mut worker = None;
+            if let Some((worker_set, state)) = c.worker() {
+                if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
+                    let note = self.predictor.routed(
+                        worker_set,
+                        &state.worker,
+                        &req.request_id,
+                        crate::pipeline::signals::uncached(
+                            d.prompted.tokens.len(),
+                            spec,
+                            state,
+                            &self.cost,
+                        ),
+                        c.prediction.ttft_ms,
+                    );
+                    if let Some(sink) = &self.routed_sink {
+                        (sink.0)(note);
                     }
-                    worker = Some((worker_set.clone(), state.worker.clone()));
                 }
-                self.usage.insert(
-                    &req.request_id,
-                    Routed {
-                        target: kvplane_policy::target_name(&c.target),
-                        predicted_ttft_ms: c.predicted_ttft_ms,
-                        at: Instant::now(),
-                        reservations,
-                        worker,
-                    },
-                );
+                worker = Some((worker_set.to_owned(), state.worker.clone()));
             }
-            let outcome = match &e.outcome {
-                _ if limited => "rate_limited",
-                Ok(_) => "routed",
-                Err((kvplane_policy::RejectKind::UnknownModel, _)) => "unknown_model",
-                Err((kvplane_policy::RejectKind::NoCapacity, _)) => "no_capacity",
-                Err((kvplane_policy::RejectKind::Policy, _)) => "policy",
-            };
-            self.metrics
-                .decision(outcome, started.elapsed().as_secs_f64());
-            return Ok(Response::new(d.response));
+            self.usage.insert(
+                &req.request_id,
+                Routed {
+                    target: kvplane_policy::target_name(&c.target),
+                    predicted_ttft_ms: c.prediction.ttft_ms,
+                    at: Instant::now(),
+                    reservations: reservations.clone(),
+                    worker,
+                },
+            );
         }
-        let (resp, outcome) = self.with_decision(&req, false, |prompted, decision| {
-            if let Some(c) = decision.chosen() {
-                self.usage.insert(
-                    &req.request_id,
-                    Routed {
-                        target: format!("{}/{}", c.pool, c.worker),
-                        predicted_ttft_ms: c.cost,
-                        at: Instant::now(),
-                        reservations: Vec::new(),
-                        worker: None,
-                    },
-                );
-            }
-            (response(prompted, decision), outcome_label(decision))
-        });
         self.metrics
-            .decision(outcome, started.elapsed().as_secs_f64());
-        Ok(Response::new(resp))
+            .decision(d.outcome.label(), started.elapsed().as_secs_f64());
+        Ok(Response::new(crate::pipeline::response(
+            &d,
+            &req.body,
+            &reservations,
+        )))
     }
 
     async fn report_usage_in(
@@ -545,60 +235,20 @@ impl RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        if let Some(d) = self.with_policies(&req) {
-            let e = &d.evaluation;
-            let mut steps = e.steps.clone();
-            if let Some(rule) = &e.rule {
-                steps.insert(
-                    0,
-                    format!("policy routing (rule {rule}, minimize {:?})", e.objective),
-                );
-            }
-            if let Some((p, o)) = self.predictor.outcome(&req.request_id) {
-                steps.push(format!(
-                    "request {:?} was routed here: predicted {p:.1} ms to first token, observed {o:.1} ms",
-                    req.request_id
-                ));
-            }
-            for m in d.view.catalog.limits_for(&d.tenant, &d.prompted.model) {
-                steps.push(crate::quota::explain_limit(
-                    &d.view,
-                    &m,
-                    self.escrow.as_deref(),
-                ));
-            }
-            return Ok(Response::new(ExplainResponse {
-                decision: Some(d.response),
-                candidates: crate::policy_route::explained(e),
-                prompt_source: d.prompted.source.as_str().to_owned(),
-                steps,
-            }));
+        let mut d = self.decide(&req, Mode::Explain);
+        if let Some((p, o)) = self.predictor.outcome(&req.request_id) {
+            d.steps.push(format!(
+                "request {:?} was routed here: predicted {p:.1} ms to first token, observed {o:.1} ms",
+                req.request_id
+            ));
         }
-        Ok(self.with_decision(&req, true, |prompted, decision| {
-            let candidates = decision
-                .candidates
-                .iter()
-                .map(|c| CandidateExplanation {
-                    endpoint: Some(endpoint(c)),
-                    overlap_blocks: c.overlap_blocks,
-                    uncached_blocks: c.prompt_blocks.saturating_sub(c.overlap_blocks),
-                    running: c.running,
-                    waiting: c.waiting,
-                    kv_cache_usage: c.kv_cache_usage,
-                    prefill_cost: c.prefill_ms,
-                    load_cost: c.load_ms,
-                    cost: c.cost,
-                    predicted_ttft_ms: c.cost,
-                    filtered_reason: c.filtered.unwrap_or_default().to_owned(),
-                    chosen: c.chosen,
-                })
-                .collect();
-            Response::new(ExplainResponse {
-                decision: Some(response(prompted, decision)),
-                candidates,
-                prompt_source: prompted.source.as_str().to_owned(),
-                steps: decision.steps.clone(),
-            })
-        }))
+        for m in d.view.catalog.limits_for(&d.tenant, &d.prompted.model) {
+            d.steps.push(crate::quota::explain_limit(
+                &d.view,
+                &m,
+                self.escrow.as_deref(),
+            ));
+        }
+        Ok(Response::new(crate::pipeline::explanation(&d, &req.body)))
     }
 }

@@ -101,6 +101,21 @@ pub async fn run(
         .await
 }
 
+/// Headers never passed to kvplane: credentials and connection-level ones.
+const NOT_FORWARDED: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "connection",
+    "content-length",
+    "transfer-encoding",
+    "upgrade",
+    "keep-alive",
+    "te",
+    "trailer",
+];
+const MAX_FORWARDED_HEADERS: usize = 64;
+
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
     app.forward("/v1/completions", headers, body).await
 }
@@ -186,10 +201,13 @@ impl App {
                     .ok()
                     .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned))
                     .unwrap_or_default();
+                // Every header but credentials and hop-by-hop ones (policies map headers to
+                // tags and name the tenant's), at most MAX_FORWARDED_HEADERS.
                 let fwd: HashMap<String, String> = headers
                     .iter()
-                    .filter(|(k, _)| k.as_str().starts_with("x-"))
+                    .filter(|(k, _)| !NOT_FORWARDED.contains(&k.as_str()))
                     .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+                    .take(MAX_FORWARDED_HEADERS)
                     .collect();
                 let req = RouteRequest {
                     request_id: request_id.to_owned(),

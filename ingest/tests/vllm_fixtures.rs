@@ -117,6 +117,7 @@ impl Applier {
             value: PoolConfig {
                 block_size,
                 models: vec![],
+                lora_adapters: Vec::new(),
             }
             .to_json(),
         });

@@ -49,8 +49,10 @@ pub struct Config {
     pub ingest: IngestSection,
     pub snapshot: SnapshotSection,
     pub cost: CostModel,
-    /// The pools this node declares in the state at start.
-    pub pools: Vec<PoolSection>,
+    /// The pools this node declares in the state at start. Not given: one pool `default`
+    /// (block size 16, every model), unless a policy source declares the fleet (see
+    /// [`Config::declared_pools`]).
+    pub pools: Option<Vec<PoolSection>>,
     /// Policy objects (YAML, see `kvplane validate`) that the leader keeps the replicated state
     /// in line with: a valid change of the directory is applied as one entry.
     pub policy_dir: Option<PathBuf>,
@@ -103,6 +105,28 @@ pub struct PoolSection {
     pub block_size: u32,
     #[serde(default)]
     pub models: Vec<String>,
+    /// LoRA adapters its engines load (vLLM `--lora-modules` names).
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+}
+
+impl Config {
+    /// The pools declared at start: those of the config, else `default` (block size 16,
+    /// serving every model) when no policy source is set. With a policy source the worker
+    /// sets are the fleet: a catch-all pool beside them would serve every model nobody
+    /// publishes.
+    pub fn declared_pools(&self) -> Vec<PoolSection> {
+        match &self.pools {
+            Some(p) => p.clone(),
+            None if self.policy_dir.is_some() || self.policy_kubernetes.is_some() => Vec::new(),
+            None => vec![PoolSection {
+                name: "default".into(),
+                block_size: 16,
+                models: Vec::new(),
+                lora_adapters: Vec::new(),
+            }],
+        }
+    }
 }
 
 impl Default for Config {
@@ -117,11 +141,7 @@ impl Default for Config {
             ingest: IngestSection::default(),
             snapshot: SnapshotSection::default(),
             cost: CostModel::default(),
-            pools: vec![PoolSection {
-                name: "default".into(),
-                block_size: 16,
-                models: Vec::new(),
-            }],
+            pools: None,
             raft: None,
             tokenizers: Vec::new(),
             policy_dir: None,
@@ -332,7 +352,7 @@ impl Config {
             r.problems(&self.grpc_listen, &mut p);
         }
         let mut seen = std::collections::BTreeSet::new();
-        for (i, pool) in self.pools.iter().enumerate() {
+        for (i, pool) in self.declared_pools().iter().enumerate() {
             if !valid_name(&pool.name) {
                 p.push(format!(
                     "pools[{i}].name {:?} must be 1-63 characters of [a-z0-9-_]",

@@ -1,4 +1,5 @@
-//! Routing decisions shared between replicas over NATS core (subject `kvplane.routed`): each
+//! Routing decisions shared between replicas over NATS core (subject `kvplane-gossip.routed`,
+//! outside the ingest stream's `kvplane.>`: gossip is never stored or replicated): each
 //! replica publishes the worker it chose and when that request's first token is due, and the
 //! others count it in that worker's queue until then ([`Predictor::routed_elsewhere`]), so
 //! that replicas routing at once from the same state do not all pick the same idle worker.
@@ -12,7 +13,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
-pub const SUBJECT: &str = "kvplane.routed";
+pub const SUBJECT: &str = "kvplane-gossip.routed";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Wire {
@@ -48,7 +49,7 @@ impl ShareMetrics {
         );
         r.register(
             "kvplane_routed_notes_malformed",
-            "Messages on kvplane.routed that were not routing decisions",
+            "Messages on kvplane-gossip.routed that were not routing decisions",
             self.malformed.clone(),
         );
     }

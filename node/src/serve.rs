@@ -585,10 +585,11 @@ async fn reconcile_pools(
     handle: &StateHandle,
 ) -> anyhow::Result<()> {
     let view = handle.load();
-    for p in &cfg.pools {
+    for p in &cfg.declared_pools() {
         let want = PoolConfig {
             block_size: p.block_size,
             models: p.models.clone(),
+            lora_adapters: p.lora_adapters.clone(),
         };
         if view.pools.get(&p.name).map(|v| &v.config) != Some(&want) {
             log.propose(Command::ConfigPut {

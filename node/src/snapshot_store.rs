@@ -134,6 +134,7 @@ mod tests {
                     value: PoolConfig {
                         block_size: 16,
                         models: vec![],
+                        lora_adapters: Vec::new(),
                     }
                     .to_json(),
                 },

@@ -172,7 +172,7 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
         err["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("no pool serves model"),
+            .contains("no backend publishes and no worker set serves model"),
         "{err}"
     );
     let gm = harness::http_get(&format!("http://{}/metrics", gateway.field("http"))).await;

@@ -33,7 +33,7 @@ fn validate_prints_every_error_with_its_path_and_fails() {
     assert!(!out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 11, "{stdout}");
+    assert_eq!(lines.len(), 12, "{stdout}");
     assert!(
         lines
             .iter()
@@ -45,7 +45,7 @@ fn validate_prints_every_error_with_its_path_and_fails() {
         "{stdout}"
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("11 problems found"), "{stderr}");
+    assert!(stderr.contains("12 problems found"), "{stderr}");
 }
 
 #[test]

@@ -142,7 +142,7 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
     assert!(
         e.candidates
             .iter()
-            .any(|c| c.filtered_reason == "external providers are excluded")
+            .any(|c| c.filtered_reason == "external providers are excluded (exclude_external)")
     );
 }
 
@@ -251,7 +251,7 @@ async fn offline_explain_decides_from_a_live_node_or_its_data_dir_with_other_pol
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("the policies have 11 problem(s)"),
+        stderr.contains("the policies have 12 problem(s)"),
         "{stderr}"
     );
 }
@@ -326,4 +326,77 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
         second.worker_id, first.worker_id,
         "the replicas did not herd"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pii_from_a_header_or_the_tagger_stays_local_through_the_gateway() {
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(EXAMPLES.into()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    workers_up(&js, &[("large-a100", "a0"), ("large-a100", "a1")]).await;
+    // Every large worker busy: an untagged chat request would burst to the cloud provider.
+    let mut last = 0;
+    for w in ["a0", "a1"] {
+        last = publish(
+            &js,
+            metrics_subject("large-a100", w),
+            br#"{"num_requests_running":4,"num_requests_waiting":5,"kv_cache_usage_perc":0.9,"prefix_cache_hit_rate":0.5}"#.to_vec(),
+        )
+        .await;
+    }
+    let node = &cluster.nodes[0];
+    node.wait_applied_seq(last).await;
+    let gateway = harness::gateway(&node.endpoint(), cluster.root.path().join("gateway.log"));
+    let url = format!("http://{}/v1/chat/completions", gateway.field("http"));
+    let chat = |content: &str| {
+        serde_json::json!({"model": "chat", "max_tokens": 4,
+            "messages": [{"role": "user", "content": content}]})
+    };
+    let http = reqwest::Client::new();
+    // The header the chat backend maps to tags.
+    let r = http
+        .post(&url)
+        .header("x-data-class", "pii")
+        .json(&chat("summarize our meeting notes"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let err: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("local workers only"),
+        "{err}"
+    );
+    // No header, but an e-mail address in the prompt: the PII tagger finds it.
+    let r = http
+        .post(&url)
+        .json(&chat("write to jane.doe@example.com about the invoice"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    // Neither: the request goes out to the provider (whatever the provider then answers).
+    let mut router = node.router().await;
+    let r = router
+        .route(RouteRequest {
+            model: "chat".into(),
+            body: serde_json::to_vec(&chat("summarize our meeting notes")).unwrap(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    match &r.decision {
+        Some(Decision::Endpoint(e)) => assert_eq!(e.provider, "cloud"),
+        other => panic!("{other:?}"),
+    }
 }

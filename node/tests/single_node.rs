@@ -412,9 +412,11 @@ async fn explain_shows_every_candidate_and_stale_reads_are_refused() {
     let c = chosen[0];
     assert_eq!(c.endpoint.as_ref().unwrap().worker_id, "worker-c");
     assert_eq!((c.overlap_blocks, c.uncached_blocks), (10, 0));
-    // The cost parts add up, and the winner has the lowest cost.
+    // The prediction's parts add up (base 20 ms, prefill, load), the objective adds what the
+    // prefill displaces, and the winner has the lowest.
     for k in &x.candidates {
-        assert!((k.cost - (20.0 + k.prefill_cost + k.load_cost)).abs() < 1e-6);
+        assert!((k.predicted_ttft_ms - (20.0 + k.prefill_cost + k.load_cost)).abs() < 1e-6);
+        assert!((k.cost - (k.predicted_ttft_ms + k.prefill_cost)).abs() < 1e-6);
         assert!(k.cost >= c.cost);
     }
     assert!(!x.steps.is_empty());

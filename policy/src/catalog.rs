@@ -16,6 +16,11 @@ pub struct Catalog {
     pub providers: BTreeMap<String, InferenceProviderSpec>,
     pub policies: BTreeMap<String, InferencePolicySpec>,
     pub backends: BTreeMap<String, GatewayBackendSpec>,
+    /// Worker sets that are pools of the nodes' own config (`[[pools]]`, `Admin.PutConfig` of
+    /// a `pool`), with the models each serves (empty: every model). They route like any worker
+    /// set but are no policy objects: [`Catalog::objects`] leaves them out, so the policy
+    /// sources never see them.
+    pub config_pools: BTreeMap<String, Vec<String>>,
 }
 
 /// One inconsistency, located by object and field path.
@@ -37,14 +42,14 @@ impl std::fmt::Display for Problem {
     }
 }
 
-pub(crate) struct Check<'a> {
+pub struct Check<'a> {
     pub(crate) kind: Kind,
     pub(crate) name: &'a str,
     pub(crate) out: &'a mut Vec<Problem>,
 }
 
 impl Check<'_> {
-    pub(crate) fn fail(&mut self, path: impl Into<String>, message: impl Into<String>) {
+    pub fn fail(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.out.push(Problem {
             kind: self.kind,
             name: self.name.to_owned(),
@@ -67,8 +72,9 @@ impl Check<'_> {
 }
 
 impl Catalog {
+    /// Whether it holds no policy object (config pools aside).
     pub fn is_empty(&self) -> bool {
-        self.worker_sets.is_empty()
+        self.worker_sets.len() == self.config_pools.len()
             && self.pools.is_empty()
             && self.providers.is_empty()
             && self.policies.is_empty()
@@ -112,10 +118,82 @@ impl Catalog {
         }
     }
 
-    /// Every object, kinds in dependency order (worker sets first), names sorted.
+    /// Adds a config pool: a worker set of this block size serving `models` (empty: every
+    /// model), with these LoRA adapters.
+    pub fn put_config_pool(
+        &mut self,
+        name: &str,
+        block_size: u32,
+        models: &[String],
+        lora_adapters: &[String],
+    ) {
+        self.worker_sets.insert(
+            name.to_owned(),
+            InferenceWorkerSetSpec {
+                model: models.first().cloned().unwrap_or_default(),
+                block_size,
+                endpoints: Vec::new(),
+                selector: None,
+                labels: Default::default(),
+                cost: None,
+                prefill_tokens_per_second: None,
+                tokenizer: None,
+                lora_adapters: lora_adapters.to_vec(),
+            },
+        );
+        self.config_pools.insert(name.to_owned(), models.to_vec());
+    }
+
+    pub fn remove_config_pool(&mut self, name: &str) -> bool {
+        let had = self.config_pools.remove(name).is_some();
+        if had {
+            self.worker_sets.remove(name);
+        }
+        had
+    }
+
+    /// Whether worker set `name` serves requests for `model`.
+    pub fn set_serves(&self, name: &str, model: &str) -> bool {
+        let Some(ws) = self.worker_sets.get(name) else {
+            return false;
+        };
+        match self.config_pools.get(name) {
+            Some(models) => {
+                models.is_empty()
+                    || models.iter().any(|m| m == model)
+                    || ws.lora_adapters.iter().any(|a| a == model)
+            }
+            None => ws.serves(model),
+        }
+    }
+
+    /// The model worker set `name` runs for a request naming `requested` (the body names it
+    /// when it differs).
+    pub fn served_model(&self, name: &str, requested: &str) -> String {
+        let Some(ws) = self.worker_sets.get(name) else {
+            return String::new();
+        };
+        if !requested.is_empty()
+            && (ws.lora_adapters.iter().any(|a| a == requested)
+                || self
+                    .config_pools
+                    .get(name)
+                    .is_some_and(|m| m.is_empty() || m.iter().any(|m| m == requested)))
+        {
+            return requested.to_owned();
+        }
+        ws.model.clone()
+    }
+
+    /// Every object, kinds in dependency order (worker sets first), names sorted; config
+    /// pools are left out.
     pub fn objects(&self) -> Vec<Object> {
         let mut out = Vec::new();
-        for (n, s) in &self.worker_sets {
+        for (n, s) in self
+            .worker_sets
+            .iter()
+            .filter(|(n, _)| !self.config_pools.contains_key(*n))
+        {
             out.push(Object {
                 name: n.clone(),
                 spec: Spec::WorkerSet(s.clone()),
@@ -179,14 +257,19 @@ impl Catalog {
 
     /// Whether some worker set serves `model`, or some backend publishes it.
     pub fn knows_model(&self, model: &str) -> bool {
-        self.worker_sets.values().any(|w| w.serves(model)) || self.backend_for(model).is_some()
+        self.worker_sets.keys().any(|n| self.set_serves(n, model))
+            || self.backend_for(model).is_some()
     }
 
     /// Every inconsistency: values out of range, references that do not resolve, alias cycles,
     /// rules that can never apply. Sorted.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out = Vec::new();
-        for (name, ws) in &self.worker_sets {
+        for (name, ws) in self
+            .worker_sets
+            .iter()
+            .filter(|(n, _)| !self.config_pools.contains_key(*n))
+        {
             self.check_worker_set(
                 &mut Check {
                     kind: Kind::WorkerSet,
@@ -353,6 +436,24 @@ impl Catalog {
         if p.rules.is_empty() && p.limits.is_empty() {
             c.fail("spec.rules", "a policy needs at least one rule or limit");
         }
+        let listed = self
+            .backends
+            .values()
+            .any(|b| b.policies.iter().any(|n| n == c.name));
+        if !p.rules.is_empty() && !listed && p.applies_to_models.is_empty() {
+            c.fail(
+                "spec.rules",
+                "its rules apply to no request: no GatewayBackend lists this policy and spec.appliesToModels is empty",
+            );
+        }
+        for (i, m) in p.applies_to_models.iter().enumerate() {
+            if !self.knows_model(m) {
+                c.fail(
+                    format!("spec.appliesToModels[{i}]"),
+                    format!("no worker set serves and no backend publishes {m:?}"),
+                );
+            }
+        }
         for (i, l) in p.limits.iter().enumerate() {
             crate::limits::check(c, i, l);
         }
@@ -407,9 +508,7 @@ impl Catalog {
                 c.fraction(&format!("{p}.maxAverageKvCacheUsage"), v);
             }
         }
-        if let Some(v) = r.filter.max_kv_cache_usage {
-            c.fraction(&format!("{at}.filter.maxKvCacheUsage"), v);
-        }
+        crate::filters::problems(&r.filter, &format!("{at}.filter"), c);
         match r.on_empty.action {
             EmptyAction::Fallback if r.on_empty.fallback.is_empty() => {
                 c.fail(
@@ -493,6 +592,33 @@ impl Catalog {
                     format!("InferencePolicy {p:?} does not exist"),
                 );
             }
+        }
+        self.check_unreachable_across(c, b);
+    }
+
+    /// A rule of a later policy that an earlier policy's rule always pre-empts, for this
+    /// backend's order (within one policy, [`Self::check_policy`] says so).
+    fn check_unreachable_across(&self, c: &mut Check<'_>, b: &GatewayBackendSpec) {
+        let mut earlier: Vec<(&str, &Rule)> = Vec::new();
+        for (i, pname) in b.policies.iter().enumerate() {
+            let Some(p) = self.policies.get(pname) else {
+                continue;
+            };
+            for (j, r) in p.rules.iter().enumerate() {
+                if let Some((ep, er)) = earlier
+                    .iter()
+                    .find(|(_, e)| e.matches.is_catch_all() || e.matches == r.matches)
+                {
+                    c.fail(
+                        format!("spec.policies[{i}]"),
+                        format!(
+                            "rule {pname}/{} (spec.rules[{j}]) is unreachable here: rule {ep}/{} of an earlier policy matches every request it matches",
+                            r.name, er.name
+                        ),
+                    );
+                }
+            }
+            earlier.extend(p.rules.iter().map(|r| (pname.as_str(), r)));
         }
     }
 

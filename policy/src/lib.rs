@@ -5,24 +5,35 @@
 //! - [`kinds`]: `InferenceWorkerSet`, `InferencePool`, `InferenceProvider`, `InferencePolicy`,
 //!   `GatewayBackend`, with kube's `CustomResource` derive ([`crds_yaml`] prints the CRDs).
 //! - [`Documents`]: YAML files to objects, every problem named by file, document and field path.
-//! - [`Catalog`]: a consistent set of objects ([`Catalog::problems`] says why a set is not);
-//!   [`Catalog::evaluate`] decides one request.
+//! - [`Catalog`]: a consistent set of objects ([`Catalog::problems`] says why a set is not).
+//! - The pure stages of a decision: [`Catalog::resolve`] (model, backend, attached policies),
+//!   [`Catalog::select_rule`], [`Catalog::candidates`], [`filters`], [`objectives`], [`pick`];
+//!   `kvplane-api`'s pipeline runs them in order.
+//! - [`classify`]: the built-in prompt taggers (`pii`, `complexity`).
 //! - [`admit`]: objects submitted one by one (Kubernetes) to the largest consistent catalog,
 //!   with the reason each refused object is refused.
 
 mod admission;
+mod candidate;
 mod catalog;
+pub mod classify;
 mod documents;
-mod eval;
+pub mod filters;
 pub mod kinds;
 mod limits;
 mod object;
+pub mod objectives;
+pub mod pick;
+mod resolve;
 
 pub use admission::{Admission, Submitted, admit};
+pub use candidate::{
+    Candidate, FilterId, Filtered, Fleet, Prediction, RejectKind, Signals, Target, WorkerState,
+    target_name,
+};
+pub use catalog::Check;
 pub use catalog::{Catalog, Problem};
 pub use documents::{Documents, Located, Source};
-pub use eval::{
-    Candidate, Evaluation, Fleet, RejectKind, Request, Target, WorkerState, target_name,
-};
 pub use limits::{LimitKey, MatchedLimit};
 pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
+pub use resolve::{Attached, Request, Resolved, RuleChoice, Via};

@@ -30,6 +30,7 @@ fn every_problem_of_the_broken_examples_is_reported_with_its_path() {
         "broken.yaml (document 6) GatewayBackend/loop-b spec.policies[0]: InferencePolicy \"missing-policy\" does not exist",
         "broken.yaml (document 7) InferencePool/pool-a metadata.name: defined twice (first in broken.yaml document 2)",
         "broken.yaml (document 8) InferencePool/wrong-version apiVersion: \"kvplane.io/v2\" is not \"kvplane.io/v1alpha1\"",
+        "broken.yaml (document 10) GatewayBackend/shadowed spec.policies[1]: rule pii-later/pii (spec.rules[0]) is unreachable here: rule rules/everything of an earlier policy matches every request it matches",
     ];
     for e in expect {
         assert!(
@@ -38,6 +39,22 @@ fn every_problem_of_the_broken_examples_is_reported_with_its_path() {
             p.join("\n")
         );
     }
+}
+
+#[test]
+fn a_policy_no_backend_lists_and_that_names_no_model_is_reported() {
+    let mut docs = Documents::default();
+    docs.add_file(
+        "p.yaml",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: ws}\nspec: {model: m}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: loose}\nspec:\n  rules: [{name: r, filter: {maxQueued: 1}}]\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: attached}\nspec:\n  appliesToModels: [m]\n  rules: [{name: r, filter: {maxQueued: 1}}]\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: limits-only}\nspec:\n  limits: [{tenant: t, tokensPerMinute: 10}]\n",
+    );
+    let (_, problems) = docs.check();
+    let p: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert!(
+        p[0].contains("InferencePolicy/loose spec.rules: its rules apply to no request"),
+        "{p:#?}"
+    );
 }
 
 #[test]

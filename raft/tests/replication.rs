@@ -127,6 +127,7 @@ fn pool() -> Command {
         value: PoolConfig {
             block_size: 16,
             models: vec![],
+            lora_adapters: Vec::new(),
         }
         .to_json(),
     }

@@ -143,6 +143,7 @@ fn kvplane_state_from_the_events_matches_the_engine_cache_under_eviction() {
                 value: PoolConfig {
                     block_size: 16,
                     models: vec![],
+                    lora_adapters: Vec::new(),
                 }
                 .to_json(),
             },

@@ -1,5 +1,6 @@
-//! Configuration objects held in the state. Until the policy kinds land, the one kind with
-//! meaning is `pool`: a group of workers that share a block size and serve some models.
+//! Configuration objects held in the state besides the policy kinds: `pool`, a group of
+//! workers that share a block size and serve some models (the node config's `[[pools]]`). The
+//! catalog holds each as a worker set, so it routes like one.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +19,10 @@ pub struct PoolConfig {
     /// An empty list serves any model.
     #[serde(default)]
     pub models: Vec<String>,
+    /// LoRA adapters the pool's engines load (vLLM `--lora-modules` names): a request naming
+    /// one is served here and matches only blocks cached under it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
 }
 
 impl PoolConfig {
@@ -67,6 +72,7 @@ pub fn worker_set_pool(ws: &kvplane_policy::kinds::InferenceWorkerSetSpec) -> Po
     PoolConfig {
         block_size: ws.block_size,
         models: vec![ws.model.clone()],
+        lora_adapters: ws.lora_adapters.clone(),
     }
 }
 

@@ -444,21 +444,23 @@ impl StateMachine {
                 ),
             )
         };
-        // Dry run: the catalog and the pool set as they would be.
+        // Dry run: the catalog (config pools included) as it would be.
         let mut catalog = (*self.catalog).clone();
-        let mut pool_names: BTreeSet<String> = self
-            .config
-            .keys()
-            .filter(|(k, _)| k == POOL_KIND)
-            .map(|(_, n)| n.clone())
-            .collect();
+        let clash = |name: &str| {
+            invalid(
+                Kind::WorkerSet.as_str(),
+                name,
+                format!("a {POOL_KIND} of the same name exists (both would own one index)"),
+            )
+        };
         for d in deletes {
             match Kind::parse(&d.kind) {
+                Some(Kind::WorkerSet) if catalog.config_pools.contains_key(&d.name) => {}
                 Some(k) => {
                     catalog.remove(k, &d.name);
                 }
                 None if d.kind == POOL_KIND => {
-                    pool_names.remove(&d.name);
+                    catalog.remove_config_pool(&d.name);
                 }
                 None => return Err(unknown(&d.kind, &d.name)),
             }
@@ -469,11 +471,25 @@ impl StateMachine {
                 Some(k) => {
                     let o = Object::from_json(k, &p.name, &p.value)
                         .map_err(|e| invalid(&p.kind, &p.name, e.to_string()))?;
+                    if k == Kind::WorkerSet && catalog.config_pools.contains_key(&p.name) {
+                        return Err(clash(&p.name));
+                    }
                     catalog.insert(o);
                 }
                 None if p.kind == POOL_KIND => {
-                    pool_puts.push((p, PoolConfig::parse(&p.name, &p.value)?));
-                    pool_names.insert(p.name.clone());
+                    let cfg = PoolConfig::parse(&p.name, &p.value)?;
+                    if catalog.worker_sets.contains_key(&p.name)
+                        && !catalog.config_pools.contains_key(&p.name)
+                    {
+                        return Err(clash(&p.name));
+                    }
+                    catalog.put_config_pool(
+                        &p.name,
+                        cfg.block_size,
+                        &cfg.models,
+                        &cfg.lora_adapters,
+                    );
+                    pool_puts.push((p, cfg));
                 }
                 None => return Err(unknown(&p.kind, &p.name)),
             }
@@ -483,13 +499,6 @@ impl StateMachine {
                 problem.kind.as_str(),
                 &problem.name,
                 format!("{}: {}", problem.path, problem.message),
-            ));
-        }
-        if let Some(clash) = catalog.worker_sets.keys().find(|n| pool_names.contains(*n)) {
-            return Err(invalid(
-                Kind::WorkerSet.as_str(),
-                clash,
-                format!("a {POOL_KIND} of the same name exists (both would own one index)"),
             ));
         }
         // Apply: it can no longer fail.

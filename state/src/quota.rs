@@ -226,6 +226,7 @@ mod tests {
         c.insert(Object {
             name: "limits".into(),
             spec: Spec::Policy(InferencePolicySpec {
+                applies_to_models: vec![],
                 rules: vec![],
                 limits: vec![TenantLimit {
                     tenant: "acme".into(),

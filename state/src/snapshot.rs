@@ -145,10 +145,10 @@ impl StateMachine {
                 }
                 catalog.insert(o);
             } else if kind == POOL_KIND {
-                pool = Some(
-                    PoolConfig::parse(&name, &value)
-                        .map_err(|e| SnapshotError::Decode(e.to_string()))?,
-                );
+                let cfg = PoolConfig::parse(&name, &value)
+                    .map_err(|e| SnapshotError::Decode(e.to_string()))?;
+                catalog.put_config_pool(&name, cfg.block_size, &cfg.models, &cfg.lora_adapters);
+                pool = Some(cfg);
             }
             if let Some(cfg) = pool {
                 let index = PoolIndex::new(cfg.block_size);

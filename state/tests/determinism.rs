@@ -176,6 +176,7 @@ fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
             value: PoolConfig {
                 block_size: BS,
                 models: vec![],
+                lora_adapters: Vec::new(),
             }
             .to_json(),
         },
@@ -390,6 +391,7 @@ fn applying_many_entries_inside_one_async_task_completes() {
                 value: PoolConfig {
                     block_size: BS,
                     models: Vec::new(),
+                    lora_adapters: Vec::new(),
                 }
                 .to_json(),
             }))

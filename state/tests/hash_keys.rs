@@ -51,6 +51,7 @@ impl Run {
                 value: PoolConfig {
                     block_size: BS,
                     models: vec![],
+                    lora_adapters: Vec::new(),
                 }
                 .to_json(),
             },

@@ -102,6 +102,7 @@ fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
         value: PoolConfig {
             block_size,
             models: Vec::new(),
+            lora_adapters: Vec::new(),
         }
         .to_json(),
     }];

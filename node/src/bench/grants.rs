@@ -44,6 +44,7 @@ pub fn workload(a: &GrantArgs) -> Vec<Command> {
     let policy = ConfigObject::policy(&Object {
         name: "bench-tenants".into(),
         spec: Spec::Policy(InferencePolicySpec {
+            applies_to_models: vec![],
             rules: Vec::new(),
             limits,
         }),

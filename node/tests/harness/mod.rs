@@ -250,7 +250,10 @@ impl Node {
             }
         }
         let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
-        for (pool, bs) in &o.pools {
+        // With a policy directory the worker sets are the fleet: the default pool (every
+        // model) is left to the node, which declares none then.
+        let implicit = o.policy_dir.is_some() && o.pools == [("default".to_owned(), 16)];
+        for (pool, bs) in o.pools.iter().filter(|_| !implicit) {
             toml.push_str(&format!(
                 "\n[[pools]]\nname = \"{pool}\"\nblock_size = {bs}\nmodels = [{}]\n",
                 models.join(", ")

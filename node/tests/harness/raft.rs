@@ -47,17 +47,21 @@ pub fn prompt(i: u64) -> Vec<u32> {
     (0..48).map(|t| (i * 1_000 + t) as u32).collect()
 }
 
+/// The worker a request for `tokens` would go to on `node`, and the blocks it caches.
 pub async fn routed_worker(node: &Node, tokens: &[u32]) -> Result<(String, u32), tonic::Status> {
     let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
         .await
         .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    // Explain: where a request would go, without counting it in the worker's queue.
     let r = c
-        .route(RouteRequest {
+        .explain(RouteRequest {
             token_ids: tokens.to_vec(),
             ..Default::default()
         })
         .await?
-        .into_inner();
+        .into_inner()
+        .decision
+        .unwrap_or_default();
     match r.decision {
         Some(Decision::Endpoint(e)) => Ok((e.worker_id, r.matched_blocks)),
         other => Err(tonic::Status::internal(format!("{other:?}"))),

@@ -29,6 +29,12 @@ pub struct GatewayBackendSpec {
     /// `InferencePolicy` names, evaluated in order; the first matching rule applies.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub policies: Vec<String>,
+    /// Request headers whose values become tags (the gateway passes its headers on).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tag_headers: Vec<super::TagHeader>,
+    /// Built-in taggers run on the prompt: `pii`, `complexity`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub classify: Option<super::Classify>,
 }
 
 fn default_tenant_header() -> String {

@@ -1,6 +1,7 @@
 //! The five kinds, as Rust types from which the CRDs are generated.
 
 mod backend;
+mod classify;
 mod common;
 mod limit;
 mod policy;
@@ -9,6 +10,7 @@ mod provider;
 mod worker_set;
 
 pub use backend::{Backend, GatewayBackend, GatewayBackendSpec};
+pub use classify::{Classify, ComplexityTagger, PiiRule, PiiTagger, TagHeader};
 pub use common::{GROUP, Labels, ObjectStatus, TokenCost, VERSION};
 pub use limit::TenantLimit;
 pub use policy::{

@@ -23,6 +23,11 @@ pub struct InferencePolicySpec {
     /// Token and request budgets of tenants, the same for every replica and gateway.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub limits: Vec<super::TenantLimit>,
+    /// Requested models (public or served) whose requests this policy's rules apply to,
+    /// besides those of the `GatewayBackend`s that list it. A policy's rules apply nowhere
+    /// else: naming a model directly never escapes the policies of a backend serving it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub applies_to_models: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -305,7 +305,7 @@ impl KvRouter {
 
 /// kvplane with one or more replicas routing in turn. Each replica publishes its decisions
 /// (worker, predicted first token) and the others count them in that worker's queue once they
-/// arrive, `share_ms` later (`kvplane.routed` on NATS core in a deployment).
+/// arrive, `share_ms` later (`kvplane-gossip.routed` on NATS core in a deployment).
 pub struct Kvplane {
     pub replicas: Vec<KvRouter>,
     next: usize,

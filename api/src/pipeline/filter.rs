@@ -1,0 +1,37 @@
+//! Stage 5, filter: the rule's filters (see [`kvplane_policy::filters`]) remove candidates,
+//! each with its filter's id and words; when none is left and the rule says `Fallback`, its
+//! fallback targets are filtered too (without the load limits).
+
+use kvplane_policy::kinds::{EmptyAction, Rule};
+use kvplane_policy::{Candidate, Catalog, Fleet, Request, Resolved, Signals, filters};
+
+/// Filters `cands`; adds the fallback's when nothing is left. Returns the explanation.
+pub(crate) fn filter(
+    catalog: &Catalog,
+    fleet: &dyn Fleet,
+    req: &Request<'_>,
+    resolved: &Resolved<'_>,
+    rule: &Rule,
+    signals: Signals,
+    cands: &mut Vec<Candidate>,
+) -> Vec<String> {
+    let mut steps = Vec::new();
+    filters::apply(catalog, &rule.filter, cands, false);
+    let survivors = cands.iter().filter(|c| c.filtered.is_none()).count();
+    steps.push(format!(
+        "{survivors} of {} candidates pass the filter",
+        cands.len()
+    ));
+    if survivors == 0 && rule.on_empty.action == EmptyAction::Fallback {
+        let mut fb =
+            catalog.candidates(fleet, req, resolved, &rule.on_empty.fallback, true, signals);
+        filters::apply(catalog, &rule.filter, &mut fb, true);
+        steps.push(format!(
+            "nothing left: falling back to {} candidates ({} pass)",
+            fb.len(),
+            fb.iter().filter(|c| c.filtered.is_none()).count()
+        ));
+        cands.extend(fb);
+    }
+    steps
+}

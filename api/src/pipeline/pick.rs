@@ -1,0 +1,14 @@
+//! Stage 7, pick: the lowest objective, near-ties (within 1%) spread by the request id's
+//! hash (see [`kvplane_policy::pick`]).
+
+use kvplane_policy::Candidate;
+
+pub(crate) fn pick(cands: &mut [Candidate], request_id: &str) -> Option<usize> {
+    let i = kvplane_policy::pick::pick(cands, tie_break(request_id))?;
+    cands[i].chosen = true;
+    Some(i)
+}
+
+pub(crate) fn tie_break(request_id: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(request_id.as_bytes())
+}

@@ -1,0 +1,90 @@
+//! Stage 1, prompt: the request's token ids (given, or its body tokenized once, with the
+//! model's own tokenizer when one is loaded), model, output limit and cache salt.
+
+use kvplane_proto::v1::RouteRequest;
+use kvplane_state::View;
+use kvplane_tokenize::{PromptSource, prompt_from_body_with};
+
+use crate::Tokenizers;
+
+/// A request's prompt as the service resolved it.
+#[derive(Debug, Clone)]
+pub struct Prompted {
+    pub tokens: Vec<u32>,
+    pub source: PromptSource,
+    /// The requested model: the request's, else the body's.
+    pub model: String,
+    /// The most output tokens: the request's, else the body's `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// The request's or the body's `cache_salt` (vLLM: blocks are shared only among requests
+    /// with the same).
+    pub cache_salt: Option<String>,
+}
+
+impl Prompted {
+    /// What is known of a request whose prompt could not be read.
+    pub(crate) fn unreadable(req: &RouteRequest) -> Self {
+        Self {
+            tokens: Vec::new(),
+            source: PromptSource::TokenIds,
+            model: req.model.clone(),
+            max_tokens: None,
+            cache_salt: None,
+        }
+    }
+
+    pub fn prompt_tokens(&self) -> u32 {
+        u32::try_from(self.tokens.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// Resolves the prompt of `req` (a bad request: the reason).
+pub(crate) fn prompt(
+    req: &RouteRequest,
+    view: &View,
+    tokenizers: &Tokenizers,
+) -> Result<Prompted, String> {
+    let text = req.token_ids.is_empty();
+    if text && req.body.is_empty() {
+        return Err("request has neither token_ids nor a body".into());
+    }
+    let fields = if req.body.is_empty() {
+        kvplane_tokenize::BodyFields::default()
+    } else {
+        match kvplane_tokenize::body_fields(&req.body) {
+            Ok(f) => f,
+            Err(e) if text => return Err(e.to_string()),
+            // Token ids given: a body that is not JSON only lacks the defaults.
+            Err(_) => kvplane_tokenize::BodyFields::default(),
+        }
+    };
+    let model = if req.model.is_empty() {
+        fields.model.clone().unwrap_or_default()
+    } else {
+        req.model.clone()
+    };
+    let max_tokens = (req.max_output_tokens > 0)
+        .then_some(req.max_output_tokens)
+        .or(fields.max_tokens);
+    let cache_salt = (!req.cache_salt.is_empty())
+        .then(|| req.cache_salt.clone())
+        .or(fields.cache_salt);
+    if !text {
+        return Ok(Prompted {
+            tokens: req.token_ids.clone(),
+            source: PromptSource::TokenIds,
+            model,
+            max_tokens,
+            cache_salt,
+        });
+    }
+    let tokenizer = tokenizers.for_model(view, &model);
+    let p = prompt_from_body_with(&req.body, tokenizer.as_deref()).map_err(|e| e.to_string())?;
+    Ok(Prompted {
+        tokens: p.tokens,
+        source: p.source,
+        model,
+        max_tokens,
+        cache_salt,
+    })
+}

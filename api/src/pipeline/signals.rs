@@ -1,0 +1,175 @@
+//! Stage 4, signals: the per-candidate inputs - each worker's metrics and the requests this
+//! cluster sent there (always), the prompt's cached prefix (one prefix-index lookup per worker
+//! set, only when a filter or the objective reads it), and the predicted TTFT with its parts
+//! (see [`crate::predict`]). Explain reads the predictor without changing it.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use kvplane_policy::kinds::InferenceWorkerSetSpec;
+use kvplane_policy::{Fleet, Prediction, Signals, WorkerState};
+use kvplane_state::{Overlap, View};
+
+use crate::CostModel;
+use crate::predict::Predictor;
+
+/// What besides the tokens a request's block hashes depend on, as the engines hash them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HashKeys<'a> {
+    /// The model the request names (a LoRA adapter of some worker sets).
+    pub model: &'a str,
+    /// vLLM's `cache_salt`: only blocks cached under the same salt match.
+    pub cache_salt: Option<&'a str>,
+}
+
+/// The fleet of one view, for one prompt. Each worker set's overlap is looked up once.
+pub(crate) struct ViewFleet<'a> {
+    view: &'a View,
+    tokens: &'a [u32],
+    keys: HashKeys<'a>,
+    cost: &'a CostModel,
+    predictor: &'a Predictor,
+    /// Explain: read the predictor, change nothing.
+    peek: bool,
+    overlaps: RefCell<BTreeMap<String, Overlap>>,
+    /// Each worker set's calibration and typical waiting cost, read once.
+    factors: RefCell<BTreeMap<String, (f64, Option<f64>)>>,
+}
+
+/// The prompt's tokens past what `w` caches, and their prefill time at the worker set's rate.
+pub(crate) fn uncached(
+    prompt_tokens: usize,
+    set: &InferenceWorkerSetSpec,
+    w: &WorkerState,
+    cost: &CostModel,
+) -> (u64, f64) {
+    let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
+    let tokens = (prompt_tokens as u64).saturating_sub(cached);
+    let rate = set
+        .prefill_tokens_per_second
+        .unwrap_or(cost.prefill_tokens_per_s);
+    (tokens, tokens as f64 / rate * 1000.0)
+}
+
+impl<'a> ViewFleet<'a> {
+    pub(crate) fn new(
+        view: &'a View,
+        tokens: &'a [u32],
+        keys: HashKeys<'a>,
+        cost: &'a CostModel,
+        predictor: &'a Predictor,
+        peek: bool,
+    ) -> Self {
+        Self {
+            view,
+            tokens,
+            keys,
+            cost,
+            predictor,
+            peek,
+            overlaps: RefCell::default(),
+            factors: RefCell::default(),
+        }
+    }
+
+    fn factors(&self, name: &str) -> (f64, Option<f64>) {
+        if let Some(f) = self.factors.borrow().get(name) {
+            return *f;
+        }
+        let f = self.predictor.factors(name);
+        self.factors.borrow_mut().insert(name.to_owned(), f);
+        f
+    }
+
+    /// Looks the prompt up in `worker_set`'s index, once.
+    fn look_up(&self, worker_set: &str, pool: &kvplane_state::PoolView) {
+        if self.overlaps.borrow().contains_key(worker_set) {
+            return;
+        }
+        let span = tracing::debug_span!(
+            "index.lookup",
+            worker_set,
+            prompt_tokens = self.tokens.len(),
+            best_overlap_blocks = tracing::field::Empty
+        );
+        let _in = span.enter();
+        let lora = self
+            .view
+            .catalog
+            .worker_sets
+            .get(worker_set)
+            .and_then(|s| s.adapter_for(self.keys.model));
+        let o = pool
+            .index
+            .overlaps_keyed(self.tokens, lora, self.keys.cache_salt);
+        span.record("best_overlap_blocks", o.best_blocks());
+        self.overlaps.borrow_mut().insert(worker_set.to_owned(), o);
+    }
+}
+
+impl Fleet for ViewFleet<'_> {
+    fn workers(&self, worker_set: &str, signals: Signals) -> Vec<WorkerState> {
+        let Some(pool) = self.view.pools.get(worker_set) else {
+            return Vec::new();
+        };
+        let lookup = signals.overlap || signals.prediction;
+        if lookup {
+            self.look_up(worker_set, pool);
+        }
+        let cache = self.overlaps.borrow();
+        let overlap = cache.get(worker_set).filter(|_| lookup);
+        pool.workers
+            .iter()
+            .map(|w| {
+                let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |o| o.best_for(w.id));
+                let f = if self.peek {
+                    self.predictor.peek_pending(
+                        worker_set,
+                        &w.name,
+                        w.metrics_at_ms,
+                        w.metrics.waiting,
+                    )
+                } else {
+                    self.predictor.pending(
+                        worker_set,
+                        &w.name,
+                        w.metrics_at_ms,
+                        w.metrics.waiting,
+                        (w.metrics.ttft_sum_s, w.metrics.ttft_count),
+                    )
+                };
+                let others = w.metrics.waiting.saturating_sub(f.in_metrics);
+                WorkerState {
+                    worker: w.name.clone(),
+                    address: w.address.clone(),
+                    up: w.up,
+                    dp_rank,
+                    waiting: others + f.requests,
+                    pending: f.requests,
+                    pending_ms: f.busy_ms as f64,
+                    running: w.metrics.running,
+                    kv_cache_usage: w.metrics.kv_cache_usage,
+                    overlap_blocks,
+                    prompt_blocks: overlap.map_or(0, |o| o.prompt_blocks),
+                }
+            })
+            .collect()
+    }
+
+    /// See [`crate::predict`]. The queue ahead (this replica's pending requests) is already
+    /// calibrated: it is made of earlier predictions.
+    fn predict(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> Prediction {
+        let (calibration, typical_ms) = self.factors(name);
+        let uncached_ms = uncached(self.tokens.len(), set, w, self.cost).1;
+        let others = f64::from(w.waiting - w.pending);
+        let load = others * typical_ms.unwrap_or(self.cost.waiting_request_ms)
+            + f64::from(w.running) * self.cost.running_request_ms;
+        let own = self.cost.base_ms + uncached_ms + load;
+        Prediction {
+            ttft_ms: w.pending_ms + own * calibration,
+            prefill_ms: uncached_ms * calibration,
+            load_ms: w.pending_ms + load * calibration,
+            displaced_ms: uncached_ms * calibration,
+        }
+    }
+}

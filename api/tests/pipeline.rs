@@ -1,0 +1,219 @@
+//! The routing pipeline's stages on a real state and the real service: one catalog for config
+//! pools and policy objects, classification from headers and taggers, lazy signals, and an
+//! Explain that changes nothing.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use kvplane_state::{Command, ConfigObject, POOL_KIND, PoolConfig};
+use support::{EXAMPLES, TestFleet, explain, report, request, route, target, tokens};
+
+/// A node with only a `[[pools]]` pool: `default`, block size 16, every model, these adapters.
+fn pools_node(lora: &[&str]) -> TestFleet {
+    let mut f = TestFleet::new();
+    f.command(Command::ConfigPut {
+        kind: POOL_KIND.into(),
+        name: "default".into(),
+        value: PoolConfig {
+            block_size: 16,
+            models: Vec::new(),
+            lora_adapters: lora.iter().map(|a| (*a).to_owned()).collect(),
+        }
+        .to_json(),
+    });
+    f.up("default", &["w0", "w1"]);
+    f
+}
+
+#[test]
+fn a_pools_node_with_a_limits_only_policy_still_routes() {
+    let prompt = tokens(1, 64);
+    let mut f = pools_node(&[]);
+    f.caches("default", "w1", &prompt, 16, None, None);
+    let r = route(&f.service(), request("a", "any-model", &[], prompt.clone()));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w1", 4));
+    // A policy holding only limits: the pool keeps routing (no second decision path).
+    let mut docs = kvplane_policy::Documents::default();
+    docs.add_file(
+        "limits.yaml",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: limits}\nspec:\n  limits: [{tenant: acme, tokensPerMinute: 100000}]\n",
+    );
+    let (catalog, problems) = docs.check();
+    assert!(problems.is_empty(), "{problems:?}");
+    f.command(Command::ConfigApply {
+        puts: catalog.objects().iter().map(ConfigObject::policy).collect(),
+        deletes: Vec::new(),
+    });
+    assert!(!f.sm.handle().load().catalog.is_empty());
+    let r = route(&f.service(), request("b", "any-model", &[], prompt));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w1", 4));
+    assert_eq!(
+        r.model, "any-model",
+        "a pool serving every model runs the requested one"
+    );
+    assert!(r.rewritten_body.is_none());
+}
+
+#[test]
+fn lora_and_salt_work_on_a_pools_node_and_an_adapter_request_keeps_its_name() {
+    let prompt = tokens(2, 64);
+    let mut f = pools_node(&["sql-lora"]);
+    f.caches("default", "w0", &prompt, 16, Some("sql-lora"), None)
+        .caches("default", "w1", &prompt, 16, None, Some("alice"));
+    let r = route(&f.service(), request("l1", "sql-lora", &[], prompt.clone()));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w0", 4));
+    assert_eq!(r.model, "sql-lora");
+    assert!(
+        r.rewritten_body.is_none(),
+        "the body keeps naming the adapter"
+    );
+    // The base model's blocks are not the adapter's, and the other way round.
+    let mut salted = request("s1", "base", &[], prompt.clone());
+    salted.cache_salt = "alice".into();
+    let r = route(&f.service(), salted.clone());
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w1", 4));
+    salted.cache_salt = "bob".into();
+    salted.request_id = "s2".into();
+    assert_eq!(route(&f.service(), salted).matched_blocks, 0);
+}
+
+#[test]
+fn an_adapter_of_a_worker_set_keeps_its_model_name_in_the_body() {
+    let prompt = tokens(3, 64);
+    let mut f = TestFleet::with_yaml(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: base}\nspec: {model: base-model, loraAdapters: [sql-lora]}\n",
+    );
+    f.up("base", &["w0"])
+        .caches("base", "w0", &prompt, 16, Some("sql-lora"), None);
+    let mut req = request("x", "", &[], prompt);
+    req.body = br#"{"model":"sql-lora","prompt":"select"}"#.to_vec();
+    let r = route(&f.service(), req);
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("base/w0", 4));
+    assert_eq!(r.model, "sql-lora");
+    assert!(r.rewritten_body.is_none(), "{:?}", r.rewritten_body);
+}
+
+#[test]
+fn explain_changes_nothing_and_shows_every_cost_part() {
+    let prompt = tokens(4, 256);
+    let mut f = pools_node(&[]);
+    f.caches("default", "w0", &prompt[..128], 16, None, None)
+        .load("default", "w1", 2, 0.5);
+    let s = f.service();
+    // A request routed and not reported: it is in w0's queue.
+    route(&s, request("first", "m", &[], prompt.clone()));
+    let a = explain(&s, request("probe", "m", &[], prompt.clone()));
+    let b = explain(&s, request("probe", "m", &[], prompt.clone()));
+    assert_eq!(a, b, "a second Explain sees what the first saw");
+    for c in &a.candidates {
+        assert!(c.prefill_cost > 0.0, "{c:?}");
+        assert!(c.predicted_ttft_ms > c.prefill_cost, "{c:?}");
+        assert!(c.cost >= c.predicted_ttft_ms, "{c:?}");
+    }
+    let w1 = a
+        .candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().worker_id == "w1")
+        .unwrap();
+    // Two waiting there, each taken to cost what this replica's requests cost it (the first one).
+    assert!(w1.load_cost > 0.0 && w1.waiting == 2, "{w1:?}");
+    // Route after the Explains decides as Route alone would have.
+    let after = route(&s, request("second", "m", &[], prompt.clone()));
+    let fresh = f.service();
+    route(&fresh, request("first", "m", &[], prompt.clone()));
+    let alone = route(&fresh, request("second", "m", &[], prompt));
+    assert_eq!(target(&after), target(&alone));
+    assert!((after.predicted_ttft_ms - alone.predicted_ttft_ms).abs() < 50.0);
+    assert!(report(&s, "first").known);
+    assert!(
+        !report(&s, "probe").known,
+        "Explain records no routed request"
+    );
+}
+
+/// The examples' fleet with the large workers busy: untagged `chat` requests burst to the
+/// cloud provider.
+fn busy_chat() -> TestFleet {
+    let mut f = TestFleet::with_policies(EXAMPLES);
+    f.up("large-a100", &["a0", "a1"])
+        .up("small-l4", &["l0"])
+        .load("large-a100", "a0", 5, 0.2)
+        .load("large-a100", "a1", 5, 0.2);
+    f
+}
+
+#[test]
+fn a_header_mapped_pii_tag_keeps_a_request_off_the_cloud() {
+    let f = busy_chat();
+    let r = route(&f.service(), request("h0", "chat", &[], tokens(5, 64)));
+    assert_eq!(target(&r), "provider:cloud");
+    let mut req = request("h1", "chat", &[], tokens(5, 64));
+    req.headers
+        .insert("X-Data-Class".into(), "internal, pii".into());
+    let r = route(&f.service(), req.clone());
+    assert!(
+        target(&r).starts_with("rejected(REJECT_CODE_POLICY)"),
+        "{}",
+        target(&r)
+    );
+    let words = explain(&f.service(), req).steps;
+    assert!(
+        words
+            .iter()
+            .any(|s| s == "tag pii from header x-data-class"),
+        "{words:#?}"
+    );
+}
+
+#[test]
+fn a_tagger_found_pii_keeps_a_request_off_the_cloud_and_explain_never_shows_the_text() {
+    let f = busy_chat();
+    let mut req = request("t1", "chat", &[], tokens(6, 64));
+    req.body = br#"{"model":"chat","messages":[{"role":"user","content":"my card is 4111 1111 1111 1111, call me"}]}"#.to_vec();
+    let r = route(&f.service(), req.clone());
+    assert!(
+        target(&r).starts_with("rejected(REJECT_CODE_POLICY)"),
+        "{}",
+        target(&r)
+    );
+    let e = explain(&f.service(), req);
+    assert!(
+        e.steps
+            .iter()
+            .any(|s| s == "tag pii from tagger pii/payment-card"),
+        "{:#?}",
+        e.steps
+    );
+    assert!(
+        e.steps.iter().all(|s| !s.contains("4111")),
+        "{:#?}",
+        e.steps
+    );
+    // The same words with a wrong check digit are no card: the burst goes out.
+    let mut req = request("t2", "chat", &[], tokens(6, 64));
+    req.body = br#"{"model":"chat","messages":[{"role":"user","content":"my card is 4111 1111 1111 1112, call me"}]}"#.to_vec();
+    assert_eq!(target(&route(&f.service(), req)), "provider:cloud");
+}
+
+#[test]
+fn a_rule_that_reads_no_prefix_does_not_look_the_prompt_up() {
+    // minimize: Load and no filter reading the cache: the index is not consulted.
+    let prompt = tokens(7, 64);
+    let mut f = TestFleet::with_yaml(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: ws}\nspec: {model: m}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: by-load}\nspec:\n  appliesToModels: [m]\n  rules: [{name: least-loaded, minimize: Load}]\n",
+    );
+    f.up("ws", &["w0", "w1"])
+        .caches("ws", "w0", &prompt, 16, None, None)
+        .load("ws", "w0", 3, 0.1);
+    let r = route(&f.service(), request("q", "m", &[], prompt.clone()));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("ws/w1", 0));
+    // Explain computes every signal: the cached prefix shows there.
+    let e = explain(&f.service(), request("q", "m", &[], prompt));
+    let w0 = e
+        .candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().worker_id == "w0")
+        .unwrap();
+    assert_eq!(w0.overlap_blocks, 4);
+}

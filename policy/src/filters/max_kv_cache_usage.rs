@@ -1,0 +1,43 @@
+//! `filter.maxKvCacheUsage`: workers whose GPU KV cache is fuller are not candidates. A load
+//! limit: fallbacks ignore it.
+
+use super::CandidateFilter;
+use crate::candidate::{Candidate, FilterId};
+use crate::catalog::{Catalog, Check};
+use crate::kinds::Filter;
+
+pub(super) struct MaxKvCacheUsage;
+
+impl CandidateFilter for MaxKvCacheUsage {
+    fn id(&self) -> FilterId {
+        FilterId("max_kv_cache_usage")
+    }
+
+    fn load_limit(&self) -> bool {
+        true
+    }
+
+    fn check(&self, f: &Filter, c: &Candidate, _catalog: &Catalog) -> Option<String> {
+        let (_, w) = c.worker()?;
+        f.max_kv_cache_usage
+            .filter(|max| w.kv_cache_usage > *max)
+            .map(|max| {
+                format!(
+                    "KV cache {:.0}% > maxKvCacheUsage {:.0}%",
+                    w.kv_cache_usage * 100.0,
+                    max * 100.0
+                )
+            })
+    }
+
+    fn problems(&self, f: &Filter, at: &str, c: &mut Check<'_>) {
+        if let Some(v) = f.max_kv_cache_usage
+            && !(0.0..=1.0).contains(&v)
+        {
+            c.fail(
+                format!("{at}.maxKvCacheUsage"),
+                format!("must be within 0..1, got {v}"),
+            );
+        }
+    }
+}

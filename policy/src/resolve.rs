@@ -1,0 +1,353 @@
+//! From the requested model to what may serve it: the backend that publishes it, the worker
+//! sets behind it (with their weights), the policies attached to it in order, the rule that
+//! applies, and that rule's candidates. Pure: the live fleet comes in through [`Fleet`].
+//!
+//! Attachment: a request for a public model is under its backend's policies, in order. A
+//! request naming a served model directly is under the policies of every backend that serves
+//! it (backends in name order, each one's list in its order), so naming the model never
+//! escapes them. Either way, the policies whose `appliesToModels` names the requested model
+//! follow. No other policy applies.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+
+use crate::candidate::{Candidate, Fleet, Prediction, RejectKind, Signals, Target, WorkerState};
+use crate::catalog::Catalog;
+use crate::kinds::{GatewayBackendSpec, InferencePolicySpec, Match, Objective, Rule, Targets};
+
+/// What a decision knows about the request.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub tenant: &'a str,
+    /// The model the client asked for (possibly a public alias).
+    pub model: &'a str,
+    /// Its tags: the request's own, mapped headers', and the taggers'.
+    pub tags: &'a [String],
+    pub prompt_tokens: u32,
+    pub max_output_tokens: u32,
+    /// Spreads near-equal candidates (see [`crate::pick`]): a hash of the request id.
+    pub tie_break: u64,
+}
+
+/// Why a policy applies to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via<'a> {
+    /// The backend lists it.
+    Backend(&'a str),
+    /// Its `appliesToModels` names the requested model.
+    Model,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Attached<'a> {
+    pub name: &'a str,
+    pub spec: &'a InferencePolicySpec,
+    pub via: Via<'a>,
+}
+
+/// The requested model, resolved.
+#[derive(Debug, Clone)]
+pub struct Resolved<'a> {
+    /// The backend publishing the requested model.
+    pub backend: Option<(&'a str, &'a GatewayBackendSpec)>,
+    /// The worker sets behind the model, with their backend weights.
+    pub sets: BTreeMap<String, f64>,
+    /// The policies that apply, in order.
+    pub policies: Vec<Attached<'a>>,
+}
+
+/// The rule that applies: `policy/rule`, or the default rule.
+#[derive(Debug, Clone, Copy)]
+pub struct RuleChoice<'a> {
+    pub id: Option<(&'a str, &'a str)>,
+    pub rule: &'a Rule,
+}
+
+impl RuleChoice<'_> {
+    /// `policy/rule`, or `default`.
+    pub fn name(&self) -> String {
+        match self.id {
+            Some((p, r)) => format!("{p}/{r}"),
+            None => "default".into(),
+        }
+    }
+}
+
+static DEFAULT_RULE: LazyLock<Rule> = LazyLock::new(|| Rule {
+    name: "default".into(),
+    matches: Match::default(),
+    candidates: Targets::default(),
+    filter: Default::default(),
+    on_empty: Default::default(),
+    minimize: Objective::PredictedTTFT,
+});
+
+impl Catalog {
+    /// Worker sets behind a requested model: a backend's targets (aliases followed), else the
+    /// worker sets serving it.
+    fn model_sets(&self, model: &str, weight: f64, depth: u32, out: &mut BTreeMap<String, f64>) {
+        if depth > 16 {
+            return;
+        }
+        if let Some((_, b)) = self.backend_for(model) {
+            for t in &b.backends {
+                let w = weight * t.weight;
+                if let Some(p) = &t.pool {
+                    for ws in self
+                        .pools
+                        .get(p)
+                        .map(|p| p.worker_sets.as_slice())
+                        .unwrap_or(&[])
+                    {
+                        out.entry(ws.clone()).or_insert(w);
+                    }
+                }
+                if let Some(ws) = &t.worker_set {
+                    out.entry(ws.clone()).or_insert(w);
+                }
+                if let Some(m) = &t.model {
+                    self.model_sets(m, w, depth + 1, out);
+                }
+            }
+            return;
+        }
+        for name in self.worker_sets.keys() {
+            if model.is_empty() || self.set_serves(name, model) {
+                out.entry(name.clone()).or_insert(weight);
+            }
+        }
+    }
+
+    /// Resolves `model`; refuses a model nobody publishes or serves.
+    pub fn resolve(&self, model: &str) -> Result<Resolved<'_>, (RejectKind, String)> {
+        if !model.is_empty() && !self.knows_model(model) {
+            return Err((
+                RejectKind::UnknownModel,
+                format!("no backend publishes and no worker set serves model {model:?}"),
+            ));
+        }
+        let backend = self.backend_for(model);
+        let mut sets = BTreeMap::new();
+        self.model_sets(model, 1.0, 0, &mut sets);
+        let mut policies: Vec<Attached<'_>> = Vec::new();
+        let listed: Vec<(&str, &GatewayBackendSpec)> = match backend {
+            Some(b) => vec![b],
+            None if model.is_empty() => Vec::new(),
+            None => self
+                .backends
+                .iter()
+                .filter(|(_, b)| {
+                    let mut behind = BTreeMap::new();
+                    self.model_sets(&b.public_model, 1.0, 0, &mut behind);
+                    behind.keys().any(|ws| self.set_serves(ws, model))
+                })
+                .map(|(n, b)| (n.as_str(), b))
+                .collect(),
+        };
+        for (bname, b) in listed {
+            for p in &b.policies {
+                if let Some((n, spec)) = self.policies.get_key_value(p)
+                    && !policies.iter().any(|a| a.name == n)
+                {
+                    policies.push(Attached {
+                        name: n,
+                        spec,
+                        via: Via::Backend(bname),
+                    });
+                }
+            }
+        }
+        for (n, spec) in &self.policies {
+            if !model.is_empty()
+                && spec.applies_to_models.iter().any(|m| m == model)
+                && !policies.iter().any(|a| a.name == n)
+            {
+                policies.push(Attached {
+                    name: n,
+                    spec,
+                    via: Via::Model,
+                });
+            }
+        }
+        Ok(Resolved {
+            backend,
+            sets,
+            policies,
+        })
+    }
+
+    fn pool_state_holds(&self, fleet: &dyn Fleet, m: &Match) -> bool {
+        m.pool_state.iter().all(|c| {
+            let up: Vec<WorkerState> = self
+                .pools
+                .get(&c.pool)
+                .map(|p| p.worker_sets.as_slice())
+                .unwrap_or(&[])
+                .iter()
+                .flat_map(|ws| fleet.workers(ws, Signals::NONE))
+                .filter(|w| w.up)
+                .collect();
+            let n = up.len() as f64;
+            let mean = |f: fn(&WorkerState) -> f64| {
+                if up.is_empty() {
+                    0.0
+                } else {
+                    up.iter().map(f).sum::<f64>() / n
+                }
+            };
+            c.min_up_workers.is_none_or(|min| up.len() >= min as usize)
+                && c.max_average_waiting
+                    .is_none_or(|max| mean(|w| f64::from(w.waiting)) <= max)
+                && c.max_average_kv_cache_usage
+                    .is_none_or(|max| mean(|w| w.kv_cache_usage) <= max)
+        })
+    }
+
+    fn rule_matches(&self, fleet: &dyn Fleet, req: &Request<'_>, m: &Match) -> bool {
+        (m.tenants.is_empty() || m.tenants.iter().any(|t| t == req.tenant))
+            && (m.models.is_empty() || m.models.iter().any(|x| x == req.model))
+            && m.tags.iter().all(|t| req.tags.contains(t))
+            && self.pool_state_holds(fleet, m)
+    }
+
+    /// The first rule of the attached policies whose `match` holds, else the default rule.
+    pub fn select_rule<'a>(
+        &'a self,
+        resolved: &Resolved<'a>,
+        fleet: &dyn Fleet,
+        req: &Request<'_>,
+    ) -> RuleChoice<'a> {
+        for a in &resolved.policies {
+            for r in &a.spec.rules {
+                if self.rule_matches(fleet, req, &r.matches) {
+                    return RuleChoice {
+                        id: Some((a.name, r.name.as_str())),
+                        rule: r,
+                    };
+                }
+            }
+        }
+        RuleChoice {
+            id: None,
+            rule: &DEFAULT_RULE,
+        }
+    }
+
+    /// The tags any rule of these policies matches on (taggers whose tags no rule reads need
+    /// not run).
+    pub fn tags_read<'a>(resolved: &Resolved<'a>) -> impl Iterator<Item = &'a str> + 'a {
+        let policies = resolved.policies.clone();
+        policies.into_iter().flat_map(|a| {
+            a.spec
+                .rules
+                .iter()
+                .flat_map(|r| r.matches.tags.iter().map(String::as_str))
+        })
+    }
+
+    /// The worker sets of `targets`, each once, pools first.
+    fn target_sets<'a>(&'a self, targets: &'a Targets) -> Vec<&'a str> {
+        let mut sets: Vec<&str> = Vec::new();
+        for p in &targets.pools {
+            for ws in self
+                .pools
+                .get(p)
+                .map(|p| p.worker_sets.as_slice())
+                .unwrap_or(&[])
+            {
+                if !sets.contains(&ws.as_str()) {
+                    sets.push(ws);
+                }
+            }
+        }
+        for ws in &targets.worker_sets {
+            if !sets.contains(&ws.as_str()) {
+                sets.push(ws);
+            }
+        }
+        sets
+    }
+
+    /// The candidates of a rule (its `candidates`, else the model's worker sets), or of its
+    /// fallback, with the signals asked for.
+    pub fn candidates(
+        &self,
+        fleet: &dyn Fleet,
+        req: &Request<'_>,
+        resolved: &Resolved<'_>,
+        targets: &Targets,
+        fallback: bool,
+        signals: Signals,
+    ) -> Vec<Candidate> {
+        let default_targets;
+        let targets = if targets.is_empty() && !fallback {
+            default_targets = Targets {
+                worker_sets: resolved.sets.keys().cloned().collect(),
+                ..Targets::default()
+            };
+            &default_targets
+        } else {
+            targets
+        };
+        let mut out = Vec::new();
+        for name in self.target_sets(targets) {
+            let Some(spec) = self.worker_sets.get(name) else {
+                continue;
+            };
+            let weight = resolved.sets.get(name).copied().unwrap_or(1.0);
+            let model = self.served_model(name, req.model);
+            for w in fleet.workers(name, signals) {
+                let prediction = if signals.prediction {
+                    fleet.predict(name, spec, &w)
+                } else {
+                    Prediction::default()
+                };
+                out.push(Candidate {
+                    model: model.clone(),
+                    external: false,
+                    prediction,
+                    price: spec
+                        .cost
+                        .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens)),
+                    load: w.waiting + w.running,
+                    weight,
+                    objective: 0.0,
+                    filtered: None,
+                    fallback,
+                    chosen: false,
+                    target: Target::Worker {
+                        worker_set: name.to_owned(),
+                        state: w,
+                    },
+                });
+            }
+        }
+        for name in &targets.providers {
+            let Some(p) = self.providers.get(name) else {
+                continue;
+            };
+            out.push(Candidate {
+                target: Target::Provider {
+                    name: name.clone(),
+                    endpoint: p.endpoint.clone(),
+                },
+                model: p.model.clone(),
+                external: true,
+                prediction: Prediction {
+                    ttft_ms: p.expected_ttft_ms,
+                    ..Prediction::default()
+                },
+                price: p
+                    .cost
+                    .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens)),
+                load: 0,
+                weight: 1.0,
+                objective: 0.0,
+                filtered: None,
+                fallback,
+                chosen: false,
+            });
+        }
+        out
+    }
+}
