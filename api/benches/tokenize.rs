@@ -181,7 +181,9 @@ fn main() {
         // prompt never seen (the whole text) and on one whose system prompt was seen; the whole
         // Route decision from the body, on a node that never saw the system prompt (cold) and
         // on one that did (warm); the Route decision given the same token ids.
-        let mut ns: [Vec<u64>; 6] = Default::default();
+        let mut ns: [Vec<u64>; 8] = Default::default();
+        let pii = kvplane_policy::kinds::PiiTagger::default();
+        let complexity = kvplane_policy::kinds::ComplexityTagger::default();
         let mut matched = 0u64;
         for (i, b) in bodies.iter().enumerate() {
             let t = Instant::now();
@@ -216,6 +218,28 @@ fn main() {
             let t = Instant::now();
             route(&warm, req);
             ns[5].push(t.elapsed().as_nanos() as u64);
+            // A system prompt no engine caches and no replica saw: tokenized only until no
+            // index can hold it, the rest counted.
+            let unseen = body(&system_prompt(&tok, target, WORKERS + 1 + i), i);
+            let cold = service_with(fresh());
+            let t = Instant::now();
+            let r = route(&cold, by_body(i, &unseen));
+            ns[6].push(t.elapsed().as_nanos() as u64);
+            assert_eq!(r.matched_blocks, 0);
+            assert!(
+                r.prompt_tokens as usize * 2 > prompt_tokens,
+                "the estimate is of the prompt's size: {} for about {prompt_tokens}",
+                r.prompt_tokens
+            );
+            // Every built-in tagger on the body as sent.
+            let t = Instant::now();
+            std::hint::black_box(kvplane_policy::classify::pii_rule_found(&unseen, &pii));
+            std::hint::black_box(kvplane_policy::classify::complexity(
+                &unseen,
+                r.prompt_tokens,
+                &complexity,
+            ));
+            ns[7].push(t.elapsed().as_nanos() as u64);
         }
         let [
             template,
@@ -224,6 +248,8 @@ fn main() {
             cold_route,
             warm_route,
             ids_route,
+            unseen_route,
+            taggers,
         ] = ns.map(stats);
         let share = |a: &serde_json::Value, b: &serde_json::Value| {
             a["p50_us"].as_f64().unwrap() / b["p50_us"].as_f64().unwrap()
@@ -239,6 +265,8 @@ fn main() {
             "route_new_prompt": cold_route,
             "route_seen_system_prompt": warm_route,
             "route_given_token_ids": ids_route,
+            "route_prompt_no_engine_caches": unseen_route,
+            "taggers_pii_and_complexity": taggers,
             "tokenize_share_of_route_new_prompt": share(&cold_tok, &cold_route),
             "tokenize_share_of_route_seen_system_prompt": share(&warm_tok, &warm_route),
             "mean_matched_blocks": matched as f64 / rounds as f64,

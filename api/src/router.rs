@@ -154,7 +154,7 @@ impl RouterService {
                         &state.worker,
                         &req.request_id,
                         crate::pipeline::signals::uncached(
-                            d.prompted.tokens.len(),
+                            d.prompted.total_tokens(),
                             spec,
                             state,
                             &self.cost,

@@ -29,6 +29,9 @@ impl PromptSource {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prompt {
     pub tokens: Vec<u32>,
+    /// Tokens after `tokens` that were not encoded, estimated from their length (see
+    /// [`prompt_from_body_until`]; 0 otherwise).
+    pub estimated_rest: usize,
     pub source: PromptSource,
     /// The body's `model`, when present.
     pub model: Option<String>,
@@ -100,14 +103,27 @@ pub fn prompt_from_body_with(
     body: &[u8],
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Prompt, TokenizeError> {
+    prompt_from_body_until(body, tokenizer, &mut |_| true)
+}
+
+/// As [`prompt_from_body_with`], but a chat prompt is encoded with the model's tokenizer only
+/// as far as `still_cached(ids so far)` holds (see [`ModelTokenizer::encode_chat_until`]):
+/// once no engine can hold the prompt that far, the rest is only counted, roughly.
+pub fn prompt_from_body_until(
+    body: &[u8],
+    tokenizer: Option<&ModelTokenizer>,
+    still_cached: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<Prompt, TokenizeError> {
     // A chat body for a model's own template: read once for its fields (skipping the
     // messages), once by the template, never copied into a JSON tree.
     if let Some(t) = tokenizer {
         let raw = raw_fields(body)?;
         if raw.messages.is_some() {
             let f = fields_of(raw);
+            let (tokens, estimated_rest) = t.encode_chat_until(body, still_cached)?;
             return Ok(Prompt {
-                tokens: t.encode_chat(body)?,
+                tokens,
+                estimated_rest,
                 source: PromptSource::Chat,
                 model: f.model,
                 max_tokens: f.max_tokens,
@@ -129,6 +145,7 @@ pub fn prompt_from_body_with(
         };
         return Ok(Prompt {
             tokens,
+            estimated_rest: 0,
             source: PromptSource::Chat,
             model,
             max_tokens,
@@ -151,6 +168,7 @@ pub fn prompt_from_body_with(
     };
     Ok(Prompt {
         tokens,
+        estimated_rest: 0,
         source,
         model,
         max_tokens,

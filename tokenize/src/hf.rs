@@ -216,6 +216,29 @@ impl ModelTokenizer {
         }
     }
 
+    /// As [`ModelTokenizer::encode_chat`], encoding only as far as `still_cached(ids so far)`
+    /// says some engine may cache the prompt (see [`crate::segments`]); also returns the
+    /// estimated number of tokens after the ids returned (0: they are the whole prompt).
+    pub fn encode_chat_until(
+        &self,
+        body: &[u8],
+        still_cached: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<(Vec<u32>, usize), TokenizeError> {
+        let text = self.render_chat(body)?;
+        match &self.segments {
+            Some(s) => s
+                .encode_until(&self.tokenizer, &text, still_cached)
+                .map_err(|e| TokenizeError::Tokenizer(e.to_string())),
+            None => Ok((self.encode(&text, false)?, 0)),
+        }
+    }
+
+    /// Whether [`ModelTokenizer::encode_chat_until`] can stop inside a long piece (the
+    /// tokenizer has no normalizer and its chunked encoding agreed with the whole at load).
+    pub fn stops_early(&self) -> bool {
+        self.segments.as_ref().is_some_and(|s| s.chunked())
+    }
+
     /// [`ModelTokenizer::encode_chat`] without the piece cache: the tokenizer on the whole text.
     pub fn encode_chat_whole(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;

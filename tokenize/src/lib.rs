@@ -15,8 +15,8 @@ mod segments;
 mod word;
 
 pub use body::{
-    BodyFields, Prompt, PromptSource, body_fields, prompt_from_body, prompt_from_body_with,
-    render_chat,
+    BodyFields, Prompt, PromptSource, body_fields, prompt_from_body, prompt_from_body_until,
+    prompt_from_body_with, render_chat,
 };
 pub use hf::{LoadError, ModelTokenizer};
 pub use word::{VOCAB_SIZE, WordTokenizer};

@@ -145,4 +145,40 @@ proptest::proptest! {
         proptest::prop_assert_eq!(tok.encode_chat(&body).unwrap(), whole.clone());
         proptest::prop_assert_eq!(tok.encode_chat(&body).unwrap(), whole);
     }
+
+    /// A long prompt encoded chunk by chunk (cut at pre-tokenization boundaries) gives the
+    /// tokenizer's own ids, on both fixture tokenizers; stopped early, its ids are a prefix of
+    /// them and the estimate of the rest is of the right size.
+    #[test]
+    fn chunked_encoding_is_exact_and_an_early_stop_is_a_prefix(
+        parts in proptest::collection::vec(proptest::sample::select(vec![
+            "hello ", "world", "\n", "\nNext line", "  \n", "\n\n", "def f(x):\n    return x\n",
+            "1234", "Größe ", "東京\n", "🚀", " - item\n", "\tTab", "x", "<|im_end|>", ".\nThen",
+        ]), 1..60),
+        repeat in 20usize..120,
+        family in proptest::sample::select(vec!["chatml-style", "llama3-style"]),
+        stop_at in 1usize..400,
+    ) {
+        let tok = ModelTokenizer::load(&fixture(family)).unwrap();
+        proptest::prop_assert!(tok.stops_early(), "{family}: no normalizer, the probe agrees");
+        let system: String = parts.concat().repeat(repeat);
+        let body = serde_json::to_vec(&serde_json::json!({"messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "and now?"},
+        ]})).unwrap();
+        let whole = tok.encode_chat_whole(&body).unwrap();
+        let (ids, rest) = tok.encode_chat_until(&body, &mut |_| true).unwrap();
+        proptest::prop_assert_eq!(rest, 0);
+        proptest::prop_assert_eq!(&ids, &whole);
+        let fresh = ModelTokenizer::load(&fixture(family)).unwrap();
+        let (prefix, rest) = fresh.encode_chat_until(&body, &mut |ids| ids.len() < stop_at).unwrap();
+        proptest::prop_assert_eq!(&whole[..prefix.len()], &prefix[..]);
+        if rest > 0 {
+            let estimate = prefix.len() + rest;
+            proptest::prop_assert!(
+                estimate * 2 >= whole.len() && estimate <= whole.len() * 2,
+                "estimated {} tokens of {}", estimate, whole.len()
+            );
+        }
+    }
 }

@@ -18,7 +18,7 @@ pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision) -> Vec<Rese
     if limits.is_empty() {
         return Vec::new();
     }
-    let tokens = escrow.tokens_for(d.prompted.tokens.len(), d.prompted.max_tokens);
+    let tokens = escrow.tokens_for(d.prompted.total_tokens(), d.prompted.max_tokens);
     let span = tracing::debug_span!(
         "quota.admit",
         tenant = %d.tenant,

@@ -185,9 +185,17 @@ impl RouterService {
         step(
             &mut d,
             format!(
-                "prompt: {} tokens ({}), model {:?}",
-                p.tokens.len(),
+                "prompt: {} tokens ({}{}), model {:?}",
+                p.total_tokens(),
                 p.source.as_str(),
+                if p.estimated_rest > 0 {
+                    format!(
+                        "; the last {} estimated: no engine caches the prompt that far",
+                        p.estimated_rest
+                    )
+                } else {
+                    String::new()
+                },
                 p.model
             ),
         );
@@ -231,6 +239,7 @@ impl RouterService {
         let fleet = signals::ViewFleet::new(
             &view,
             &p.tokens,
+            p.total_tokens(),
             signals::HashKeys {
                 model: &p.model,
                 cache_salt: p.cache_salt.as_deref(),

@@ -1,16 +1,25 @@
 //! Stage 1, prompt: the request's token ids (given, or its body tokenized once, with the
 //! model's own tokenizer when one is loaded), model, output limit and cache salt.
+//!
+//! A chat prompt is tokenized only as far as some engine may cache it: after each chunk the
+//! ids so far are looked up in every prefix index, and once none holds all their blocks the
+//! rest is only counted (estimated from its length; usage settles it). Where a prefix matches,
+//! the ids are exactly the engine's.
 
 use kvplane_proto::v1::RouteRequest;
 use kvplane_state::View;
-use kvplane_tokenize::{PromptSource, prompt_from_body_with};
+use kvplane_tokenize::{PromptSource, prompt_from_body_until};
 
 use crate::Tokenizers;
 
 /// A request's prompt as the service resolved it.
 #[derive(Debug, Clone)]
 pub struct Prompted {
+    /// The prompt's ids, exact; they may stop before the prompt's end (see `estimated_rest`).
     pub tokens: Vec<u32>,
+    /// Tokens after `tokens` that no engine can have cached, so were only counted (estimated
+    /// from their length).
+    pub estimated_rest: usize,
     pub source: PromptSource,
     /// The requested model: the request's, else the body's.
     pub model: String,
@@ -26,6 +35,7 @@ impl Prompted {
     pub(crate) fn unreadable(req: &RouteRequest) -> Self {
         Self {
             tokens: Vec::new(),
+            estimated_rest: 0,
             source: PromptSource::TokenIds,
             model: req.model.clone(),
             max_tokens: None,
@@ -33,8 +43,13 @@ impl Prompted {
         }
     }
 
+    /// The prompt's length in tokens (estimated in part when `estimated_rest` > 0).
+    pub fn total_tokens(&self) -> usize {
+        self.tokens.len() + self.estimated_rest
+    }
+
     pub fn prompt_tokens(&self) -> u32 {
-        u32::try_from(self.tokens.len()).unwrap_or(u32::MAX)
+        u32::try_from(self.total_tokens()).unwrap_or(u32::MAX)
     }
 }
 
@@ -72,6 +87,7 @@ pub(crate) fn prompt(
     if !text {
         return Ok(Prompted {
             tokens: req.token_ids.clone(),
+            estimated_rest: 0,
             source: PromptSource::TokenIds,
             model,
             max_tokens,
@@ -79,12 +95,34 @@ pub(crate) fn prompt(
         });
     }
     let tokenizer = tokenizers.for_model(view, &model);
-    let p = prompt_from_body_with(&req.body, tokenizer.as_deref()).map_err(|e| e.to_string())?;
+    let salt = cache_salt.as_deref();
+    let p = prompt_from_body_until(&req.body, tokenizer.as_deref(), &mut |ids| {
+        still_cached(view, &model, salt, ids)
+    })
+    .map_err(|e| e.to_string())?;
     Ok(Prompted {
         tokens: p.tokens,
+        estimated_rest: p.estimated_rest,
         source: p.source,
         model,
         max_tokens,
         cache_salt,
+    })
+}
+
+/// Whether some worker set's index holds every complete block of `ids` (under the request's
+/// adapter and salt): tokenizing further may still find a longer cached prefix.
+fn still_cached(view: &View, model: &str, salt: Option<&str>, ids: &[u32]) -> bool {
+    view.pools.iter().any(|(name, pool)| {
+        let blocks = ids.len() / pool.index.block_size().max(1) as usize;
+        if blocks == 0 {
+            return true;
+        }
+        let lora = view
+            .catalog
+            .worker_sets
+            .get(name)
+            .and_then(|s| s.adapter_for(model));
+        pool.index.overlaps_keyed(ids, lora, salt).best_blocks() as usize >= blocks
     })
 }

@@ -25,7 +25,9 @@ pub(crate) struct HashKeys<'a> {
 /// The fleet of one view, for one prompt. Each worker set's overlap is looked up once.
 pub(crate) struct ViewFleet<'a> {
     view: &'a View,
+    /// The prompt's exact ids (perhaps not all of it), and its whole length in tokens.
     tokens: &'a [u32],
+    prompt_tokens: usize,
     keys: HashKeys<'a>,
     cost: &'a CostModel,
     predictor: &'a Predictor,
@@ -55,6 +57,7 @@ impl<'a> ViewFleet<'a> {
     pub(crate) fn new(
         view: &'a View,
         tokens: &'a [u32],
+        prompt_tokens: usize,
         keys: HashKeys<'a>,
         cost: &'a CostModel,
         predictor: &'a Predictor,
@@ -63,6 +66,7 @@ impl<'a> ViewFleet<'a> {
         Self {
             view,
             tokens,
+            prompt_tokens,
             keys,
             cost,
             predictor,
@@ -160,7 +164,7 @@ impl Fleet for ViewFleet<'_> {
     /// calibrated: it is made of earlier predictions.
     fn predict(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> Prediction {
         let (calibration, typical_ms) = self.factors(name);
-        let uncached_ms = uncached(self.tokens.len(), set, w, self.cost).1;
+        let uncached_ms = uncached(self.prompt_tokens, set, w, self.cost).1;
         let others = f64::from(w.waiting - w.pending);
         let load = others * typical_ms.unwrap_or(self.cost.waiting_request_ms)
             + f64::from(w.running) * self.cost.running_request_ms;
