@@ -225,7 +225,10 @@ fn main() {
             let t = Instant::now();
             let r = route(&cold, by_body(i, &unseen));
             ns[6].push(t.elapsed().as_nanos() as u64);
-            assert_eq!(r.matched_blocks, 0);
+            assert!(
+                r.matched_blocks <= 2,
+                "at most the template's first tokens are shared"
+            );
             assert!(
                 r.prompt_tokens as usize * 2 > prompt_tokens,
                 "the estimate is of the prompt's size: {} for about {prompt_tokens}",

@@ -11,12 +11,24 @@ struct OutcomeLabel {
     outcome: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FilterLabel {
+    filter: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TagLabel {
+    source: &'static str,
+}
+
 /// Counters and histograms of the routing service on one node.
 #[derive(Debug)]
 pub struct ApiMetrics {
     decisions: Family<OutcomeLabel, Counter>,
     latency: Histogram,
     usage_reports: Family<OutcomeLabel, Counter>,
+    filtered: Family<FilterLabel, Counter>,
+    tags: Family<TagLabel, Counter>,
 }
 
 impl Default for ApiMetrics {
@@ -26,6 +38,8 @@ impl Default for ApiMetrics {
             // 10 us .. ~80 ms
             latency: Histogram::new(exponential_buckets(0.000_01, 2.0, 14)),
             usage_reports: Family::default(),
+            filtered: Family::default(),
+            tags: Family::default(),
         }
     }
 }
@@ -47,6 +61,33 @@ impl ApiMetrics {
             "ReportUsage calls, by whether the request id was known here",
             self.usage_reports.clone(),
         );
+        registry.register(
+            "kvplane_route_filtered_candidates",
+            "Candidates a Route decision's filters removed, by filter",
+            self.filtered.clone(),
+        );
+        registry.register(
+            "kvplane_route_tags",
+            "Tags of routed requests, by where they came from (request, header, or the tagger rule)",
+            self.tags.clone(),
+        );
+    }
+
+    /// Counts the filters that removed candidates and the sources of the tags of a decision.
+    pub(crate) fn stages(&self, d: &crate::Decision) {
+        for f in d.candidates.iter().filter_map(|c| c.filtered.as_ref()) {
+            self.filtered
+                .get_or_create(&FilterLabel { filter: f.by.0 })
+                .inc();
+        }
+        for s in &d.tags.sources {
+            let source = match s {
+                crate::pipeline::TagSource::Request => "request",
+                crate::pipeline::TagSource::Header(_) => "header",
+                crate::pipeline::TagSource::Tagger(rule, _) => rule,
+            };
+            self.tags.get_or_create(&TagLabel { source }).inc();
+        }
     }
 
     pub(crate) fn decision(&self, outcome: &'static str, seconds: f64) {

@@ -38,6 +38,8 @@ const HISTOGRAM_STEP: u64 = 32;
 /// Histograms stand in for usage reports only when none came for this long.
 const REPORTS_QUIET_MS: u64 = 10_000;
 const RECENT: usize = 4096;
+/// Started requests kept per worker for the metrics that may still count them waiting.
+const MAX_STARTED: usize = 256;
 const ALPHA: f64 = 0.1;
 
 /// A routing decision, as replicas tell each other (see [`Predictor::routed_elsewhere`]).
@@ -305,6 +307,10 @@ impl Predictor {
         };
         let started_live =
             |&(_, done): &(u64, u64)| done >= metrics_at_ms && done + PENDING_TTL_MS > now;
+        // Started requests only matter to a metrics sample taken before they started.
+        if q.pending.is_empty() && (q.started.is_empty() || metrics_at_ms == 0) {
+            return InFlight::default();
+        }
         let still = still_pending(&q.pending, now, metrics_at_ms, metrics_waiting);
         if update {
             q.started.retain(started_live);
@@ -423,6 +429,11 @@ impl Predictor {
         let q = g.queue(worker_set, worker);
         if let Some(i) = q.pending.iter().position(|p| p.request_id == request_id) {
             let p = q.pending.remove(i);
+            // Kept until a metrics sample taken after them prunes them; bounded for engines
+            // whose metrics never come.
+            if q.started.len() >= MAX_STARTED {
+                q.started.drain(..MAX_STARTED / 2);
+            }
             q.started.push((p.at_ms, now));
         }
         if !(predicted_ms > 0.0 && observed_ms > 0.0) {

@@ -180,6 +180,7 @@ impl RouterService {
         }
         self.metrics
             .decision(d.outcome.label(), started.elapsed().as_secs_f64());
+        self.metrics.stages(&d);
         Ok(Response::new(crate::pipeline::response(
             &d,
             &req.body,

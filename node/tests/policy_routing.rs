@@ -25,6 +25,34 @@ async fn workers_up(js: &async_nats::jetstream::Context, workers: &[(&str, &str)
     last
 }
 
+/// One node under `examples/policies`, and the stream.
+async fn examples_node() -> (Cluster, async_nats::jetstream::Context) {
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(EXAMPLES.into()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    (cluster, js)
+}
+
+/// Both large workers report 5 waiting and a 90% full cache; returns the stream sequence.
+async fn large_workers_busy(js: &async_nats::jetstream::Context) -> u64 {
+    let mut last = 0;
+    for w in ["a0", "a1"] {
+        last = publish(
+            js,
+            metrics_subject("large-a100", w),
+            br#"{"num_requests_running":4,"num_requests_waiting":5,"kv_cache_usage_perc":0.9,"prefix_cache_hit_rate":0.5}"#.to_vec(),
+        )
+        .await;
+    }
+    last
+}
+
 fn request(model: &str, tags: &[&str]) -> RouteRequest {
     RouteRequest {
         model: model.into(),
@@ -37,15 +65,7 @@ fn request(model: &str, tags: &[&str]) -> RouteRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_follow_the_policies_in_the_replicated_state() {
-    let cluster = Cluster::start_with(
-        1,
-        &NodeOptions {
-            policy_dir: Some(EXAMPLES.into()),
-            ..Default::default()
-        },
-    );
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let (cluster, js) = examples_node().await;
     workers_up(
         &js,
         &[
@@ -84,15 +104,7 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
     assert_eq!(body["max_tokens"], 8);
 
     // Every large worker busy: chat bursts to the cloud provider, pii is refused.
-    let mut last = 0;
-    for w in ["a0", "a1"] {
-        last = publish(
-            &js,
-            metrics_subject("large-a100", w),
-            br#"{"num_requests_running":4,"num_requests_waiting":5,"kv_cache_usage_perc":0.9,"prefix_cache_hit_rate":0.5}"#.to_vec(),
-        )
-        .await;
-    }
+    let last = large_workers_busy(&js).await;
     node.wait_applied_seq(last).await;
     let r = router
         .route(request("chat", &[]))
@@ -330,26 +342,10 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pii_from_a_header_or_the_tagger_stays_local_through_the_gateway() {
-    let cluster = Cluster::start_with(
-        1,
-        &NodeOptions {
-            policy_dir: Some(EXAMPLES.into()),
-            ..Default::default()
-        },
-    );
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let (cluster, js) = examples_node().await;
     workers_up(&js, &[("large-a100", "a0"), ("large-a100", "a1")]).await;
     // Every large worker busy: an untagged chat request would burst to the cloud provider.
-    let mut last = 0;
-    for w in ["a0", "a1"] {
-        last = publish(
-            &js,
-            metrics_subject("large-a100", w),
-            br#"{"num_requests_running":4,"num_requests_waiting":5,"kv_cache_usage_perc":0.9,"prefix_cache_hit_rate":0.5}"#.to_vec(),
-        )
-        .await;
-    }
+    let last = large_workers_busy(&js).await;
     let node = &cluster.nodes[0];
     node.wait_applied_seq(last).await;
     let gateway = harness::gateway(&node.endpoint(), cluster.root.path().join("gateway.log"));
@@ -384,6 +380,16 @@ async fn pii_from_a_header_or_the_tagger_stays_local_through_the_gateway() {
         .await
         .unwrap();
     assert_eq!(r.status(), 403);
+    // Counted by source and by the filters that refused the candidates.
+    let m = node.metrics().await;
+    for series in [
+        r#"kvplane_route_tags_total{source="header"} 1"#,
+        r#"kvplane_route_tags_total{source="pii/email"} 1"#,
+        r#"kvplane_route_filtered_candidates_total{filter="exclude_external"} 2"#,
+        r#"kvplane_route_filtered_candidates_total{filter="max_queued"} 4"#,
+    ] {
+        assert!(m.contains(series), "{series} in\n{m}");
+    }
     // Neither: the request goes out to the provider (whatever the provider then answers).
     let mut router = node.router().await;
     let r = router

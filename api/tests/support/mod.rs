@@ -36,21 +36,18 @@ impl TestFleet {
 
     /// A fleet under the policies of `dir` (as `kvplane validate` reads them).
     pub fn with_policies(dir: &str) -> Self {
-        let docs = Documents::read(&[dir.into()]).unwrap();
-        let (catalog, problems) = docs.check();
-        assert!(problems.is_empty(), "{problems:#?}");
-        let mut f = Self::new();
-        f.command(Command::ConfigApply {
-            puts: catalog.objects().iter().map(ConfigObject::policy).collect(),
-            deletes: Vec::new(),
-        });
-        f
+        Self::with_documents(Documents::read(&[dir.into()]).unwrap())
     }
 
     /// A fleet under these policy documents (YAML).
     pub fn with_yaml(yaml: &str) -> Self {
         let mut docs = Documents::default();
         docs.add_file("test.yaml", yaml);
+        Self::with_documents(docs)
+    }
+
+    /// A fleet whose state holds `docs`, checked as `kvplane validate` checks them.
+    fn with_documents(docs: Documents) -> Self {
         let (catalog, problems) = docs.check();
         assert!(problems.is_empty(), "{problems:#?}");
         let mut f = Self::new();

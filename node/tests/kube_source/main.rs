@@ -1,4 +1,5 @@
-//! The Kubernetes config source against kube's mock API server: the example policies as custom
+//! The Kubernetes config source against a fake API server (tower-test's mock service answering as
+//! the API server does, see `fake_api.rs`): the example policies as custom
 //! resources enter the replicated state (a real state machine behind the node's in-process
 //! log), every object gets its `Accepted` condition, a broken object is refused with its reason
 //! while the rest apply, and edits and deletions follow.
