@@ -1,12 +1,13 @@
-//! Predicted time to first token, per candidate:
+//! Predicted time to first token, per candidate (README, "Cost"):
 //!
 //! ```text
-//! own_ms     = uncached prompt tokens / rate                  (prompt minus cached prefix)
-//! queue_ms   = until the requests this replica routed there are predicted to have their
-//!              first tokens (each prediction made when it was routed, so they chain)
-//!            + the others waiting there (metrics' waiting less ours) * the average prefill
-//!              time of the requests this replica routes there (at first waiting_request_ms)
-//! predicted  = (base_ms + own_ms + queue_ms + running * running_request_ms) * calibration
+//! own_ms     = base_ms + uncached prompt tokens / rate * 1000 + running * running_request_ms
+//! queue_ms   = until the requests this cluster routed there are predicted to have their first
+//!              tokens (each prediction made when it was routed, so they chain; already
+//!              calibrated), plus the others waiting there (metrics' waiting less ours) * the
+//!              average prefill time of the requests this replica routes there (at first
+//!              waiting_request_ms)
+//! predicted  = ours_pending_ms + (own_ms + others_waiting_ms) * calibration
 //! ```
 //!
 //! `rate` is the worker set's `prefillTokensPerSecond` (else the cost model's). `calibration`
@@ -16,8 +17,9 @@
 //! in: once the engines of a set counted 32 more first tokens and this replica predicted 32
 //! more, the ratio of their mean TTFT to the mean prediction moves the calibration the same
 //! way (only while no usage was reported for 10 s). A routed request stays pending until its
-//! usage is reported, until metrics sampled after it was routed show nothing waiting, or for a
-//! minute.
+//! usage is reported; without reports, until metrics sampled after it was due show nothing
+//! waiting, or show fewer waiting than the requests due before the sample (the oldest go); at
+//! the latest for a minute.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -405,13 +407,20 @@ impl Predictor {
     /// Another replica routed a request to `worker` at `at_ms`, predicted to have its first
     /// token at `due_ms`: this replica counts it in that worker's queue until then.
     pub fn routed_elsewhere(&self, worker_set: &str, worker: &str, at_ms: u64, due_ms: u64) {
-        self.lock().queue(worker_set, worker).pending.push(Pending {
-            request_id: String::new(),
-            at_ms,
-            prefill_tokens: 0,
-            due_ms,
-            foreign: true,
-        });
+        let mut g = self.lock();
+        let pending = &mut g.queue(worker_set, worker).pending;
+        // Kept in the order they were routed (notes arrive late): the drain keeps the newest.
+        let at = pending.partition_point(|p| p.at_ms <= at_ms);
+        pending.insert(
+            at,
+            Pending {
+                request_id: String::new(),
+                at_ms,
+                prefill_tokens: 0,
+                due_ms,
+                foreign: true,
+            },
+        );
     }
 
     /// A routed request's first token came after `observed_ms`: it is no longer pending, and
@@ -505,6 +514,45 @@ mod tests {
         p.routed("ws", "w0", "", (500, 50.0), 100.0);
         assert_eq!(p.pending("ws", "w0", 1_050, 0, (0.0, 0)).requests, 1);
         assert_eq!(p.pending("ws", "w0", 1_200, 0, (0.0, 0)).requests, 0);
+    }
+
+    #[test]
+    fn without_reports_metrics_alone_drain_the_queue_keeping_the_newest() {
+        let (p, now) = predictor();
+        for i in 0..5 {
+            p.routed("ws", "w0", &format!("r{i}"), (100, 10.0), 100.0);
+            now.fetch_add(1, Ordering::Relaxed);
+        }
+        // A sample taken after all five were due shows two waiting: at most two still wait.
+        now.store(2_000, Ordering::Relaxed);
+        assert_eq!(p.peek_pending("ws", "w0", 0, 0).requests, 5);
+        let f = p.pending("ws", "w0", 1_500, 2, (0.0, 0));
+        assert_eq!(f.requests, 2);
+        assert_eq!(
+            p.peek_pending("ws", "w0", 0, 0).requests,
+            2,
+            "the others are gone"
+        );
+    }
+
+    #[test]
+    fn a_peek_says_what_pending_would_and_changes_nothing() {
+        let (p, now) = predictor();
+        p.routed("ws", "w0", "a", (100, 10.0), 50.0);
+        p.routed_elsewhere("ws", "w0", 990, 1_020);
+        // What is stored, seen from before anything was due.
+        let stored = |p: &Predictor| {
+            let t = now.swap(1_000, Ordering::Relaxed);
+            let n = p.peek_pending("ws", "w0", 0, 0).requests;
+            now.store(t, Ordering::Relaxed);
+            n
+        };
+        now.store(1_500, Ordering::Relaxed);
+        let peeked = p.peek_pending("ws", "w0", 1_400, 0);
+        assert_eq!(peeked.requests, 0);
+        assert_eq!(stored(&p), 2, "a peek prunes nothing");
+        assert_eq!(p.pending("ws", "w0", 1_400, 0, (0.0, 0)), peeked);
+        assert_eq!(stored(&p), 0, "pending prunes");
     }
 
     #[test]

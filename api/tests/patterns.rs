@@ -88,7 +88,10 @@ fn busy_workers_are_skipped_and_the_burst_goes_to_the_cloud() {
         .iter()
         .find(|c| c.endpoint.as_ref().unwrap().worker_id == "a0")
         .unwrap();
-    assert_eq!(a0.filtered_reason, "3 queued > maxQueued 2 (max_queued)");
+    assert_eq!(
+        (a0.filtered_by.as_str(), a0.filtered_reason.as_str()),
+        ("max_queued", "3 queued > maxQueued 2")
+    );
 
     f.load("large-a100", "a1", 5, 0.2);
     let r = route(&f.service(), request("b2", "chat", &[], prompt));
@@ -117,10 +120,7 @@ fn pii_never_leaves_the_local_workers_and_is_refused_when_they_are_full() {
         .iter()
         .find(|c| !c.endpoint.as_ref().unwrap().provider.is_empty())
         .unwrap();
-    assert_eq!(
-        cloud.filtered_reason,
-        "external providers are excluded (exclude_external)"
-    );
+    assert_eq!(cloud.filtered_by, "exclude_external");
 
     // Busy enough that burst-to-cloud would send it out: pii is refused instead.
     f.load("large-a100", "a0", 5, 0.2)
@@ -134,37 +134,87 @@ fn pii_never_leaves_the_local_workers_and_is_refused_when_they_are_full() {
 }
 
 #[test]
-fn naming_the_served_model_directly_does_not_escape_the_backends_policies() {
-    // `kvplane explain --policies examples/policies --tag pii --model llama-70b`: llama-70b
-    // is served behind the `chat` backend, so pii-local applies, never burst-to-cloud.
+fn naming_a_model_several_backends_serve_is_refused_not_routed_around_their_policies() {
+    // `kvplane explain --policies examples/policies --tag pii --model llama-70b`: llama-70b is
+    // served behind `assistant`, `chat` and `standard`; which backend's policies would apply is
+    // ambiguous, so the request is refused - never sent to the provider.
     let prompt = tokens(5, 1024);
     let mut f = fleet();
-    let words = steps(&f, "llama-70b", &["pii"], &prompt);
-    assert!(
-        words
-            .iter()
-            .any(|s| s.contains("rule pii-local/pii applies")),
-        "{words:#?}"
-    );
-    let r = route(
-        &f.service(),
-        request("d1", "llama-70b", &["pii"], prompt.clone()),
-    );
-    assert!(target(&r).starts_with("large-a100/"), "{}", target(&r));
     f.load("large-a100", "a0", 5, 0.2)
         .load("large-a100", "a1", 5, 0.2);
+    for tags in [&["pii"][..], &[]] {
+        let r = route(
+            &f.service(),
+            request("d1", "llama-70b", tags, prompt.clone()),
+        );
+        let t = target(&r);
+        assert!(
+            t.starts_with("rejected(REJECT_CODE_POLICY)")
+                && t.contains("served behind GatewayBackends assistant, chat, standard"),
+            "{t}"
+        );
+    }
+    let words = steps(&f, "llama-70b", &["pii"], &prompt);
+    assert!(
+        words.iter().any(|s| s.starts_with("rejected: ")),
+        "{words:#?}"
+    );
+    // Naming no model is as ambiguous.
+    let t = target(&route(&f.service(), request("d2", "", &["pii"], prompt)));
+    assert!(
+        t.contains("a request that names no model is served behind"),
+        "{t}"
+    );
+}
+
+/// The examples' fleet and only the `chat` backend (patterns 2-4): llama-70b is served behind
+/// one backend.
+fn chat_only() -> TestFleet {
+    let read = |f: &str| std::fs::read_to_string(format!("{EXAMPLES}/{f}")).unwrap();
+    let mut f = TestFleet::with_yaml(&format!(
+        "{}\n---\n{}",
+        read("fleet.yaml"),
+        read("2-3-4-chat.yaml")
+    ));
+    f.up("large-a100", &["a0", "a1"])
+        .up("small-l4", &["l0", "l1"]);
+    f
+}
+
+#[test]
+fn naming_the_served_model_of_one_backend_is_under_its_policies_tags_and_tenant_header() {
+    let prompt = tokens(5, 1024);
+    let mut f = chat_only();
+    f.load("large-a100", "a0", 5, 0.2)
+        .load("large-a100", "a1", 5, 0.2);
+    // Untagged, the busy fleet bursts to the cloud, as `chat` does.
     let r = route(
         &f.service(),
-        request("d2", "llama-70b", &["pii"], prompt.clone()),
+        request("d1", "llama-70b", &[], prompt.clone()),
     );
-    assert!(
-        target(&r).starts_with("rejected(REJECT_CODE_POLICY)"),
-        "{}",
-        target(&r)
-    );
-    // Untagged, the same busy fleet bursts to the cloud, as `chat` does.
-    let r = route(&f.service(), request("d3", "llama-70b", &[], prompt));
     assert_eq!(target(&r), "provider:cloud");
+    // The backend's header mapping and PII tagger apply to the direct request too.
+    let mut by_header = request("d2", "llama-70b", &[], prompt.clone());
+    by_header
+        .headers
+        .insert("x-data-class".into(), "pii".into());
+    let mut by_tagger = request("d3", "llama-70b", &[], prompt.clone());
+    by_tagger.body = br#"{"model":"llama-70b","prompt":"mail me at jane@example.com"}"#.to_vec();
+    for req in [by_header, by_tagger] {
+        let t = target(&route(&f.service(), req.clone()));
+        assert!(
+            t.starts_with("rejected(REJECT_CODE_POLICY)") && t.contains("local workers only"),
+            "{t}"
+        );
+        let e = explain(&f.service(), req);
+        assert!(
+            e.steps
+                .iter()
+                .any(|s| s.contains("rule pii-local/pii applies")),
+            "{:#?}",
+            e.steps
+        );
+    }
 }
 
 #[test]

@@ -6,6 +6,9 @@
 
 mod support;
 
+use std::sync::Arc;
+
+use kvplane_api::predict::Predictor;
 use kvplane_state::{Command, ConfigObject, POOL_KIND, PoolConfig};
 use support::{EXAMPLES, TestFleet, explain, report, request, route, target, tokens};
 
@@ -95,6 +98,23 @@ fn an_adapter_of_a_worker_set_keeps_its_model_name_in_the_body() {
 }
 
 #[test]
+fn an_adapter_behind_a_public_alias_keeps_its_name_and_its_blocks() {
+    let prompt = tokens(10, 64);
+    let mut f = TestFleet::with_yaml(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: base}\nspec: {model: base-model, loraAdapters: [sql-lora]}\n---\napiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata: {name: sql}\nspec: {publicModel: sql, backends: [{model: sql-lora}]}\n",
+    );
+    f.up("base", &["w0", "w1"])
+        .caches("base", "w0", &prompt, 16, None, None)
+        .caches("base", "w1", &prompt, 16, Some("sql-lora"), None);
+    let r = route(&f.service(), request("a", "sql", &[], prompt));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("base/w1", 4));
+    assert_eq!(r.model, "sql-lora");
+    let body: serde_json::Value =
+        serde_json::from_slice(r.rewritten_body.as_ref().unwrap()).unwrap();
+    assert_eq!(body["model"], "sql-lora");
+}
+
+#[test]
 fn explain_changes_nothing_and_shows_every_cost_part() {
     let prompt = tokens(4, 256);
     let mut f = pools_node(&[]);
@@ -129,6 +149,39 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
     assert!(
         !report(&s, "probe").known,
         "Explain records no routed request"
+    );
+}
+
+#[test]
+fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let clock = Arc::new(AtomicU64::new(1_000));
+    let c = clock.clone();
+    let predictor = Arc::new(Predictor::new(Arc::new(move || c.load(Ordering::Relaxed))));
+    let prompt = tokens(9, 64);
+    let mut f = pools_node(&[]);
+    let r = route(
+        &f.service().with_predictor(predictor.clone()),
+        request("r1", "m", &[], prompt.clone()),
+    );
+    let worker = target(&r).trim_start_matches("default/").to_owned();
+    // Much later the engine's metrics, sampled after r1 was due, show nothing waiting: a Route
+    // would drop r1 from the queue; Explain must not.
+    clock.store(20_000, Ordering::Relaxed);
+    f.at(10_000).load("default", &worker, 0, 0.1);
+    let stored = |p: &Predictor| p.peek_pending("default", &worker, 0, 0).requests;
+    assert_eq!(stored(&predictor), 1);
+    let s = f.service().with_predictor(predictor.clone());
+    let a = explain(&s, request("x", "m", &[], prompt.clone()));
+    let b = explain(&s, request("x", "m", &[], prompt.clone()));
+    assert_eq!(a, b);
+    assert_eq!(stored(&predictor), 1, "Explain left the queue as it was");
+    assert_eq!(predictor.calibration("default"), 1.0);
+    let r2 = route(&s, request("r2", "m", &[], prompt));
+    assert_eq!(
+        stored(&predictor),
+        u32::from(target(&r2) == target(&r)),
+        "Route pruned r1 (r2 is there if it went to the same worker)"
     );
 }
 
@@ -197,8 +250,9 @@ fn a_tagger_found_pii_keeps_a_request_off_the_cloud_and_explain_never_shows_the_
 }
 
 #[test]
-fn a_rule_that_reads_no_prefix_does_not_look_the_prompt_up() {
-    // minimize: Load and no filter reading the cache: the index is not consulted.
+fn a_rule_that_reads_no_prefix_decides_without_it_and_still_predicts_its_pick() {
+    // minimize: Load and no filter reading the cache: the candidates are not looked up; the
+    // chosen worker's prediction is still made (the predictor's queue and the answer need it).
     let prompt = tokens(7, 64);
     let mut f = TestFleet::with_yaml(
         "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: ws}\nspec: {model: m}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: by-load}\nspec:\n  appliesToModels: [m]\n  rules: [{name: least-loaded, minimize: Load}]\n",
@@ -208,6 +262,7 @@ fn a_rule_that_reads_no_prefix_does_not_look_the_prompt_up() {
         .load("ws", "w0", 3, 0.1);
     let r = route(&f.service(), request("q", "m", &[], prompt.clone()));
     assert_eq!((target(&r).as_str(), r.matched_blocks), ("ws/w1", 0));
+    assert!(r.predicted_ttft_ms > 0.0, "{r:?}");
     // Explain computes every signal: the cached prefix shows there.
     let e = explain(&f.service(), request("q", "m", &[], prompt));
     let w0 = e

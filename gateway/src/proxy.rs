@@ -106,6 +106,9 @@ const NOT_FORWARDED: &[&str] = &[
     "authorization",
     "proxy-authorization",
     "cookie",
+    "x-api-key",
+    "api-key",
+    "x-goog-api-key",
     "connection",
     "content-length",
     "transfer-encoding",
@@ -203,12 +206,24 @@ impl App {
                     .unwrap_or_default();
                 // Every header but credentials and hop-by-hop ones (policies map headers to
                 // tags and name the tenant's), at most MAX_FORWARDED_HEADERS.
-                let fwd: HashMap<String, String> = headers
-                    .iter()
-                    .filter(|(k, _)| !NOT_FORWARDED.contains(&k.as_str()))
-                    .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
-                    .take(MAX_FORWARDED_HEADERS)
-                    .collect();
+                let mut fwd: HashMap<String, String> = HashMap::new();
+                for name in headers.keys() {
+                    if NOT_FORWARDED.contains(&name.as_str()) {
+                        continue;
+                    }
+                    if fwd.len() >= MAX_FORWARDED_HEADERS {
+                        break;
+                    }
+                    // A repeated header is one comma-separated value (RFC 9110).
+                    let values: Vec<&str> = headers
+                        .get_all(name)
+                        .iter()
+                        .filter_map(|v| v.to_str().ok())
+                        .collect();
+                    if !values.is_empty() {
+                        fwd.insert(name.as_str().to_owned(), values.join(", "));
+                    }
+                }
                 let req = RouteRequest {
                     request_id: request_id.to_owned(),
                     tenant,

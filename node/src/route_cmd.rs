@@ -177,7 +177,8 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
                     "overlap_blocks": c.overlap_blocks, "uncached_blocks": c.uncached_blocks,
                     "running": c.running, "waiting": c.waiting, "kv_cache_usage": c.kv_cache_usage,
                     "prefill_cost": c.prefill_cost, "load_cost": c.load_cost, "cost": c.cost,
-                    "filtered_reason": c.filtered_reason, "chosen": c.chosen,
+                    "filtered_reason": c.filtered_reason, "filtered_by": c.filtered_by,
+                    "chosen": c.chosen,
                 })
             })
             .collect();
@@ -196,13 +197,22 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
     println!("prompt from  {}", x.prompt_source);
     println!();
     println!(
-        "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10} {:>10} {:>10}  filtered",
-        "", "pool/worker", "overlap", "uncached", "run", "wait", "prefill_ms", "load_ms", "cost_ms"
+        "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10} {:>10} {:>10} {:>10}  filtered",
+        "",
+        "pool/worker",
+        "overlap",
+        "uncached",
+        "run",
+        "wait",
+        "prefill_ms",
+        "load_ms",
+        "ttft_ms",
+        "objective"
     );
     for c in &x.candidates {
         let e = c.endpoint.clone().unwrap_or_default();
         println!(
-            "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1}  {}",
+            "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {}",
             if c.chosen { "->" } else { "" },
             target(&e),
             c.overlap_blocks,
@@ -211,8 +221,13 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
             c.waiting,
             c.prefill_cost,
             c.load_cost,
+            c.predicted_ttft_ms,
             c.cost,
-            c.filtered_reason
+            if c.filtered_by.is_empty() {
+                String::new()
+            } else {
+                format!("{}: {}", c.filtered_by, c.filtered_reason)
+            }
         );
     }
     println!();

@@ -154,7 +154,7 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
     assert!(
         e.candidates
             .iter()
-            .any(|c| c.filtered_reason == "external providers are excluded (exclude_external)")
+            .any(|c| c.filtered_by == "exclude_external")
     );
 }
 

@@ -436,24 +436,6 @@ impl Catalog {
         if p.rules.is_empty() && p.limits.is_empty() {
             c.fail("spec.rules", "a policy needs at least one rule or limit");
         }
-        let listed = self
-            .backends
-            .values()
-            .any(|b| b.policies.iter().any(|n| n == c.name));
-        if !p.rules.is_empty() && !listed && p.applies_to_models.is_empty() {
-            c.fail(
-                "spec.rules",
-                "its rules apply to no request: no GatewayBackend lists this policy and spec.appliesToModels is empty",
-            );
-        }
-        for (i, m) in p.applies_to_models.iter().enumerate() {
-            if !self.knows_model(m) {
-                c.fail(
-                    format!("spec.appliesToModels[{i}]"),
-                    format!("no worker set serves and no backend publishes {m:?}"),
-                );
-            }
-        }
         for (i, l) in p.limits.iter().enumerate() {
             crate::limits::check(c, i, l);
         }
@@ -593,7 +575,82 @@ impl Catalog {
                 );
             }
         }
-        self.check_unreachable_across(c, b);
+        for (i, t) in b.tag_headers.iter().enumerate() {
+            if t.header.is_empty() {
+                c.fail(format!("spec.tagHeaders[{i}].header"), "must not be empty");
+            }
+            if b.tag_headers[..i]
+                .iter()
+                .any(|e| e.header.eq_ignore_ascii_case(&t.header))
+            {
+                c.fail(
+                    format!("spec.tagHeaders[{i}].header"),
+                    format!("{:?} is listed twice", t.header),
+                );
+            }
+        }
+        if let Some(k) = &b.classify {
+            if k.pii.as_ref().is_some_and(|p| p.tag.is_empty()) {
+                c.fail("spec.classify.pii.tag", "must not be empty");
+            }
+            if let Some(x) = &k.complexity
+                && x.low_max_prompt_tokens >= x.high_min_prompt_tokens
+            {
+                c.fail(
+                    "spec.classify.complexity.lowMaxPromptTokens",
+                    format!(
+                        "must be below highMinPromptTokens ({}), got {}",
+                        x.high_min_prompt_tokens, x.low_max_prompt_tokens
+                    ),
+                );
+            }
+        }
+    }
+
+    /// [`Self::problems`] and what validation advises besides: rules no request can reach
+    /// across a backend's ordered policies, policies that apply nowhere or name unknown
+    /// models. `kvplane validate` and the policy directory refuse these; the state machine
+    /// checks only [`Self::problems`] (a log written before an advice existed replays as it
+    /// applied).
+    pub fn lint(&self) -> Vec<Problem> {
+        let mut out = self.problems();
+        for (name, p) in &self.policies {
+            let mut c = Check {
+                kind: Kind::Policy,
+                name,
+                out: &mut out,
+            };
+            let listed = self
+                .backends
+                .values()
+                .any(|b| b.policies.iter().any(|n| n == name));
+            if !p.rules.is_empty() && !listed && p.applies_to_models.is_empty() {
+                c.fail(
+                    "spec.rules",
+                    "its rules apply to no request: no GatewayBackend lists this policy and spec.appliesToModels is empty",
+                );
+            }
+            for (i, m) in p.applies_to_models.iter().enumerate() {
+                if !self.knows_model(m) {
+                    c.fail(
+                        format!("spec.appliesToModels[{i}]"),
+                        format!("no worker set serves and no backend publishes {m:?}"),
+                    );
+                }
+            }
+        }
+        for (name, b) in &self.backends {
+            self.check_unreachable_across(
+                &mut Check {
+                    kind: Kind::Backend,
+                    name,
+                    out: &mut out,
+                },
+                b,
+            );
+        }
+        out.sort();
+        out
     }
 
     /// A rule of a later policy that an earlier policy's rule always pre-empts, for this

@@ -142,7 +142,7 @@ impl Documents {
             seen.insert(key, source);
             catalog.insert(o);
         }
-        for p in catalog.problems() {
+        for p in catalog.lint() {
             let source = seen
                 .get(&(p.kind, p.name.clone()))
                 .cloned()

@@ -36,4 +36,4 @@ pub use catalog::{Catalog, Problem};
 pub use documents::{Documents, Located, Source};
 pub use limits::{LimitKey, MatchedLimit};
 pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
-pub use resolve::{Attached, Request, Resolved, RuleChoice, Via};
+pub use resolve::{Attached, Request, Resolved, RuleChoice, SetRef, Via};

@@ -2,11 +2,13 @@
 //! sets behind it (with their weights), the policies attached to it in order, the rule that
 //! applies, and that rule's candidates. Pure: the live fleet comes in through [`Fleet`].
 //!
-//! Attachment: a request for a public model is under its backend's policies, in order. A
-//! request naming a served model directly is under the policies of every backend that serves
-//! it (backends in name order, each one's list in its order), so naming the model never
-//! escapes them. Either way, the policies whose `appliesToModels` names the requested model
-//! follow. No other policy applies.
+//! Attachment: a request for a public model is under its backend's policies, in order, and its
+//! backend's tag headers, taggers and tenant header. A request naming a served model directly
+//! (or no model) is under the one backend that serves it, as if it had named the backend's
+//! public model; when several backends serve it the request is ambiguous and refused - unless
+//! the operator attached policies to that model itself (`appliesToModels`), which then decide.
+//! Either way, the policies whose `appliesToModels` names the requested model follow the
+//! backend's. No other policy applies, so naming the model never escapes a backend's policies.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -45,13 +47,26 @@ pub struct Attached<'a> {
     pub via: Via<'a>,
 }
 
+/// A worker set behind the requested model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SetRef {
+    /// The backend weight its candidates' objective is divided by.
+    pub weight: f64,
+    /// The model it runs the request as: the last name of the alias chain that led to it (a
+    /// LoRA adapter keeps its name), or the requested one.
+    pub model: String,
+}
+
 /// The requested model, resolved.
 #[derive(Debug, Clone)]
 pub struct Resolved<'a> {
-    /// The backend publishing the requested model.
+    /// The backend whose policies, taggers and tenant header apply: the one publishing the
+    /// requested model, or the only one serving it.
     pub backend: Option<(&'a str, &'a GatewayBackendSpec)>,
-    /// The worker sets behind the model, with their backend weights.
-    pub sets: BTreeMap<String, f64>,
+    /// Whether the request named `backend`'s public model (not a model it serves).
+    pub published: bool,
+    /// The worker sets behind the model.
+    pub sets: BTreeMap<String, SetRef>,
     /// The policies that apply, in order.
     pub policies: Vec<Attached<'a>>,
 }
@@ -85,9 +100,12 @@ static DEFAULT_RULE: LazyLock<Rule> = LazyLock::new(|| Rule {
 impl Catalog {
     /// Worker sets behind a requested model: a backend's targets (aliases followed), else the
     /// worker sets serving it.
-    fn model_sets(&self, model: &str, weight: f64, depth: u32, out: &mut BTreeMap<String, f64>) {
+    fn model_sets(&self, model: &str, weight: f64, depth: u32, out: &mut BTreeMap<String, SetRef>) {
         if depth > 16 {
             return;
+        }
+        fn add(out: &mut BTreeMap<String, SetRef>, ws: &str, weight: f64, model: String) {
+            out.entry(ws.to_owned()).or_insert(SetRef { weight, model });
         }
         if let Some((_, b)) = self.backend_for(model) {
             for t in &b.backends {
@@ -99,11 +117,11 @@ impl Catalog {
                         .map(|p| p.worker_sets.as_slice())
                         .unwrap_or(&[])
                     {
-                        out.entry(ws.clone()).or_insert(w);
+                        add(out, ws, w, self.served_model(ws, ""));
                     }
                 }
                 if let Some(ws) = &t.worker_set {
-                    out.entry(ws.clone()).or_insert(w);
+                    add(out, ws, w, self.served_model(ws, ""));
                 }
                 if let Some(m) = &t.model {
                     self.model_sets(m, w, depth + 1, out);
@@ -113,9 +131,24 @@ impl Catalog {
         }
         for name in self.worker_sets.keys() {
             if model.is_empty() || self.set_serves(name, model) {
-                out.entry(name.clone()).or_insert(weight);
+                add(out, name, weight, self.served_model(name, model));
             }
         }
+    }
+
+    /// The backends whose targets serve `model` (every backend for no model).
+    fn serving_backends(&self, model: &str) -> Vec<(&str, &GatewayBackendSpec)> {
+        self.backends
+            .iter()
+            .filter(|(_, b)| {
+                model.is_empty() || {
+                    let mut behind = BTreeMap::new();
+                    self.model_sets(&b.public_model, 1.0, 0, &mut behind);
+                    behind.keys().any(|ws| self.set_serves(ws, model))
+                }
+            })
+            .map(|(n, b)| (n.as_str(), b))
+            .collect()
     }
 
     /// Resolves `model`; refuses a model nobody publishes or serves.
@@ -126,25 +159,39 @@ impl Catalog {
                 format!("no backend publishes and no worker set serves model {model:?}"),
             ));
         }
-        let backend = self.backend_for(model);
+        let explicit = !model.is_empty()
+            && self
+                .policies
+                .values()
+                .any(|p| p.applies_to_models.iter().any(|m| m == model));
+        let published = self.backend_for(model);
+        let backend = match published {
+            Some(b) => Some(b),
+            None => match self.serving_backends(model).as_slice() {
+                [] => None,
+                [one] => Some(*one),
+                _ if explicit => None,
+                many => {
+                    let names: Vec<&str> = many.iter().map(|(n, _)| *n).collect();
+                    let what = if model.is_empty() {
+                        "a request that names no model".to_owned()
+                    } else {
+                        format!("model {model:?}")
+                    };
+                    return Err((
+                        RejectKind::Policy,
+                        format!(
+                            "{what} is served behind GatewayBackends {}: ask for one of their public models (or attach policies to the model with appliesToModels)",
+                            names.join(", ")
+                        ),
+                    ));
+                }
+            },
+        };
         let mut sets = BTreeMap::new();
         self.model_sets(model, 1.0, 0, &mut sets);
         let mut policies: Vec<Attached<'_>> = Vec::new();
-        let listed: Vec<(&str, &GatewayBackendSpec)> = match backend {
-            Some(b) => vec![b],
-            None if model.is_empty() => Vec::new(),
-            None => self
-                .backends
-                .iter()
-                .filter(|(_, b)| {
-                    let mut behind = BTreeMap::new();
-                    self.model_sets(&b.public_model, 1.0, 0, &mut behind);
-                    behind.keys().any(|ws| self.set_serves(ws, model))
-                })
-                .map(|(n, b)| (n.as_str(), b))
-                .collect(),
-        };
-        for (bname, b) in listed {
+        if let Some((bname, b)) = backend {
             for p in &b.policies {
                 if let Some((n, spec)) = self.policies.get_key_value(p)
                     && !policies.iter().any(|a| a.name == n)
@@ -171,6 +218,7 @@ impl Catalog {
         }
         Ok(Resolved {
             backend,
+            published: published.is_some(),
             sets,
             policies,
         })
@@ -294,8 +342,12 @@ impl Catalog {
             let Some(spec) = self.worker_sets.get(name) else {
                 continue;
             };
-            let weight = resolved.sets.get(name).copied().unwrap_or(1.0);
-            let model = self.served_model(name, req.model);
+            let (weight, model) = resolved
+                .sets
+                .get(name)
+                .map_or((1.0, self.served_model(name, req.model)), |s| {
+                    (s.weight, s.model.clone())
+                });
             for w in fleet.workers(name, signals) {
                 let prediction = if signals.prediction {
                     fleet.predict(name, spec, &w)

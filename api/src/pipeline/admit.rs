@@ -1,4 +1,4 @@
-//! Stage 8, admit: a routed request is charged to every tenant limit that matches it, from
+//! Stage 9, admit: a routed request is charged to every tenant limit that matches it, from
 //! this replica's escrow (see [`crate::quota`]); a refusal replaces the decision.
 
 use tracing::Instrument;

@@ -1,4 +1,4 @@
-//! Stage 9, answer: the decision as the fronts send it - a Route answer (the endpoint, the
+//! Stage 10, answer: the decision as the fronts send it - a Route answer (the endpoint, the
 //! model it serves and the body rewritten to name it, or a refusal with its code and reason,
 //! always the applied index) and Explain's every candidate with its signals and cost parts.
 
@@ -111,7 +111,12 @@ pub(crate) fn explanation(d: &Decision, body: &[u8]) -> ExplainResponse {
                 filtered_reason: c
                     .filtered
                     .as_ref()
-                    .map(|f| format!("{} ({})", f.text, f.by))
+                    .map(|f| f.text.clone())
+                    .unwrap_or_default(),
+                filtered_by: c
+                    .filtered
+                    .as_ref()
+                    .map(|f| f.by.0.to_owned())
                     .unwrap_or_default(),
                 chosen: c.chosen,
             }

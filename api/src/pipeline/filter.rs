@@ -1,4 +1,4 @@
-//! Stage 5, filter: the rule's filters (see [`kvplane_policy::filters`]) remove candidates,
+//! Stage 6, filter: the rule's filters (see [`kvplane_policy::filters`]) remove candidates,
 //! each with its filter's id and words; when none is left and the rule says `Fallback`, its
 //! fallback targets are filtered too (without the load limits).
 

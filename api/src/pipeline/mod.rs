@@ -4,7 +4,7 @@
 //! 1. [`prompt`]: body to tokens, model, salt, output limit (once);
 //! 2. [`resolve`]: requested model to backend, worker sets and the attached policies; tenant;
 //! 3. [`classify`]: tags from the request, its headers and the built-in taggers;
-//! 4. the rule: the first of the attached policies' rules whose `match` holds;
+//! 4. [`rule`]: the first of the attached policies' rules whose `match` holds;
 //! 5. [`signals`]: per-candidate inputs, only those a filter or the objective reads;
 //! 6. [`filter`]: eligibility, each refusal with its filter's id; the fallback;
 //! 7. [`score`]: the rule's objective;
@@ -22,6 +22,7 @@ mod filter;
 mod pick;
 pub(crate) mod prompt;
 mod resolve;
+mod rule;
 mod score;
 pub(crate) mod signals;
 
@@ -35,7 +36,7 @@ use kvplane_state::View;
 pub(crate) use admit::admit;
 pub(crate) use answer::{explanation, response};
 pub use classify::{TagSource, Tags};
-pub use prompt::Prompted;
+pub use prompt::{PromptError, Prompted};
 
 use crate::RouterService;
 
@@ -136,8 +137,8 @@ impl Decision {
         }
     }
 
-    fn refuse(mut self, kind: Reject, reason: String) -> Self {
-        if !self.steps.is_empty() {
+    fn refuse(mut self, kind: Reject, reason: String, explain: bool) -> Self {
+        if explain {
             self.steps.push(format!("rejected: {reason}"));
         }
         self.outcome = Outcome::Rejected {
@@ -176,10 +177,21 @@ impl RouterService {
                 d.steps.push(s);
             }
         };
-        // 1. prompt
-        d.prompted = match prompt::prompt(req, &view, &self.tokenizers) {
+        // 1. prompt: what the request says; its tokens once its model resolved
+        let fields = match prompt::fields(req) {
+            Ok(f) => f,
+            Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
+        };
+        d.prompted.model = fields.model.clone();
+        // 2. resolve
+        let catalog = view.catalog.as_ref();
+        let resolved = match resolve::resolve(catalog, &fields.model) {
+            Ok(r) => r,
+            Err((kind, reason)) => return d.refuse(kind.into(), reason, explain),
+        };
+        d.prompted = match prompt::prompt(req, fields, &view, &self.tokenizers, &resolved.sets) {
             Ok(p) => p,
-            Err(reason) => return d.refuse(Reject::InvalidRequest, reason),
+            Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
         };
         let p = d.prompted.clone();
         step(
@@ -199,12 +211,6 @@ impl RouterService {
                 p.model
             ),
         );
-        // 2. resolve
-        let catalog = view.catalog.as_ref();
-        let resolved = match resolve::resolve(catalog, &p.model) {
-            Ok(r) => r,
-            Err((kind, reason)) => return d.refuse(kind.into(), reason),
-        };
         if explain {
             d.steps.extend(resolve::describe(&p.model, &resolved));
         }
@@ -242,6 +248,7 @@ impl RouterService {
             p.total_tokens(),
             signals::HashKeys {
                 model: &p.model,
+                sets: &resolved.sets,
                 cache_salt: p.cache_salt.as_deref(),
             },
             &self.cost,
@@ -257,18 +264,14 @@ impl RouterService {
             candidates = tracing::field::Empty
         );
         let _in = span.enter();
-        let choice = catalog.select_rule(&resolved, &fleet, &preq);
+        let choice = rule::rule(catalog, &resolved, &fleet, &preq);
         let rule = choice.rule;
         d.rule = choice.id.map(|_| choice.name());
         d.objective = rule.minimize;
         if let Some(r) = &d.rule {
             span.record("rule", tracing::field::display(r));
         }
-        let line = match &d.rule {
-            Some(id) => format!("rule {id} applies (minimize {:?})", rule.minimize),
-            None => "no rule matches: the default rule (minimize PredictedTTFT)".into(),
-        };
-        step(&mut d, line);
+        step(&mut d, rule::describe(&choice));
         // 5. signals
         let signals = if explain {
             Signals::ALL
@@ -278,11 +281,14 @@ impl RouterService {
         let mut cands =
             catalog.candidates(&fleet, &preq, &resolved, &rule.candidates, false, signals);
         span.record("candidates", cands.len());
-        if cands.is_empty() {
+        // No worker at all: a rule that falls back still gets its fallback (the filter stage).
+        if cands.is_empty() && rule.on_empty.action != kvplane_policy::kinds::EmptyAction::Fallback
+        {
             d.candidates = cands;
             return d.refuse(
                 Reject::NoCapacity,
                 format!("model {:?} has no workers", p.model),
+                explain,
             );
         }
         // 6. filter
@@ -293,6 +299,13 @@ impl RouterService {
         // 7. score, 8. pick
         score::score(rule.minimize, &mut cands);
         let picked = pick::pick(&mut cands, &req.request_id);
+        if let Some(i) = picked
+            && !signals.prediction
+        {
+            // The rule read no prediction, but the predictor's queues and the answer need the
+            // chosen worker's: computed for it alone.
+            signals::complete(&fleet, catalog, &mut cands[i]);
+        }
         drop(_in);
         d.candidates = cands;
         match picked {
@@ -320,14 +333,14 @@ impl RouterService {
                 });
                 if no_worker_up && choice.id.is_none() {
                     let reason = format!("model {:?} has no worker that is up", p.model);
-                    d.refuse(Reject::NoCapacity, reason)
+                    d.refuse(Reject::NoCapacity, reason, explain)
                 } else {
                     let reason = rule
                         .on_empty
                         .reason
                         .clone()
                         .unwrap_or_else(|| format!("rule {} left no candidate", choice.name()));
-                    d.refuse(Reject::Policy, reason)
+                    d.refuse(Reject::Policy, reason, explain)
                 }
             }
         }

@@ -1,4 +1,4 @@
-//! Stage 7, pick: the lowest objective, near-ties (within 1%) spread by the request id's
+//! Stage 8, pick: the lowest objective, near-ties (within 1%) spread by the request id's
 //! hash (see [`kvplane_policy::pick`]).
 
 use kvplane_policy::Candidate;

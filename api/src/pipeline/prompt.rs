@@ -1,11 +1,15 @@
-//! Stage 1, prompt: the request's token ids (given, or its body tokenized once, with the
-//! model's own tokenizer when one is loaded), model, output limit and cache salt.
+//! Stage 1, prompt: the request's model, output limit and cache salt ([`fields`], before the
+//! model resolves), then its token ids ([`prompt`]: given, or its body tokenized once, with
+//! the served model's own tokenizer when one is loaded).
 //!
 //! A chat prompt is tokenized only as far as some engine may cache it: after each chunk the
 //! ids so far are looked up in every prefix index, and once none holds all their blocks the
 //! rest is only counted (estimated from its length; usage settles it). Where a prefix matches,
 //! the ids are exactly the engine's.
 
+use std::collections::BTreeMap;
+
+use kvplane_policy::SetRef;
 use kvplane_proto::v1::RouteRequest;
 use kvplane_state::View;
 use kvplane_tokenize::{PromptSource, prompt_from_body_until};
@@ -53,38 +57,69 @@ impl Prompted {
     }
 }
 
-/// Resolves the prompt of `req` (a bad request: the reason).
-pub(crate) fn prompt(
-    req: &RouteRequest,
-    view: &View,
-    tokenizers: &Tokenizers,
-) -> Result<Prompted, String> {
+/// Why a request's prompt cannot be read (an invalid request).
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    #[error("request has neither token_ids nor a body")]
+    Empty,
+    #[error(transparent)]
+    Body(#[from] kvplane_tokenize::TokenizeError),
+}
+
+/// What the request says besides its prompt: read before the model resolves.
+#[derive(Debug, Clone)]
+pub(crate) struct Fields {
+    pub model: String,
+    pub max_tokens: Option<u32>,
+    pub cache_salt: Option<String>,
+}
+
+/// The model, output limit and cache salt of `req`: its own, else its body's.
+pub(crate) fn fields(req: &RouteRequest) -> Result<Fields, PromptError> {
     let text = req.token_ids.is_empty();
     if text && req.body.is_empty() {
-        return Err("request has neither token_ids nor a body".into());
+        return Err(PromptError::Empty);
     }
-    let fields = if req.body.is_empty() {
+    let body = if req.body.is_empty() {
         kvplane_tokenize::BodyFields::default()
     } else {
         match kvplane_tokenize::body_fields(&req.body) {
             Ok(f) => f,
-            Err(e) if text => return Err(e.to_string()),
+            Err(e) if text => return Err(e.into()),
             // Token ids given: a body that is not JSON only lacks the defaults.
             Err(_) => kvplane_tokenize::BodyFields::default(),
         }
     };
-    let model = if req.model.is_empty() {
-        fields.model.clone().unwrap_or_default()
-    } else {
-        req.model.clone()
-    };
-    let max_tokens = (req.max_output_tokens > 0)
-        .then_some(req.max_output_tokens)
-        .or(fields.max_tokens);
-    let cache_salt = (!req.cache_salt.is_empty())
-        .then(|| req.cache_salt.clone())
-        .or(fields.cache_salt);
-    if !text {
+    Ok(Fields {
+        model: if req.model.is_empty() {
+            body.model.unwrap_or_default()
+        } else {
+            req.model.clone()
+        },
+        max_tokens: (req.max_output_tokens > 0)
+            .then_some(req.max_output_tokens)
+            .or(body.max_tokens),
+        cache_salt: (!req.cache_salt.is_empty())
+            .then(|| req.cache_salt.clone())
+            .or(body.cache_salt),
+    })
+}
+
+/// The prompt of `req`, for the worker sets it resolved to (their model's tokenizer; the
+/// adapter each runs it under, for the prefix lookups).
+pub(crate) fn prompt(
+    req: &RouteRequest,
+    f: Fields,
+    view: &View,
+    tokenizers: &Tokenizers,
+    sets: &BTreeMap<String, SetRef>,
+) -> Result<Prompted, PromptError> {
+    let Fields {
+        model,
+        max_tokens,
+        cache_salt,
+    } = f;
+    if !req.token_ids.is_empty() {
         return Ok(Prompted {
             tokens: req.token_ids.clone(),
             estimated_rest: 0,
@@ -94,12 +129,18 @@ pub(crate) fn prompt(
             cache_salt,
         });
     }
-    let tokenizer = tokenizers.for_model(view, &model);
+    // The tokenizer of the model the first worker set runs (the served model behind a public
+    // name), else of the requested model.
+    let served = sets
+        .values()
+        .map(|s| s.model.as_str())
+        .find(|m| !m.is_empty())
+        .unwrap_or(&model);
+    let tokenizer = tokenizers.for_model(view, served);
     let salt = cache_salt.as_deref();
     let p = prompt_from_body_until(&req.body, tokenizer.as_deref(), &mut |ids| {
-        still_cached(view, &model, salt, ids)
-    })
-    .map_err(|e| e.to_string())?;
+        still_cached(view, sets, &model, salt, ids)
+    })?;
     Ok(Prompted {
         tokens: p.tokens,
         estimated_rest: p.estimated_rest,
@@ -110,14 +151,22 @@ pub(crate) fn prompt(
     })
 }
 
-/// Whether some worker set's index holds every complete block of `ids` (under the request's
-/// adapter and salt): tokenizing further may still find a longer cached prefix.
-fn still_cached(view: &View, model: &str, salt: Option<&str>, ids: &[u32]) -> bool {
+/// Whether some worker set's index holds every complete block of `ids` (under the adapter
+/// that set runs the request as, and the salt): tokenizing further may still find a longer
+/// cached prefix.
+fn still_cached(
+    view: &View,
+    sets: &BTreeMap<String, SetRef>,
+    requested: &str,
+    salt: Option<&str>,
+    ids: &[u32],
+) -> bool {
     view.pools.iter().any(|(name, pool)| {
         let blocks = ids.len() / pool.index.block_size().max(1) as usize;
         if blocks == 0 {
             return true;
         }
+        let model = sets.get(name).map_or(requested, |s| s.model.as_str());
         let lora = view
             .catalog
             .worker_sets

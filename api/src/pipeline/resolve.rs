@@ -31,9 +31,12 @@ pub(crate) fn tenant(req: &RouteRequest, resolved: &Resolved<'_>) -> String {
 pub(crate) fn describe(model: &str, r: &Resolved<'_>) -> Vec<String> {
     let sets: Vec<&String> = r.sets.keys().collect();
     let mut out = vec![match r.backend {
-        Some((name, _)) => {
+        Some((name, _)) if r.published => {
             format!("model {model:?} is published by GatewayBackend {name}: worker sets {sets:?}")
         }
+        Some((name, _)) => format!(
+            "model {model:?} is served by worker sets {sets:?}, behind GatewayBackend {name} (its policies, tags and tenant header apply)"
+        ),
         None => format!("model {model:?} is served by worker sets {sets:?}"),
     }];
     if r.policies.is_empty() {

@@ -1,4 +1,4 @@
-//! Stage 6, score: the rule's objective (see [`kvplane_policy::objectives`]) scores every
+//! Stage 7, score: the rule's objective (see [`kvplane_policy::objectives`]) scores every
 //! candidate, divided by its backend weight; lower wins.
 
 use kvplane_policy::kinds::Objective;

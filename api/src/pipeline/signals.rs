@@ -1,4 +1,4 @@
-//! Stage 4, signals: the per-candidate inputs - each worker's metrics and the requests this
+//! Stage 5, signals: the per-candidate inputs - each worker's metrics and the requests this
 //! cluster sent there (always), the prompt's cached prefix (one prefix-index lookup per worker
 //! set, only when a filter or the objective reads it), and the predicted TTFT with its parts
 //! (see [`crate::predict`]). Explain reads the predictor without changing it.
@@ -14,10 +14,12 @@ use crate::CostModel;
 use crate::predict::Predictor;
 
 /// What besides the tokens a request's block hashes depend on, as the engines hash them.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct HashKeys<'a> {
-    /// The model the request names (a LoRA adapter of some worker sets).
+    /// The model the request names, and the one each resolved worker set runs it as (a LoRA
+    /// adapter of some worker sets).
     pub model: &'a str,
+    pub sets: &'a BTreeMap<String, kvplane_policy::SetRef>,
     /// vLLM's `cache_salt`: only blocks cached under the same salt match.
     pub cache_salt: Option<&'a str>,
 }
@@ -97,12 +99,14 @@ impl<'a> ViewFleet<'a> {
             best_overlap_blocks = tracing::field::Empty
         );
         let _in = span.enter();
-        let lora = self
-            .view
-            .catalog
-            .worker_sets
-            .get(worker_set)
-            .and_then(|s| s.adapter_for(self.keys.model));
+        let lora = self.view.catalog.worker_sets.get(worker_set).and_then(|s| {
+            s.adapter_for(
+                self.keys
+                    .sets
+                    .get(worker_set)
+                    .map_or(self.keys.model, |r| r.model.as_str()),
+            )
+        });
         let o = pool
             .index
             .overlaps_keyed(self.tokens, lora, self.keys.cache_salt);
@@ -175,5 +179,27 @@ impl Fleet for ViewFleet<'_> {
             load_ms: w.pending_ms + load * calibration,
             displaced_ms: uncached_ms * calibration,
         }
+    }
+}
+
+/// Fills in the cached prefix and the prediction of a candidate chosen without them.
+pub(crate) fn complete(
+    fleet: &ViewFleet<'_>,
+    catalog: &kvplane_policy::Catalog,
+    c: &mut kvplane_policy::Candidate,
+) {
+    let kvplane_policy::Target::Worker { worker_set, state } = &mut c.target else {
+        return;
+    };
+    let Some(spec) = catalog.worker_sets.get(worker_set.as_str()) else {
+        return;
+    };
+    if let Some(w) = fleet
+        .workers(worker_set, Signals::ALL)
+        .into_iter()
+        .find(|w| w.worker == state.worker)
+    {
+        c.prediction = fleet.predict(worker_set, spec, &w);
+        *state = w;
     }
 }

@@ -58,6 +58,12 @@ impl TestFleet {
         f
     }
 
+    /// Stamps the next entries with this proposer time (the clock the state reads).
+    pub fn at(&mut self, ms: u64) -> &mut Self {
+        self.now_ms = ms;
+        self
+    }
+
     /// Applies `command`; panics when the state refuses it.
     pub fn command(&mut self, command: Command) -> &mut Self {
         let index = self.sm.applied_index() + 1;

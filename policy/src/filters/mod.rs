@@ -76,3 +76,104 @@ pub fn problems(f: &Filter, at: &str, c: &mut Check<'_>) {
 pub fn ids() -> impl Iterator<Item = FilterId> {
     REGISTERED.iter().map(|u| u.id())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candidate::{Prediction, Target, WorkerState};
+    use crate::kinds::Filter;
+
+    fn worker(waiting: u32, kv: f64, up: bool) -> Candidate {
+        Candidate {
+            target: Target::Worker {
+                worker_set: "ws".into(),
+                state: WorkerState {
+                    worker: "w".into(),
+                    address: None,
+                    up,
+                    dp_rank: 0,
+                    waiting,
+                    running: 0,
+                    kv_cache_usage: kv,
+                    overlap_blocks: 0,
+                    prompt_blocks: 0,
+                    pending: 0,
+                    pending_ms: 0.0,
+                },
+            },
+            model: "m".into(),
+            external: false,
+            prediction: Prediction::default(),
+            price: 0.0,
+            load: waiting,
+            weight: 1.0,
+            objective: 0.0,
+            filtered: None,
+            fallback: false,
+            chosen: false,
+        }
+    }
+
+    #[test]
+    fn filter_ids_are_unique() {
+        let all: Vec<FilterId> = ids().collect();
+        let unique: std::collections::BTreeSet<FilterId> = all.iter().copied().collect();
+        assert_eq!(unique.len(), all.len());
+    }
+
+    #[test]
+    fn the_first_filter_that_refuses_names_itself_and_fallbacks_skip_load_limits() {
+        let f = Filter {
+            max_queued: Some(2),
+            max_kv_cache_usage: Some(0.7),
+            ..Filter::default()
+        };
+        let cat = Catalog::default();
+        let mut cands = vec![
+            worker(3, 0.9, true),
+            worker(0, 0.9, true),
+            worker(0, 0.1, false),
+            worker(0, 0.1, true),
+        ];
+        apply(&cat, &f, &mut cands, false);
+        let by: Vec<Option<&str>> = cands
+            .iter()
+            .map(|c| c.filtered.as_ref().map(|x| x.by.0))
+            .collect();
+        assert_eq!(
+            by,
+            [
+                Some("max_queued"),
+                Some("max_kv_cache_usage"),
+                Some("worker_down"),
+                None
+            ]
+        );
+        let mut fb = vec![worker(3, 0.9, true)];
+        apply(&cat, &f, &mut fb, true);
+        assert!(
+            fb[0].filtered.is_none(),
+            "load limits do not apply to fallbacks"
+        );
+    }
+
+    #[test]
+    fn an_out_of_range_cache_limit_is_a_problem_of_its_filter() {
+        let f = Filter {
+            max_kv_cache_usage: Some(1.5),
+            ..Filter::default()
+        };
+        let mut out = Vec::new();
+        problems(
+            &f,
+            "spec.rules[0].filter",
+            &mut Check {
+                kind: crate::Kind::Policy,
+                name: "p",
+                out: &mut out,
+            },
+        );
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].path, "spec.rules[0].filter.maxKvCacheUsage");
+    }
+}

@@ -2,7 +2,7 @@
 //! reads and its score of a candidate (lower wins; divided by the backend weight).
 //!
 //! Adding one: a variant of [`crate::kinds::Objective`], a file here implementing
-//! [`ObjectiveUnit`], and one line in [`REGISTERED`].
+//! [`ObjectiveUnit`], its line in [`REGISTERED`] and its arm in [`unit`].
 
 mod cost;
 mod load;
@@ -23,13 +23,13 @@ pub trait ObjectiveUnit: Sync {
 pub static REGISTERED: &[&dyn ObjectiveUnit] =
     &[&predicted_ttft::PredictedTtft, &cost::Cost, &load::Load];
 
-/// The unit of `o`.
+/// The unit of `o` (a match: a new variant without its unit does not compile).
 pub fn unit(o: Objective) -> &'static dyn ObjectiveUnit {
-    REGISTERED
-        .iter()
-        .copied()
-        .find(|u| u.objective() == o)
-        .unwrap_or(&predicted_ttft::PredictedTtft)
+    match o {
+        Objective::PredictedTTFT => &predicted_ttft::PredictedTtft,
+        Objective::Cost => &cost::Cost,
+        Objective::Load => &load::Load,
+    }
 }
 
 /// Scores every candidate: `objective = score / weight`.
@@ -45,11 +45,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_objective_has_exactly_one_unit() {
-        for o in [Objective::PredictedTTFT, Objective::Cost, Objective::Load] {
-            let n = REGISTERED.iter().filter(|u| u.objective() == o).count();
-            assert_eq!(n, 1, "{o:?}");
-            assert_eq!(unit(o).objective(), o);
+    fn every_registered_unit_is_the_unit_of_its_objective_once() {
+        for u in REGISTERED {
+            let o = u.objective();
+            assert_eq!(unit(o).label(), u.label());
+            assert_eq!(REGISTERED.iter().filter(|x| x.objective() == o).count(), 1);
         }
+        let labels: std::collections::BTreeSet<&str> =
+            REGISTERED.iter().map(|u| u.label()).collect();
+        assert_eq!(labels.len(), REGISTERED.len(), "labels are unique");
     }
 }
