@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvplane_policy::{LimitKey, MatchedLimit};
 use kvplane_proto::v1::{QuotaCharge, QuotaStatus};
-use kvplane_state::{QuotaAsk, QuotaBatch, QuotaRelease, StateHandle};
+use kvplane_state::{Amount, QuotaAsk, QuotaBatch, QuotaRelease, StateHandle};
 use tokio::sync::{Notify, watch};
 
 use crate::quota_metrics::QuotaMetrics;
@@ -132,8 +132,22 @@ struct Spent {
     fail_open_tokens: u64,
 }
 
+/// Escrow this replica proposed to release: unspendable from the moment the release is
+/// proposed until the ledger applied the batch carrying it (its held amount then dropped) or a
+/// later one (the release was lost: the ledger still counts it as held here).
+#[derive(Debug, Clone)]
+struct Releasing {
+    seq: u64,
+    key: LimitKey,
+    window_start_ms: u64,
+    tokens: u64,
+    requests: u64,
+}
+
 #[derive(Debug, Default)]
 struct Local {
+    /// Releases in flight (see [`Releasing`]).
+    releasing: Vec<Releasing>,
     /// By key and window start; the newest `history_windows` windows per key.
     spent: BTreeMap<(LimitKey, u64), Spent>,
     /// Keys whose escrow ran short, with the window's grant sizes.
@@ -147,6 +161,26 @@ struct Local {
 }
 
 impl Local {
+    /// Forgets the releases the ledger has seen (`applied`: this replica's incarnation and
+    /// last applied batch there), and returns what is still set aside for `key` in the window
+    /// starting at `start`.
+    fn set_aside(
+        &mut self,
+        applied: Option<(u64, u64)>,
+        incarnation: u64,
+        key: &LimitKey,
+        start: u64,
+    ) -> (u64, u64) {
+        self.releasing.retain(|r| match applied {
+            Some((inc, seq)) => inc < incarnation || (inc == incarnation && seq < r.seq),
+            None => true,
+        });
+        self.releasing
+            .iter()
+            .filter(|r| r.key == *key && r.window_start_ms == start)
+            .fold((0, 0), |(t, q), r| (t + r.tokens, q + r.requests))
+    }
+
     /// Keeps the newest `keep` windows of `key`.
     fn forget_old_windows(&mut self, key: &LimitKey, keep: usize) {
         let range = (key.clone(), 0)..=(key.clone(), u64::MAX);
@@ -317,12 +351,22 @@ impl Escrow {
                 let (held, remaining) = book
                     .map(|b| (b.held(self.cfg.replica), b.remaining()))
                     .unwrap_or_default();
-                let avail_tokens = held.tokens.saturating_sub(spent.tokens);
-                let avail_requests = held.requests.saturating_sub(spent.requests);
+                let applied = view.quota.replicas.get(&self.cfg.replica).copied();
+                let (aside_tokens, aside_requests) =
+                    local.set_aside(applied, self.cfg.incarnation, &m.key, start);
+                let avail_tokens = held.tokens.saturating_sub(spent.tokens + aside_tokens);
+                let avail_requests = held
+                    .requests
+                    .saturating_sub(spent.requests + aside_requests);
                 if avail_tokens < need_tokens || avail_requests < need_requests {
-                    // Out of reach for this window, whatever is granted now?
+                    // Out of reach for this window, whatever is granted now? (What is being
+                    // released returns to the window's remainder.)
                     let window_s = window_ms / 1000;
                     let retry_after_ms = start + window_ms - now;
+                    let remaining = Amount {
+                        tokens: remaining.tokens + aside_tokens,
+                        requests: remaining.requests + aside_requests,
+                    };
                     let refusal = if book.is_some() && avail_tokens + remaining.tokens < need_tokens
                     {
                         Some(Refusal::Exhausted {
@@ -416,15 +460,36 @@ impl Escrow {
             let spent = window
                 .and_then(|(s, _)| local.spent.get(&(key.clone(), s)).copied())
                 .unwrap_or_default();
-            let avail = held.tokens.saturating_sub(spent.tokens);
-            let avail_requests = held.requests.saturating_sub(spent.requests);
+            let (aside, aside_requests) = match window {
+                Some((s, _)) => local.set_aside(
+                    view.quota.replicas.get(&self.cfg.replica).copied(),
+                    self.cfg.incarnation,
+                    &key,
+                    s,
+                ),
+                None => (0, 0),
+            };
+            let avail = held.tokens.saturating_sub(spent.tokens + aside);
+            let avail_requests = held
+                .requests
+                .saturating_sub(spent.requests + aside_requests);
             self.metrics
                 .escrow(&key.tenant, if current { avail } else { 0 });
             if shutdown || last.elapsed() >= self.cfg.idle_release {
                 if current && (avail > 0 || avail_requests > 0) {
+                    let window_start_ms = window.map_or(0, |(s, _)| s);
+                    // Unspendable from now on: this batch will carry seq + 1.
+                    let seq = local.seq + 1;
+                    local.releasing.push(Releasing {
+                        seq,
+                        key: key.clone(),
+                        window_start_ms,
+                        tokens: avail,
+                        requests: avail_requests,
+                    });
                     releases.push(QuotaRelease {
                         key: key.clone(),
-                        window_start_ms: window.map_or(0, |(s, _)| s),
+                        window_start_ms,
                         tokens: avail,
                         requests: avail_requests,
                     });
@@ -676,5 +741,188 @@ mod tests {
         assert!(a[0].fail_open);
         assert!(reserve(&sm, &open, 400).await.is_err());
         assert_eq!(open.status()[0].fail_open_tokens, 400);
+    }
+
+    /// Replicas of one 600-token window (grants of 200), committing through `sm`.
+    fn replicas(sm: &StateMachine) -> Vec<Escrow> {
+        (0..3u64)
+            .map(|r| {
+                Escrow::new(
+                    QuotaConfig {
+                        replica: r + 1,
+                        incarnation: 1,
+                        idle_release: Duration::from_secs(3600),
+                        ..QuotaConfig::default()
+                    },
+                    sm.handle(),
+                    QuotaMetrics::default(),
+                )
+            })
+            .collect()
+    }
+
+    fn commit(sm: &mut StateMachine, b: QuotaBatch) {
+        let index = sm.applied_index() + 1;
+        sm.apply(&Entry {
+            index,
+            timestamp_ms: wall_ms(),
+            command: Command::Quota(b),
+        })
+        .unwrap();
+    }
+
+    fn try_spend(sm: &StateMachine, e: &Escrow, tokens: u64) -> bool {
+        let view = sm.handle().load();
+        let limits = view.catalog.limits_for("acme", "m");
+        e.try_reserve(&limits, tokens, false).is_ok()
+    }
+
+    /// Tokens admitted in the current windows over `replicas`.
+    fn admitted(replicas: &[Escrow]) -> u64 {
+        replicas
+            .iter()
+            .map(|e| e.lock().spent.values().map(|s| s.tokens).sum::<u64>())
+            .sum()
+    }
+
+    #[test]
+    fn escrow_being_released_cannot_be_spent_while_the_release_is_in_flight() {
+        let (mut sm, _) = state(limit(10, 200, None), 0);
+        let r = replicas(&sm);
+        // Replica 1 gets a grant of 200 and spends 50.
+        assert!(!try_spend(&sm, &r[0], 50));
+        let ask = r[0].next_batch(false).unwrap();
+        commit(&mut sm, ask);
+        assert!(try_spend(&sm, &r[0], 50));
+        // Idle: it proposes to release the 150 it did not use; a burst arrives meanwhile.
+        let release = r[0].next_batch(true).unwrap();
+        assert_eq!(release.releases[0].tokens, 150);
+        assert!(
+            !try_spend(&sm, &r[0], 150),
+            "the 150 being released are set aside"
+        );
+        commit(&mut sm, release);
+        // The others take the rest of the window.
+        for _ in 0..10 {
+            for e in &r[1..] {
+                while try_spend(&sm, e, 50) {}
+                if let Some(b) = e.next_batch(false) {
+                    commit(&mut sm, b);
+                }
+            }
+        }
+        let n = admitted(&r);
+        assert!(
+            (500..=600).contains(&n),
+            "{n} tokens admitted of the window's 600"
+        );
+    }
+
+    /// One step of the ledger property below.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Reserve {
+            replica: usize,
+            tokens: u64,
+        },
+        Settle {
+            replica: usize,
+            which: usize,
+            used_percent: u64,
+        },
+        /// The replica's refiller builds its next batch: asks, or (`release`: its keys idle)
+        /// releases of the escrow it holds.
+        Batch {
+            replica: usize,
+            release: bool,
+        },
+        /// The leader commits one batch in flight (any of them: proposals interleave).
+        Commit {
+            which: usize,
+        },
+        /// A batch in flight is lost (a leader change before it committed).
+        Lose {
+            which: usize,
+        },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0..3usize, 10..150u64).prop_map(|(replica, tokens)| Op::Reserve { replica, tokens }),
+            1 => (0..3usize, 0..8usize, 50..=100u64)
+                .prop_map(|(replica, which, used_percent)| Op::Settle { replica, which, used_percent }),
+            2 => (0..3usize, proptest::bool::weighted(0.3))
+                .prop_map(|(replica, release)| Op::Batch { replica, release }),
+            3 => (0..8usize).prop_map(|which| Op::Commit { which }),
+            1 => (0..8usize).prop_map(|which| Op::Lose { which }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Over any interleaving of asks, grants, releases of idle escrow, spends, refunds and
+        /// lost proposals, the tokens three replicas admitted in a window never exceed
+        /// its budget: a released amount is unspendable from the moment it is proposed.
+        #[test]
+        fn replicas_never_admit_more_than_the_window_budget(
+            ops in proptest::collection::vec(op(), 1..300),
+        ) {
+            // 600 tokens per 3600 s window, grants of 200.
+            let (mut sm, _) = state(limit(10, 200, None), 0);
+            let replicas = replicas(&sm);
+            let mut held: Vec<Vec<Vec<Reservation>>> = vec![Vec::new(); 3];
+            let mut in_flight: Vec<QuotaBatch> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Reserve { replica, tokens } => {
+                        let view = sm.handle().load();
+                        let limits = view.catalog.limits_for("acme", "m");
+                        if let Ok(r) = replicas[replica].try_reserve(&limits, tokens, false) {
+                            held[replica].push(r);
+                        }
+                    }
+                    Op::Settle { replica, which, used_percent } => {
+                        if !held[replica].is_empty() {
+                            let n = held[replica].len();
+                            let r = held[replica].remove(which % n);
+                            let used = r[0].tokens * used_percent / 100;
+                            replicas[replica].settle(&r, used);
+                        }
+                    }
+                    Op::Batch { replica, release } => {
+                        if let Some(b) = replicas[replica].next_batch(release) {
+                            in_flight.push(b);
+                        }
+                    }
+                    Op::Commit { which } => {
+                        if !in_flight.is_empty() {
+                            let b = in_flight.remove(which % in_flight.len());
+                            commit(&mut sm, b);
+                        }
+                    }
+                    Op::Lose { which } => {
+                        if !in_flight.is_empty() {
+                            in_flight.remove(which % in_flight.len());
+                        }
+                    }
+                }
+                // Admitted (net of refunds) per window, over all replicas.
+                let mut per_window: BTreeMap<u64, u64> = BTreeMap::new();
+                for e in &replicas {
+                    for ((_, start), s) in &e.lock().spent {
+                        *per_window.entry(*start).or_default() += s.tokens;
+                    }
+                }
+                for (start, spent) in per_window {
+                    proptest::prop_assert!(spent <= 600, "window {start}: {spent} tokens admitted of 600");
+                }
+                let view = sm.handle().load();
+                for b in view.quota.books.values() {
+                    proptest::prop_assert!(b.granted.tokens <= b.budget.tokens);
+                }
+            }
+        }
     }
 }

@@ -49,6 +49,9 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
         br#"{"status":"up"}"#.to_vec(),
     )
     .await;
+    // Every replica knows the worker before the first kill: a survivor that had not applied its
+    // announcement yet would rightly have nowhere to route.
+    cluster.all_agree(&[0, 1, 2], last).await;
     let mut n = 0u64;
     let mut failovers = Vec::new();
     for _round in 0..5 {

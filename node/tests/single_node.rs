@@ -461,3 +461,53 @@ async fn explain_shows_every_candidate_and_stale_reads_are_refused() {
     assert_eq!(v["endpoint"]["worker_id"], "worker-c");
     assert_eq!(v["matched_blocks"], 10);
 }
+
+/// Every file under `dir` with its size and modification time.
+fn tree(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::time::SystemTime)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let m = e.metadata().unwrap();
+        if m.is_dir() {
+            out.extend(tree(&e.path()));
+        } else {
+            out.push((e.path(), m.len(), m.modified().unwrap()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_on_a_live_data_directory_exits_with_a_clear_error_and_touches_nothing() {
+    let cluster = Cluster::start(1);
+    let node = &cluster.nodes[0];
+    node.status().await;
+    let data = node.dir.join("data");
+    let before = tree(&data);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
+        .args(["serve", "--data-dir"])
+        .arg(&data)
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--nats-url",
+            &cluster.nats.url(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("is in use by another kvplane process (pid "),
+        "{stderr}"
+    );
+    assert_eq!(
+        tree(&data),
+        before,
+        "the live node's files are as they were"
+    );
+    // The live node serves on.
+    node.status().await;
+}
