@@ -103,16 +103,18 @@ pub fn prompt_from_body_with(
     body: &[u8],
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Prompt, TokenizeError> {
-    prompt_from_body_until(body, tokenizer, &mut |_| true)
+    prompt_from_body_until(body, tokenizer, &mut |_| true, true)
 }
 
 /// As [`prompt_from_body_with`], but a chat prompt is encoded with the model's tokenizer only
 /// as far as `still_cached(ids so far)` holds (see [`ModelTokenizer::encode_chat_until`]):
 /// once no engine can hold the prompt that far, the rest is only counted, roughly.
+/// `remember`: whether what is encoded enters the tokenizer's piece cache.
 pub fn prompt_from_body_until(
     body: &[u8],
     tokenizer: Option<&ModelTokenizer>,
     still_cached: &mut dyn FnMut(&[u32]) -> bool,
+    remember: bool,
 ) -> Result<Prompt, TokenizeError> {
     // A chat body for a model's own template: read once for its fields (skipping the
     // messages), once by the template, never copied into a JSON tree.
@@ -120,7 +122,7 @@ pub fn prompt_from_body_until(
         let raw = raw_fields(body)?;
         if raw.messages.is_some() {
             let f = fields_of(raw);
-            let (tokens, estimated_rest) = t.encode_chat_until(body, still_cached)?;
+            let (tokens, estimated_rest) = t.encode_chat_until(body, still_cached, remember)?;
             return Ok(Prompt {
                 tokens,
                 estimated_rest,

@@ -219,15 +219,17 @@ impl ModelTokenizer {
     /// As [`ModelTokenizer::encode_chat`], encoding only as far as `still_cached(ids so far)`
     /// says some engine may cache the prompt (see [`crate::segments`]); also returns the
     /// estimated number of tokens after the ids returned (0: they are the whole prompt).
+    /// `remember`: whether the pieces encoded enter the piece cache (not for Explain).
     pub fn encode_chat_until(
         &self,
         body: &[u8],
         still_cached: &mut dyn FnMut(&[u32]) -> bool,
+        remember: bool,
     ) -> Result<(Vec<u32>, usize), TokenizeError> {
         let text = self.render_chat(body)?;
         match &self.segments {
             Some(s) => s
-                .encode_until(&self.tokenizer, &text, still_cached)
+                .encode_until(&self.tokenizer, &text, still_cached, remember)
                 .map_err(|e| TokenizeError::Tokenizer(e.to_string())),
             None => Ok((self.encode(&text, false)?, 0)),
         }

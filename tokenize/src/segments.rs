@@ -72,21 +72,23 @@ impl Segmenter {
         let mut out = Vec::with_capacity(text.len() / 3);
         let mut at = 0;
         for m in self.matcher.find_iter(text) {
-            self.piece(tokenizer, &text[at..m.start()], &mut out)?;
+            self.piece(tokenizer, &text[at..m.start()], &mut out, true)?;
             out.push(self.ids[m.pattern().as_usize()]);
             at = m.end();
         }
-        self.piece(tokenizer, &text[at..], &mut out)?;
+        self.piece(tokenizer, &text[at..], &mut out, true)?;
         Ok(out)
     }
 
     /// As [`Self::encode`], stopping once `still_cached(ids so far)` says no engine may hold
-    /// the prompt that far; then also the estimated number of tokens not encoded.
+    /// the prompt that far; then also the estimated number of tokens not encoded. `remember`:
+    /// whether pieces encoded now enter the cache (Explain leaves it as it was).
     pub(crate) fn encode_until(
         &self,
         tokenizer: &tokenizers::Tokenizer,
         text: &str,
         still_cached: &mut dyn FnMut(&[u32]) -> bool,
+        remember: bool,
     ) -> Result<(Vec<u32>, usize), tokenizers::Error> {
         let mut out = Vec::with_capacity(text.len() / 3);
         let mut at = 0;
@@ -94,7 +96,9 @@ impl Segmenter {
         loop {
             let end = specials.peek().map_or(text.len(), |m| m.start());
             let piece = &text[at..end];
-            if let Some(done) = self.piece_until(tokenizer, piece, &mut out, still_cached)? {
+            if let Some(done) =
+                self.piece_until(tokenizer, piece, &mut out, still_cached, remember)?
+            {
                 let rest_bytes = piece.len() - done.bytes + (text.len() - end);
                 let rest = (rest_bytes as f64 / done.bytes_per_token).ceil() as usize;
                 return Ok((out, rest));
@@ -116,13 +120,15 @@ impl Segmenter {
         piece: &str,
         out: &mut Vec<u32>,
         still_cached: &mut dyn FnMut(&[u32]) -> bool,
+        remember: bool,
     ) -> Result<Option<Early>, tokenizers::Error> {
+        if !self.chunked || piece.len() < MIN_CACHED_BYTES {
+            self.piece(tokenizer, piece, out, remember)?;
+            return Ok(None);
+        }
         let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
-        let cached = (piece.len() >= MIN_CACHED_BYTES)
-            .then(|| self.lock().get(&key).cloned())
-            .flatten();
-        if !self.chunked || piece.len() < MIN_CACHED_BYTES || cached.is_some() {
-            self.piece(tokenizer, piece, out)?;
+        if let Some(ids) = self.lock().get(&key).cloned() {
+            out.extend_from_slice(&ids);
             return Ok(None);
         }
         let first = out.len();
@@ -141,11 +147,13 @@ impl Segmenter {
                 }));
             }
         }
-        let mut cache = self.lock();
-        if cache.len() >= CAPACITY {
-            cache.clear();
+        if remember {
+            let mut cache = self.lock();
+            if cache.len() >= CAPACITY {
+                cache.clear();
+            }
+            cache.insert(key, out[first..].into());
         }
-        cache.insert(key, out[first..].into());
         Ok(None)
     }
 
@@ -154,6 +162,7 @@ impl Segmenter {
         tokenizer: &tokenizers::Tokenizer,
         piece: &str,
         out: &mut Vec<u32>,
+        remember: bool,
     ) -> Result<(), tokenizers::Error> {
         if piece.is_empty() {
             return Ok(());
@@ -168,11 +177,13 @@ impl Segmenter {
             Some(ids) => ids,
             None => {
                 let ids: Arc<[u32]> = tokenizer.encode_fast(piece, false)?.get_ids().into();
-                let mut cache = self.lock();
-                if cache.len() >= CAPACITY {
-                    cache.clear();
+                if remember {
+                    let mut cache = self.lock();
+                    if cache.len() >= CAPACITY {
+                        cache.clear();
+                    }
+                    cache.insert(key, ids.clone());
                 }
-                cache.insert(key, ids.clone());
                 ids
             }
         };

@@ -122,6 +122,31 @@ fn bad_files_fail_at_load_and_unsupported_content_is_refused_with_a_reason() {
     }
 }
 
+#[test]
+fn an_encoding_that_is_not_remembered_leaves_the_piece_cache_as_it_was() {
+    let tok = ModelTokenizer::load(&fixture("chatml-style")).unwrap();
+    let system = "A long system prompt, line after line.\nThe next line says more.\n".repeat(200);
+    let body = serde_json::to_vec(&serde_json::json!({"messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "and now?"},
+    ]}))
+    .unwrap();
+    let stop = |ids: &[u32]| ids.len() < 64;
+    // Not remembered (Explain): the next encoding still stops early.
+    tok.encode_chat_until(&body, &mut |_| true, false).unwrap();
+    let (_, rest) = tok
+        .encode_chat_until(&body, &mut |ids| stop(ids), true)
+        .unwrap();
+    assert!(rest > 0, "nothing was cached");
+    // Remembered: the whole system prompt is a cached piece, and comes back whole.
+    let (whole, _) = tok.encode_chat_until(&body, &mut |_| true, true).unwrap();
+    let (ids, rest) = tok
+        .encode_chat_until(&body, &mut |ids| stop(ids), true)
+        .unwrap();
+    assert_eq!(rest, 0);
+    assert_eq!(ids, whole);
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
 
@@ -167,11 +192,11 @@ proptest::proptest! {
             {"role": "user", "content": "and now?"},
         ]})).unwrap();
         let whole = tok.encode_chat_whole(&body).unwrap();
-        let (ids, rest) = tok.encode_chat_until(&body, &mut |_| true).unwrap();
+        let (ids, rest) = tok.encode_chat_until(&body, &mut |_| true, true).unwrap();
         proptest::prop_assert_eq!(rest, 0);
         proptest::prop_assert_eq!(&ids, &whole);
         let fresh = ModelTokenizer::load(&fixture(family)).unwrap();
-        let (prefix, rest) = fresh.encode_chat_until(&body, &mut |ids| ids.len() < stop_at).unwrap();
+        let (prefix, rest) = fresh.encode_chat_until(&body, &mut |ids| ids.len() < stop_at, true).unwrap();
         proptest::prop_assert_eq!(&whole[..prefix.len()], &prefix[..]);
         if rest > 0 {
             let estimate = prefix.len() + rest;

@@ -189,7 +189,14 @@ impl RouterService {
             Ok(r) => r,
             Err((kind, reason)) => return d.refuse(kind.into(), reason, explain),
         };
-        d.prompted = match prompt::prompt(req, fields, &view, &self.tokenizers, &resolved.sets) {
+        d.prompted = match prompt::prompt(
+            req,
+            fields,
+            &view,
+            &self.tokenizers,
+            &resolved.sets,
+            explain,
+        ) {
             Ok(p) => p,
             Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
         };

@@ -113,6 +113,7 @@ pub(crate) fn prompt(
     view: &View,
     tokenizers: &Tokenizers,
     sets: &BTreeMap<String, SetRef>,
+    explain: bool,
 ) -> Result<Prompted, PromptError> {
     let Fields {
         model,
@@ -138,9 +139,13 @@ pub(crate) fn prompt(
         .unwrap_or(&model);
     let tokenizer = tokenizers.for_model(view, served);
     let salt = cache_salt.as_deref();
-    let p = prompt_from_body_until(&req.body, tokenizer.as_deref(), &mut |ids| {
-        still_cached(view, sets, &model, salt, ids)
-    })?;
+    // Explain leaves the tokenizer's piece cache as it was.
+    let p = prompt_from_body_until(
+        &req.body,
+        tokenizer.as_deref(),
+        &mut |ids| still_cached(view, sets, &model, salt, ids),
+        !explain,
+    )?;
     Ok(Prompted {
         tokens: p.tokens,
         estimated_rest: p.estimated_rest,
