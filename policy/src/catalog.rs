@@ -639,6 +639,26 @@ impl Catalog {
                 }
             }
         }
+        // Within a policy, an earlier rule whose match is wider (the state machine refuses only
+        // a catch-all or the very same match before a rule).
+        for (name, p) in &self.policies {
+            for (i, r) in p.rules.iter().enumerate() {
+                if let Some(e) = p.rules[..i].iter().find(|e| {
+                    e.matches.covers(&r.matches)
+                        && !(e.matches.is_catch_all() || e.matches == r.matches)
+                }) {
+                    out.push(Problem {
+                        kind: Kind::Policy,
+                        name: name.clone(),
+                        path: format!("spec.rules[{i}].match"),
+                        message: format!(
+                            "unreachable: rule {:?} before it matches every request this one matches",
+                            e.name
+                        ),
+                    });
+                }
+            }
+        }
         for (name, b) in &self.backends {
             self.check_unreachable_across(
                 &mut Check {
@@ -662,10 +682,7 @@ impl Catalog {
                 continue;
             };
             for (j, r) in p.rules.iter().enumerate() {
-                if let Some((ep, er)) = earlier
-                    .iter()
-                    .find(|(_, e)| e.matches.is_catch_all() || e.matches == r.matches)
-                {
+                if let Some((ep, er)) = earlier.iter().find(|(_, e)| e.matches.covers(&r.matches)) {
                     c.fail(
                         format!("spec.policies[{i}]"),
                         format!(

@@ -58,6 +58,37 @@ fn a_policy_no_backend_lists_and_that_names_no_model_is_reported() {
 }
 
 #[test]
+fn a_rule_after_a_wider_one_is_unreachable_within_and_across_policies() {
+    let policy = |name: &str, rules: &str| {
+        format!(
+            "---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: {name}}}\nspec:\n  rules:\n{rules}"
+        )
+    };
+    let mut docs = Documents::default();
+    docs.add_file(
+        "p.yaml",
+        &[
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: ws}\nspec: {model: m}\n".to_owned(),
+            "---\napiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata: {name: b}\nspec: {publicModel: pub, backends: [{workerSet: ws}], policies: [first, second]}\n".to_owned(),
+            policy("first", "    - {name: pii, match: {tags: [pii]}}\n    - {name: pii-batch, match: {tags: [batch, pii]}}\n    - {name: acme, match: {tenants: [acme]}}\n"),
+            policy("second", "    - {name: acme-pii, match: {tenants: [acme], tags: [pii]}}\n    - {name: beta, match: {tenants: [beta]}}\n"),
+        ]
+        .concat(),
+    );
+    let (_, problems) = docs.check();
+    let p: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert_eq!(p.len(), 2, "{p:#?}");
+    assert!(
+        p[0].contains("GatewayBackend/b spec.policies[1]: rule second/acme-pii (spec.rules[0]) is unreachable here: rule first/pii"),
+        "{p:#?}"
+    );
+    assert!(
+        p[1].contains("InferencePolicy/first spec.rules[1].match: unreachable: rule \"pii\""),
+        "{p:#?}"
+    );
+}
+
+#[test]
 fn the_examples_directory_is_valid() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
     let docs = Documents::read(&[dir.into()]).unwrap();

@@ -67,6 +67,19 @@ pub struct Match {
 }
 
 impl Match {
+    /// Whether every request `later` matches is matched by `self` too (so a rule with `later`
+    /// after one with `self` never applies). Pool-state conditions count only when `self` has
+    /// none, or `later` has each of them.
+    pub fn covers(&self, later: &Match) -> bool {
+        fn within(mine: &[String], theirs: &[String]) -> bool {
+            mine.is_empty() || (!theirs.is_empty() && theirs.iter().all(|t| mine.contains(t)))
+        }
+        within(&self.tenants, &later.tenants)
+            && within(&self.models, &later.models)
+            && self.tags.iter().all(|t| later.tags.contains(t))
+            && self.pool_state.iter().all(|c| later.pool_state.contains(c))
+    }
+
     pub fn is_catch_all(&self) -> bool {
         self.tenants.is_empty()
             && self.models.is_empty()
