@@ -284,6 +284,25 @@ impl Predictor {
         )
     }
 
+    /// [`Self::pending`] (`update`) or [`Self::peek_pending`] for every worker of a set, under
+    /// one lock and one clock read: `(worker, metrics_at_ms, metrics_waiting, ttft_histogram)`.
+    pub fn pending_set(
+        &self,
+        worker_set: &str,
+        workers: &[(&str, u64, u32, (f64, u64))],
+        update: bool,
+    ) -> Vec<InFlight> {
+        let now = self.now_ms();
+        let mut g = self.lock();
+        workers
+            .iter()
+            .map(|&(w, at, waiting, hist)| {
+                let hist = if update { hist } else { (0.0, 0) };
+                Self::in_flight_locked(&mut g, now, worker_set, w, at, waiting, hist, update)
+            })
+            .collect()
+    }
+
     fn in_flight(
         &self,
         worker_set: &str,
@@ -295,6 +314,29 @@ impl Predictor {
     ) -> InFlight {
         let now = self.now_ms();
         let mut g = self.lock();
+        Self::in_flight_locked(
+            &mut g,
+            now,
+            worker_set,
+            worker,
+            metrics_at_ms,
+            metrics_waiting,
+            ttft_histogram,
+            update,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn in_flight_locked(
+        g: &mut Inner,
+        now: u64,
+        worker_set: &str,
+        worker: &str,
+        metrics_at_ms: u64,
+        metrics_waiting: u32,
+        ttft_histogram: (f64, u64),
+        update: bool,
+    ) -> InFlight {
         if update
             && ttft_histogram.1 > 0
             && g.queues

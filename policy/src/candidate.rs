@@ -1,6 +1,8 @@
 //! What a decision considers: workers of worker sets and providers, the signals read for each,
 //! and what the filters and the objective made of them.
 
+use std::sync::Arc;
+
 /// One worker of a worker set as the replicated state shows it, with this prompt's overlap.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerState {
@@ -64,7 +66,8 @@ pub struct Prediction {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target {
     Worker {
-        worker_set: String,
+        /// Shared by the set's candidates (one allocation per set, not per worker).
+        worker_set: Arc<str>,
         state: WorkerState,
     },
     Provider {
@@ -102,8 +105,9 @@ pub struct Filtered {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
     pub target: Target,
-    /// The model it serves for this request (what the body is rewritten to when it wins).
-    pub model: String,
+    /// The model it serves for this request (what the body is rewritten to when it wins);
+    /// shared by the set's candidates.
+    pub model: Arc<str>,
     pub external: bool,
     /// The prediction (zero parts when no filter or objective asked for it).
     pub prediction: Prediction,

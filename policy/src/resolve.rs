@@ -11,7 +11,7 @@
 //! backend's. No other policy applies, so naming the model never escapes a backend's policies.
 
 use std::collections::BTreeMap;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use crate::candidate::{Candidate, Fleet, Prediction, RejectKind, Signals, Target, WorkerState};
 use crate::catalog::Catalog;
@@ -348,6 +348,8 @@ impl Catalog {
                 .map_or((1.0, self.served_model(name, req.model)), |s| {
                     (s.weight, s.model.clone())
                 });
+            let model: Arc<str> = model.into();
+            let set_name: Arc<str> = name.into();
             for w in fleet.workers(name, signals) {
                 let prediction = if signals.prediction {
                     fleet.predict(name, spec, &w)
@@ -368,7 +370,7 @@ impl Catalog {
                     fallback,
                     chosen: false,
                     target: Target::Worker {
-                        worker_set: name.to_owned(),
+                        worker_set: set_name.clone(),
                         state: w,
                     },
                 });
@@ -383,7 +385,7 @@ impl Catalog {
                     name: name.clone(),
                     endpoint: p.endpoint.clone(),
                 },
-                model: p.model.clone(),
+                model: p.model.as_str().into(),
                 external: true,
                 prediction: Prediction {
                     ttft_ms: p.expected_ttft_ms,

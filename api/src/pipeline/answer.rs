@@ -15,7 +15,7 @@ fn endpoint(t: &Target) -> Endpoint {
         Target::Worker { worker_set, state } => Endpoint {
             address: state.address.clone().unwrap_or_default(),
             worker_id: state.worker.clone(),
-            pool: worker_set.clone(),
+            pool: worker_set.to_string(),
             dp_rank: state.dp_rank,
             provider: String::new(),
         },
@@ -49,7 +49,7 @@ pub(crate) fn response(d: &Decision, body: &[u8], reservations: &[Reservation]) 
             let c = &d.candidates[*i];
             out.decision = Some(route_response::Decision::Endpoint(endpoint(&c.target)));
             out.predicted_ttft_ms = c.prediction.ttft_ms;
-            out.model = c.model.clone();
+            out.model = c.model.to_string();
             if let Target::Worker { state, .. } = &c.target {
                 out.matched_blocks = state.overlap_blocks;
                 out.prompt_blocks = state.prompt_blocks;

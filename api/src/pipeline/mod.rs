@@ -324,7 +324,8 @@ impl RouterService {
                     rule.minimize,
                     c.objective
                 );
-                d.rewrite_model = Some(c.model.clone()).filter(|m| *m != p.model && !m.is_empty());
+                d.rewrite_model =
+                    Some(c.model.to_string()).filter(|m| *m != p.model && !m.is_empty());
                 step(&mut d, line);
                 if let Some(m) = d.rewrite_model.clone() {
                     step(&mut d, format!("body model rewritten to {m:?}"));

@@ -126,26 +126,24 @@ impl Fleet for ViewFleet<'_> {
         }
         let cache = self.overlaps.borrow();
         let overlap = cache.get(worker_set).filter(|_| lookup);
-        pool.workers
+        let asks: Vec<(&str, u64, u32, (f64, u64))> = pool
+            .workers
             .iter()
             .map(|w| {
+                (
+                    w.name.as_str(),
+                    w.metrics_at_ms,
+                    w.metrics.waiting,
+                    (w.metrics.ttft_sum_s, w.metrics.ttft_count),
+                )
+            })
+            .collect();
+        let in_flight = self.predictor.pending_set(worker_set, &asks, !self.peek);
+        pool.workers
+            .iter()
+            .zip(in_flight)
+            .map(|(w, f)| {
                 let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |o| o.best_for(w.id));
-                let f = if self.peek {
-                    self.predictor.peek_pending(
-                        worker_set,
-                        &w.name,
-                        w.metrics_at_ms,
-                        w.metrics.waiting,
-                    )
-                } else {
-                    self.predictor.pending(
-                        worker_set,
-                        &w.name,
-                        w.metrics_at_ms,
-                        w.metrics.waiting,
-                        (w.metrics.ttft_sum_s, w.metrics.ttft_count),
-                    )
-                };
                 let others = w.metrics.waiting.saturating_sub(f.in_metrics);
                 WorkerState {
                     worker: w.name.clone(),
@@ -191,7 +189,7 @@ pub(crate) fn complete(
     let kvplane_policy::Target::Worker { worker_set, state } = &mut c.target else {
         return;
     };
-    let Some(spec) = catalog.worker_sets.get(worker_set.as_str()) else {
+    let Some(spec) = catalog.worker_sets.get(&**worker_set) else {
         return;
     };
     if let Some(w) = fleet

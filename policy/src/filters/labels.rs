@@ -18,7 +18,7 @@ impl CandidateFilter for LabelsMatch {
         }
         let labels = match &c.target {
             Target::Worker { worker_set, .. } => {
-                catalog.worker_sets.get(worker_set).map(|w| &w.labels)
+                catalog.worker_sets.get(&**worker_set).map(|w| &w.labels)
             }
             Target::Provider { name, .. } => catalog.providers.get(name).map(|p| &p.labels),
         };
