@@ -100,9 +100,6 @@ impl RaftMember {
             // Ingest entries can be large (up to `ingest.max_batch_messages` messages): keep one
             // AppendEntries message well under the gRPC message limit.
             max_payload_entries: 64,
-            // A member back from a pause or a partition first asks whether it could win: it
-            // does not raise the term and unseat a leader the others still follow.
-            enable_pre_vote: Some(true),
             ..Default::default()
         }
         .validate()?;

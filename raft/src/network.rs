@@ -192,15 +192,6 @@ impl RaftNetworkV2<TypeConfig> for Connection {
             .await
     }
 
-    async fn pre_vote(
-        &mut self,
-        rpc: VoteRequest<TypeConfig>,
-        option: RPCOption,
-    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
-        self.call(&rpc, &option, |mut c, r| async move { c.pre_vote(r).await })
-            .await
-    }
-
     async fn full_snapshot(
         &mut self,
         vote: VoteOf<TypeConfig>,
@@ -301,19 +292,6 @@ impl raft_server::Raft for RaftGrpc {
         let rpc: VoteRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.vote(rpc).await;
-        Ok(Response::new(RaftPayload {
-            data: encode(&result),
-        }))
-    }
-
-    async fn pre_vote(
-        &self,
-        request: Request<RaftPayload>,
-    ) -> Result<Response<RaftPayload>, Status> {
-        self.for_me(&request)?;
-        let rpc: VoteRequest<TypeConfig> =
-            decode(&request.into_inner().data).map_err(bad_request)?;
-        let result = self.raft.pre_vote(rpc).await;
         Ok(Response::new(RaftPayload {
             data: encode(&result),
         }))
