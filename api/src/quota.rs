@@ -171,14 +171,19 @@ impl Local {
         key: &LimitKey,
         start: u64,
     ) -> (u64, u64) {
-        self.releasing.retain(|r| match applied {
-            Some((inc, seq)) => inc < incarnation || (inc == incarnation && seq < r.seq),
-            None => true,
-        });
+        self.prune_released(applied, incarnation);
         self.releasing
             .iter()
             .filter(|r| r.key == *key && r.window_start_ms == start)
             .fold((0, 0), |(t, q), r| (t + r.tokens, q + r.requests))
+    }
+
+    /// Forgets the releases the ledger has applied a batch at or after.
+    fn prune_released(&mut self, applied: Option<(u64, u64)>, incarnation: u64) {
+        self.releasing.retain(|r| match applied {
+            Some((inc, seq)) => inc < incarnation || (inc == incarnation && seq < r.seq),
+            None => true,
+        });
     }
 
     /// Keeps the newest `keep` windows of `key`.
@@ -309,9 +314,11 @@ impl Escrow {
         tokens: u64,
         fail_open: bool,
     ) -> Result<Vec<Reservation>, Short> {
+        // The view is read under the lock: views only move forward, so no caller decides from
+        // an older view than the one that cleared a set-aside release.
+        let mut local = self.lock();
         let view = self.state.load();
         let now = wall_ms();
-        let mut local = self.lock();
         let mut out = Vec::with_capacity(limits.len());
         for m in limits {
             let l = m.limit;
@@ -445,9 +452,9 @@ impl Escrow {
     /// releases of escrow that idle keys (every key, at `shutdown`) will not use. `None` when
     /// there is nothing to ask. Updates the escrow gauges.
     pub(crate) fn next_batch(&self, shutdown: bool) -> Option<QuotaBatch> {
+        let mut local = self.lock();
         let view = self.state.load();
         let now = wall_ms();
-        let mut local = self.lock();
         let mut asks = Vec::new();
         let mut releases = Vec::new();
         let wanted = std::mem::take(&mut local.wanted);
@@ -513,7 +520,11 @@ impl Escrow {
                 });
             }
         }
-        if asks.is_empty() && releases.is_empty() {
+        // A release whose batch was lost stays set aside until the ledger applied a later batch
+        // of this replica: send one (empty) rather than keep the tokens from everyone.
+        let applied = view.quota.replicas.get(&self.cfg.replica).copied();
+        local.prune_released(applied, self.cfg.incarnation);
+        if asks.is_empty() && releases.is_empty() && local.releasing.is_empty() {
             return None;
         }
         local.seq += 1;
@@ -815,6 +826,31 @@ mod tests {
         assert!(
             (500..=600).contains(&n),
             "{n} tokens admitted of the window's 600"
+        );
+    }
+
+    #[test]
+    fn a_lost_release_is_cleared_by_a_later_batch_and_its_tokens_are_spendable_again() {
+        let (mut sm, _) = state(limit(10, 200, None), 0);
+        let r = replicas(&sm);
+        assert!(!try_spend(&sm, &r[0], 50));
+        let ask = r[0].next_batch(false).unwrap();
+        commit(&mut sm, ask);
+        assert!(try_spend(&sm, &r[0], 50));
+        // The release is proposed and lost (a leader change): its 150 stay set aside until a
+        // later batch of this replica applies - one is sent even with nothing else in it.
+        let lost = r[0].next_batch(true).unwrap();
+        assert_eq!(lost.releases[0].tokens, 150);
+        let later = r[0].next_batch(false).unwrap();
+        assert!(later.asks.is_empty() && later.releases.is_empty());
+        commit(&mut sm, later);
+        assert!(
+            r[0].next_batch(false).is_none(),
+            "nothing set aside any more"
+        );
+        assert!(
+            try_spend(&sm, &r[0], 100),
+            "the ledger still counts them as held here"
         );
     }
 

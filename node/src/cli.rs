@@ -116,6 +116,8 @@ pub fn main() -> ExitCode {
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
     let telemetry = crate::telemetry::init(cfg.log_format, "kvplane");
+    // One process per data directory, before anything else: held until the node has stopped.
+    let _data_dir = crate::data_dir_lock::DataDirLock::acquire(&cfg.data_dir)?;
     let (grpc, http) = crate::serve::bind(&cfg).await?;
     let r = crate::serve::run(cfg, grpc, http, shutdown_signal(), |b| {
         // One machine-readable line on stdout; logs go to stderr.

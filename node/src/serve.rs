@@ -176,8 +176,6 @@ pub async fn run(
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    // One process per data directory, held until this function returns.
-    let _data_dir = crate::data_dir_lock::DataDirLock::acquire(&cfg.data_dir)?;
     // The log: in-process for a standalone node, Raft for a cluster member.
     let (log, handle, applier, member, consistency) = match &cfg.raft {
         None => {

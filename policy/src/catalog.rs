@@ -643,10 +643,15 @@ impl Catalog {
         // a catch-all or the very same match before a rule).
         for (name, p) in &self.policies {
             for (i, r) in p.rules.iter().enumerate() {
-                if let Some(e) = p.rules[..i].iter().find(|e| {
-                    e.matches.covers(&r.matches)
-                        && !(e.matches.is_catch_all() || e.matches == r.matches)
-                }) {
+                let earlier = &p.rules[..i];
+                // `problems()` already reports a rule after a catch-all or an identical match.
+                if earlier
+                    .iter()
+                    .any(|e| e.matches.is_catch_all() || e.matches == r.matches)
+                {
+                    continue;
+                }
+                if let Some(e) = earlier.iter().find(|e| e.matches.covers(&r.matches)) {
                     out.push(Problem {
                         kind: Kind::Policy,
                         name: name.clone(),
@@ -674,7 +679,7 @@ impl Catalog {
     }
 
     /// A rule of a later policy that an earlier policy's rule always pre-empts, for this
-    /// backend's order (within one policy, [`Self::check_policy`] says so).
+    /// backend's order (within one policy: [`Self::check_policy`] and [`Self::lint`]).
     fn check_unreachable_across(&self, c: &mut Check<'_>, b: &GatewayBackendSpec) {
         let mut earlier: Vec<(&str, &Rule)> = Vec::new();
         for (i, pname) in b.policies.iter().enumerate() {
