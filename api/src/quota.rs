@@ -796,18 +796,24 @@ mod tests {
             .sum()
     }
 
-    #[test]
-    fn escrow_being_released_cannot_be_spent_while_the_release_is_in_flight() {
+    /// A 600-token window where replica 1 was granted 200, spent 50, then went idle: returns
+    /// the state, the replicas and its release of the other 150 (proposed, not committed).
+    fn releasing_150() -> (StateMachine, Vec<Escrow>, QuotaBatch) {
         let (mut sm, _) = state(limit(10, 200, None), 0);
         let r = replicas(&sm);
-        // Replica 1 gets a grant of 200 and spends 50.
         assert!(!try_spend(&sm, &r[0], 50));
         let ask = r[0].next_batch(false).unwrap();
         commit(&mut sm, ask);
         assert!(try_spend(&sm, &r[0], 50));
-        // Idle: it proposes to release the 150 it did not use; a burst arrives meanwhile.
         let release = r[0].next_batch(true).unwrap();
         assert_eq!(release.releases[0].tokens, 150);
+        (sm, r, release)
+    }
+
+    #[test]
+    fn escrow_being_released_cannot_be_spent_while_the_release_is_in_flight() {
+        // A burst arrives while the release is in flight.
+        let (mut sm, r, release) = releasing_150();
         assert!(
             !try_spend(&sm, &r[0], 150),
             "the 150 being released are set aside"
@@ -831,16 +837,9 @@ mod tests {
 
     #[test]
     fn a_lost_release_is_cleared_by_a_later_batch_and_its_tokens_are_spendable_again() {
-        let (mut sm, _) = state(limit(10, 200, None), 0);
-        let r = replicas(&sm);
-        assert!(!try_spend(&sm, &r[0], 50));
-        let ask = r[0].next_batch(false).unwrap();
-        commit(&mut sm, ask);
-        assert!(try_spend(&sm, &r[0], 50));
-        // The release is proposed and lost (a leader change): its 150 stay set aside until a
-        // later batch of this replica applies - one is sent even with nothing else in it.
-        let lost = r[0].next_batch(true).unwrap();
-        assert_eq!(lost.releases[0].tokens, 150);
+        // The release is lost (a leader change): its 150 stay set aside until a later batch of
+        // this replica applies - one is sent even with nothing else in it.
+        let (mut sm, r, _lost) = releasing_150();
         let later = r[0].next_batch(false).unwrap();
         assert!(later.asks.is_empty() && later.releases.is_empty());
         commit(&mut sm, later);
