@@ -256,12 +256,9 @@ impl Predictor {
         metrics_waiting: u32,
         ttft_histogram: (f64, u64),
     ) -> InFlight {
-        self.in_flight(
+        self.one(
             worker_set,
-            worker,
-            metrics_at_ms,
-            metrics_waiting,
-            ttft_histogram,
+            (worker, metrics_at_ms, metrics_waiting, ttft_histogram),
             true,
         )
     }
@@ -274,12 +271,9 @@ impl Predictor {
         metrics_at_ms: u64,
         metrics_waiting: u32,
     ) -> InFlight {
-        self.in_flight(
+        self.one(
             worker_set,
-            worker,
-            metrics_at_ms,
-            metrics_waiting,
-            (0.0, 0),
+            (worker, metrics_at_ms, metrics_waiting, (0.0, 0)),
             false,
         )
     }
@@ -303,27 +297,15 @@ impl Predictor {
             .collect()
     }
 
-    fn in_flight(
+    fn one(
         &self,
         worker_set: &str,
-        worker: &str,
-        metrics_at_ms: u64,
-        metrics_waiting: u32,
-        ttft_histogram: (f64, u64),
+        worker: (&str, u64, u32, (f64, u64)),
         update: bool,
     ) -> InFlight {
-        let now = self.now_ms();
-        let mut g = self.lock();
-        Self::in_flight_locked(
-            &mut g,
-            now,
-            worker_set,
-            worker,
-            metrics_at_ms,
-            metrics_waiting,
-            ttft_histogram,
-            update,
-        )
+        self.pending_set(worker_set, &[worker], update)
+            .pop()
+            .unwrap_or_default()
     }
 
     #[allow(clippy::too_many_arguments)]
