@@ -51,6 +51,14 @@ mod tests {
             assert_eq!(unit(o).label(), u.label());
             assert_eq!(REGISTERED.iter().filter(|x| x.objective() == o).count(), 1);
         }
+        // Every variant is registered (a new variant makes this match fail to compile, so the
+        // list below is kept whole).
+        for o in [Objective::PredictedTTFT, Objective::Cost, Objective::Load] {
+            match o {
+                Objective::PredictedTTFT | Objective::Cost | Objective::Load => {}
+            }
+            assert!(REGISTERED.iter().any(|u| u.objective() == o), "{o:?}");
+        }
         let labels: std::collections::BTreeSet<&str> =
             REGISTERED.iter().map(|u| u.label()).collect();
         assert_eq!(labels.len(), REGISTERED.len(), "labels are unique");
