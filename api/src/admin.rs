@@ -50,7 +50,7 @@ pub struct NodeInfo {
     pub node_id: String,
     pub role: Source<String>,
     pub ingest: Source<IngestStatus>,
-    /// Membership control; `None` on a standalone node.
+    /// Membership control; `None` where there is no Raft member (tests of the API alone).
     pub cluster: Option<Arc<dyn ClusterControl>>,
     /// Writes and read barriers through this node's log.
     pub consistency: Arc<dyn Consistency>,
@@ -283,6 +283,6 @@ impl AdminService {
         self.node
             .cluster
             .as_ref()
-            .ok_or_else(|| Status::unimplemented("this node is standalone (no [raft] section)"))
+            .ok_or_else(|| Status::unimplemented("this node has no raft member"))
     }
 }

@@ -7,8 +7,7 @@ use kvplane_proto::v1::ReadConsistency;
 use kvplane_state::{Command, ProposeError, StateHandle};
 use tonic::Status;
 
-/// Writes and read barriers of this node's log: the in-process log of a standalone node, or
-/// Raft (a follower forwards to the leader).
+/// Writes and read barriers of this node's Raft log (a follower forwards to the leader).
 pub trait Consistency: Send + Sync {
     /// Commits `command`; resolves once this node has applied it, with its index.
     fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>>;

@@ -246,6 +246,22 @@ impl Escrow {
         self.local.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// What this process may spend of `book`. Until the ledger has applied a batch of this
+    /// process (incarnation), what it says this replica holds is an earlier process's, perhaps
+    /// spent already: nothing.
+    fn held(&self, view: &kvplane_state::View, book: &kvplane_state::Book) -> Amount {
+        let mine = view
+            .quota
+            .replicas
+            .get(&self.cfg.replica)
+            .is_some_and(|(inc, _)| *inc == self.cfg.incarnation);
+        if mine {
+            book.held(self.cfg.replica)
+        } else {
+            Amount::default()
+        }
+    }
+
     /// Tokens a request reserves: its prompt and its maximum output.
     pub fn tokens_for(&self, prompt_tokens: usize, max_output: Option<u32>) -> u64 {
         prompt_tokens as u64 + u64::from(max_output.unwrap_or(self.cfg.default_max_output_tokens))
@@ -355,10 +371,10 @@ impl Escrow {
                     .books
                     .get(&m.key)
                     .filter(|b| b.window_start_ms == start);
-                let (held, remaining) = book
-                    .map(|b| (b.held(self.cfg.replica), b.remaining()))
-                    .unwrap_or_default();
                 let applied = view.quota.replicas.get(&self.cfg.replica).copied();
+                let (held, remaining) = book
+                    .map(|b| (self.held(&view, b), b.remaining()))
+                    .unwrap_or_default();
                 let (aside_tokens, aside_requests) =
                     local.set_aside(applied, self.cfg.incarnation, &m.key, start);
                 let avail_tokens = held.tokens.saturating_sub(spent.tokens + aside_tokens);
@@ -463,7 +479,7 @@ impl Escrow {
             let book = view.quota.books.get(&key);
             let window = book.map(|b| (b.window_start_ms, b.window_end_ms()));
             let current = window.is_some_and(|(s, e)| s <= now && now < e);
-            let held = book.map(|b| b.held(self.cfg.replica)).unwrap_or_default();
+            let held = book.map(|b| self.held(&view, b)).unwrap_or_default();
             let spent = window
                 .and_then(|(s, _)| local.spent.get(&(key.clone(), s)).copied())
                 .unwrap_or_default();
@@ -557,7 +573,7 @@ impl Escrow {
                     .books
                     .get(key)
                     .filter(|b| b.window_start_ms == *start);
-                let held = book.map(|b| b.held(self.cfg.replica)).unwrap_or_default();
+                let held = book.map(|b| self.held(&view, b)).unwrap_or_default();
                 QuotaStatus {
                     tenant: key.tenant.clone(),
                     model: key.model.clone(),
@@ -611,7 +627,7 @@ pub(crate) fn explain_limit(
                     .map_or(0, |x| x.tokens);
                 s.push_str(&format!(
                     ", this replica holds {} and spent {}",
-                    b.held(e.cfg.replica).tokens,
+                    e.held(view, b).tokens,
                     spent
                 ));
             }
@@ -693,9 +709,11 @@ mod tests {
                 }),
             );
         }
+        // The process that was granted `grant`.
         let escrow = Escrow::new(
             QuotaConfig {
                 grant_wait: Duration::from_millis(20),
+                incarnation: 1,
                 ..QuotaConfig::default()
             },
             sm.handle(),
@@ -756,20 +774,47 @@ mod tests {
 
     /// Replicas of one 600-token window (grants of 200), committing through `sm`.
     fn replicas(sm: &StateMachine) -> Vec<Escrow> {
-        (0..3u64)
-            .map(|r| {
-                Escrow::new(
-                    QuotaConfig {
-                        replica: r + 1,
-                        incarnation: 1,
-                        idle_release: Duration::from_secs(3600),
-                        ..QuotaConfig::default()
-                    },
-                    sm.handle(),
-                    QuotaMetrics::default(),
-                )
-            })
-            .collect()
+        (0..3u64).map(|r| replica(sm, r + 1, 1)).collect()
+    }
+
+    /// The process `incarnation` of replica `id`.
+    fn replica(sm: &StateMachine, id: u64, incarnation: u64) -> Escrow {
+        Escrow::new(
+            QuotaConfig {
+                replica: id,
+                incarnation,
+                idle_release: Duration::from_secs(3600),
+                ..QuotaConfig::default()
+            },
+            sm.handle(),
+            QuotaMetrics::default(),
+        )
+    }
+
+    #[test]
+    fn a_restarted_replica_cannot_spend_what_its_earlier_process_held() {
+        let (mut sm, _) = state(limit(10, 200, None), 0);
+        let first = replica(&sm, 1, 1);
+        assert!(!try_spend(&sm, &first, 10));
+        commit(&mut sm, first.next_batch(false).unwrap());
+        assert!(try_spend(&sm, &first, 10), "granted 200, spent 10");
+        // kill -9: the record of what was spent dies with the process.
+        let second = replica(&sm, 1, 2);
+        assert!(
+            !try_spend(&sm, &second, 190),
+            "the earlier process's 200 are not this one's"
+        );
+        commit(&mut sm, second.next_batch(false).unwrap());
+        let view = sm.handle().load();
+        let book = view.quota.books.values().next().unwrap();
+        assert_eq!(book.granted.tokens, 400, "the old 200 stay spent");
+        assert_eq!(
+            book.held(1).tokens,
+            200,
+            "the new process holds its own grant"
+        );
+        assert!(try_spend(&sm, &second, 200));
+        assert!(!try_spend(&sm, &second, 10));
     }
 
     fn commit(sm: &mut StateMachine, b: QuotaBatch) {
@@ -879,6 +924,11 @@ mod tests {
         Lose {
             which: usize,
         },
+        /// The replica's process is killed and started again: what it spent is forgotten by
+        /// it (its batches in flight may still commit).
+        Restart {
+            replica: usize,
+        },
     }
 
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -891,22 +941,27 @@ mod tests {
                 .prop_map(|(replica, release)| Op::Batch { replica, release }),
             3 => (0..8usize).prop_map(|which| Op::Commit { which }),
             1 => (0..8usize).prop_map(|which| Op::Lose { which }),
+            1 => (0..3usize).prop_map(|replica| Op::Restart { replica }),
         ]
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
 
-        /// Over any interleaving of asks, grants, releases of idle escrow, spends, refunds and
-        /// lost proposals, the tokens three replicas admitted in a window never exceed
-        /// its budget: a released amount is unspendable from the moment it is proposed.
+        /// Over any interleaving of asks, grants, releases of idle escrow, spends, refunds,
+        /// lost proposals and replica restarts, the tokens three replicas admitted in a window
+        /// never exceed its budget: a released amount is unspendable from the moment it is
+        /// proposed, and what a killed process held is never spent again.
         #[test]
         fn replicas_never_admit_more_than_the_window_budget(
             ops in proptest::collection::vec(op(), 1..300),
         ) {
             // 600 tokens per 3600 s window, grants of 200.
             let (mut sm, _) = state(limit(10, 200, None), 0);
-            let replicas = replicas(&sm);
+            let mut replicas = replicas(&sm);
+            let mut incarnations = [1u64; 3];
+            // What killed processes admitted, per window (their own records died with them).
+            let mut by_the_dead: BTreeMap<u64, u64> = BTreeMap::new();
             let mut held: Vec<Vec<Vec<Reservation>>> = vec![Vec::new(); 3];
             let mut in_flight: Vec<QuotaBatch> = Vec::new();
             for op in ops {
@@ -942,9 +997,17 @@ mod tests {
                             in_flight.remove(which % in_flight.len());
                         }
                     }
+                    Op::Restart { replica: i } => {
+                        for ((_, start), s) in &replicas[i].lock().spent {
+                            *by_the_dead.entry(*start).or_default() += s.tokens;
+                        }
+                        held[i].clear();
+                        incarnations[i] += 1;
+                        replicas[i] = replica(&sm, i as u64 + 1, incarnations[i]);
+                    }
                 }
                 // Admitted (net of refunds) per window, over all replicas.
-                let mut per_window: BTreeMap<u64, u64> = BTreeMap::new();
+                let mut per_window = by_the_dead.clone();
                 for e in &replicas {
                     for ((_, start), s) in &e.lock().spent {
                         *per_window.entry(*start).or_default() += s.tokens;

@@ -77,8 +77,8 @@ impl RouterService {
         self
     }
 
-    /// Serves linearizable reads through `c` (without it, the local state is all there is: a
-    /// standalone node applies every entry before acknowledging it).
+    /// Serves linearizable reads through `c` (without it, the local state is all there is, as in
+    /// tests of routing semantics).
     pub fn with_consistency(mut self, c: Arc<dyn Consistency>) -> Self {
         self.consistency = Some(c);
         self

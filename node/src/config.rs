@@ -38,7 +38,8 @@ pub enum LogFormat {
 pub struct Config {
     /// This node's name, unique in the cluster; never reused for a wiped node.
     pub node_id: String,
-    /// Where snapshots (and later the Raft log) live.
+    /// Where the Raft log (`raft/log.redb`), the state snapshot (`raft/state/snapshot.bin`) and
+    /// the member's id file live; locked by the process that serves it.
     pub data_dir: PathBuf,
     /// gRPC API address (`Router`, `Admin`, health, reflection). Port 0 picks a free port.
     pub grpc_listen: String,
@@ -47,7 +48,6 @@ pub struct Config {
     pub nats_url: String,
     pub log_format: LogFormat,
     pub ingest: IngestSection,
-    pub snapshot: SnapshotSection,
     pub cost: CostModel,
     /// The pools this node declares in the state at start. Not given: one pool `default`
     /// (block size 16, every model), unless a policy source declares the fleet (see
@@ -62,8 +62,9 @@ pub struct Config {
     pub quota: QuotaSection,
     /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
     pub policy_kubernetes: Option<crate::kube_source::KubeSourceSection>,
-    /// Replication. Absent: a standalone node with an in-process log.
-    pub raft: Option<RaftSection>,
+    /// Replication. Absent (or with no peers, join addresses or kubernetes): a one-member
+    /// cluster of its own.
+    pub raft: RaftSection,
     /// Models' own tokenizers (Hugging Face files on local disk), for nodes without policies;
     /// with policies, an InferenceWorkerSet's `tokenizer` names the directory.
     pub tokenizers: Vec<TokenizerSection>,
@@ -85,17 +86,6 @@ pub struct IngestSection {
     pub max_batch_messages: usize,
     pub max_batch_delay_ms: u64,
     pub max_message_bytes: usize,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SnapshotSection {
-    /// Take a snapshot after this many applied entries...
-    pub every_entries: u64,
-    /// ...or this many seconds after the previous one, whichever comes first (if anything changed).
-    pub every_secs: u64,
-    /// Snapshots kept on disk.
-    pub keep: usize,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -139,10 +129,9 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             log_format: LogFormat::Text,
             ingest: IngestSection::default(),
-            snapshot: SnapshotSection::default(),
             cost: CostModel::default(),
             pools: None,
-            raft: None,
+            raft: RaftSection::default(),
             tokenizers: Vec::new(),
             policy_dir: None,
             policy_poll_ms: 1000,
@@ -181,16 +170,6 @@ impl Default for IngestSection {
             max_batch_messages: 512,
             max_batch_delay_ms: 5,
             max_message_bytes: 1 << 20,
-        }
-    }
-}
-
-impl Default for SnapshotSection {
-    fn default() -> Self {
-        Self {
-            every_entries: 10_000,
-            every_secs: 30,
-            keep: 2,
         }
     }
 }
@@ -306,12 +285,6 @@ impl Config {
         if self.ingest.max_message_bytes < 1024 {
             p.push("ingest.max_message_bytes must be at least 1024".into());
         }
-        if self.snapshot.every_entries == 0 {
-            p.push("snapshot.every_entries must be at least 1".into());
-        }
-        if self.snapshot.keep == 0 {
-            p.push("snapshot.keep must be at least 1".into());
-        }
         p.extend(self.cost.problems());
         if self.policy_poll_ms == 0 {
             p.push("policy_poll_ms must be at least 1".into());
@@ -348,9 +321,7 @@ impl Config {
                 p.push(format!("tokenizers[{i}] (model {:?}): {e}", t.model));
             }
         }
-        if let Some(r) = &self.raft {
-            r.problems(&self.grpc_listen, &mut p);
-        }
+        self.raft.problems(&self.grpc_listen, &mut p);
         let mut seen = std::collections::BTreeSet::new();
         for (i, pool) in self.declared_pools().iter().enumerate() {
             if !valid_name(&pool.name) {

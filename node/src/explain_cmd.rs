@@ -144,18 +144,11 @@ async fn load_state(s: &str) -> anyhow::Result<StateMachine> {
             return kvplane_raft::read_snapshot_file(&raft)
                 .with_context(|| format!("cannot read {}", raft.display()));
         }
-        anyhow::ensure!(
-            path.join(crate::snapshot_store::SNAPSHOT_DIR).is_dir(),
-            "{} is not a kvplane data directory (no snapshot in it)",
-            path.display()
+        anyhow::bail!(
+            "{} is not a kvplane data directory or holds no snapshot yet (no {})",
+            path.display(),
+            raft.display()
         );
-        let sm = crate::snapshot_store::SnapshotStore::open(path, 1)?.load_latest()?;
-        anyhow::ensure!(
-            sm.applied_index() > 0,
-            "{} holds no snapshot yet",
-            path.display()
-        );
-        return Ok(sm);
     }
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     match StateMachine::restore(&bytes) {

@@ -15,10 +15,14 @@ pub struct PeerSection {
     pub addr: String,
 }
 
+/// `[raft]`. Every node is a Raft member: with no `peers`, `join` or `kubernetes` it is a
+/// one-member cluster of its own (id 1 unless `id` says otherwise), which `kvplane cluster add`
+/// grows with no data migration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RaftSection {
-    /// This node's Raft id (derived from the pod ordinal with `kubernetes`).
+    /// This node's Raft id (derived from the pod ordinal with `kubernetes`; 1 for a one-member
+    /// cluster that names none).
     #[serde(default)]
     pub id: Option<u64>,
     /// The initial members, this node included (static clusters).
@@ -178,7 +182,33 @@ impl Membership {
     }
 }
 
+impl Default for RaftSection {
+    fn default() -> Self {
+        Self {
+            id: None,
+            peers: Vec::new(),
+            bootstrap: false,
+            join: Vec::new(),
+            advertise_addr: None,
+            kubernetes: None,
+            fault_injection: false,
+            forward_timeout_ms: Self::default_forward_timeout_ms(),
+            heartbeat_ms: Self::default_heartbeat_ms(),
+            election_timeout_min_ms: Self::default_election_min_ms(),
+            election_timeout_max_ms: Self::default_election_max_ms(),
+            snapshot_logs: Self::default_snapshot_logs(),
+            keep_logs_after_snapshot: Self::default_keep_logs(),
+            ready_max_lag_entries: Self::default_ready_max_lag(),
+        }
+    }
+}
+
 impl RaftSection {
+    /// A node of its own: no peers to start with, none to join, no StatefulSet.
+    pub fn is_single(&self) -> bool {
+        self.kubernetes.is_none() && self.peers.is_empty() && self.join.is_empty()
+    }
+
     fn default_forward_timeout_ms() -> u64 {
         5_000
     }
@@ -244,9 +274,11 @@ impl RaftSection {
                 }),
             });
         }
-        let id = self
-            .id
-            .ok_or("raft.id is required unless raft.kubernetes is set")?;
+        let id = match self.id {
+            Some(id) => id,
+            None if self.is_single() => 1,
+            None => return Err("raft.id is required with raft.peers or raft.join".into()),
+        };
         let addr = self
             .advertise_addr
             .clone()
@@ -257,7 +289,7 @@ impl RaftSection {
                     .map(|p| p.addr.clone())
             })
             .unwrap_or_else(|| grpc_listen.to_owned());
-        let initial = if self.bootstrap {
+        let initial = if self.bootstrap || self.is_single() {
             let mut peers = self.peers.clone();
             if !peers.iter().any(|p| p.id == id) {
                 peers.push(PeerSection {
@@ -297,9 +329,6 @@ impl RaftSection {
             && !self.peers.iter().any(|m| m.id == id)
         {
             p.push(format!("raft.id {id} is not among raft.peers"));
-        }
-        if self.kubernetes.is_none() && self.peers.is_empty() && self.join.is_empty() {
-            p.push("raft needs peers (static), join addresses, or kubernetes".into());
         }
         let mut ids = std::collections::BTreeSet::new();
         for (i, m) in self.peers.iter().enumerate() {
@@ -416,6 +445,29 @@ mod tests {
         );
         let m = s.membership("0.0.0.0:7070").unwrap();
         assert_eq!((m.id, m.addr.as_str(), m.initial.len()), (2, "b:2", 2));
+    }
+
+    #[test]
+    fn a_node_naming_no_peers_is_a_one_member_cluster_that_initializes_itself() {
+        for s in [RaftSection::default(), section("snapshot_logs = 5\n")] {
+            let mut p = Vec::new();
+            s.problems("127.0.0.1:7070", &mut p);
+            assert!(p.is_empty(), "{p:?}");
+            let m = s.membership("127.0.0.1:7070").unwrap();
+            assert_eq!(m.id, 1);
+            assert_eq!(
+                m.initial,
+                vec![PeerSection {
+                    id: 1,
+                    addr: "127.0.0.1:7070".into()
+                }]
+            );
+            assert!(m.join.is_empty());
+        }
+        // With peers or join addresses, the id is the operator's to give.
+        let mut p = Vec::new();
+        section("join = [\"a:1\"]\n").problems("127.0.0.1:7070", &mut p);
+        assert!(p.iter().any(|e| e.contains("raft.id is required")), "{p:?}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use openraft::errors::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
 use tracing::Instrument;
 
-use crate::config::{Config, Membership, RaftSection};
+use crate::config::{Config, Membership};
 
 /// Proposes through Raft; cheap to clone.
 #[derive(Clone)]
@@ -59,10 +59,13 @@ impl Proposer for RaftLog {
     }
 }
 
-/// A started Raft member.
 /// Where a Raft node keeps its state snapshots, under its data directory.
 pub(crate) const STATE_DIR: &str = "raft/state";
 
+/// Where a standalone node kept its snapshots before every node was a Raft member.
+const LEGACY_SNAPSHOT_DIR: &str = "snapshots";
+
+/// A started Raft member.
 pub struct RaftMember {
     pub raft: KvRaft,
     pub log: RaftLog,
@@ -75,20 +78,34 @@ pub struct RaftMember {
 
 impl RaftMember {
     /// Opens the log and state under `data_dir`, starts Raft, and initializes a new cluster when
-    /// asked to and the log is empty.
-    pub async fn start(cfg: &Config, r: &RaftSection) -> anyhow::Result<Self> {
+    /// asked to (or when it is a one-member cluster of its own) and the log is empty. `grpc` is
+    /// the address the API listener bound: a member that names no other address is reached there.
+    pub async fn start(
+        cfg: &Config,
+        grpc: std::net::SocketAddr,
+        on_applied: kvplane_raft::OnApplied,
+    ) -> anyhow::Result<Self> {
+        let r = &cfg.raft;
         let mut membership = r
-            .membership(&cfg.grpc_listen)
+            .membership(&grpc.to_string())
             .map_err(|e| anyhow::anyhow!(e))?;
         let dir = cfg.data_dir.join("raft");
         std::fs::create_dir_all(&dir)?;
         let had_log = dir.join("log.redb").exists();
+        if !had_log && cfg.data_dir.join(LEGACY_SNAPSHOT_DIR).is_dir() {
+            tracing::warn!(
+                dir = %cfg.data_dir.join(LEGACY_SNAPSHOT_DIR).display(),
+                "this data directory holds snapshots of the earlier standalone layout; they are not \
+                 read: the state is rebuilt from the stream, and objects written through \
+                 Admin.PutConfig must be written again"
+            );
+        }
         if let Some(pod) = &membership.pod {
             let id = crate::raft_identity::persistent_id(&dir, pod.ordinal, had_log)?;
             membership = membership.with_id(id);
         }
         let log = LogStore::open(&dir.join("log.redb"))?;
-        let state = ReplicatedState::open(&cfg.data_dir.join(STATE_DIR))?;
+        let state = ReplicatedState::open(&cfg.data_dir.join(STATE_DIR))?.observed_by(on_applied);
         let handle = state.handle();
         let config = openraft::Config {
             cluster_name: "kvplane".into(),
@@ -121,6 +138,14 @@ impl RaftMember {
                     tracing::info!(id, reason = %e, "raft cluster already initialized")
                 }
             }
+        }
+        // The only voter need not wait out an election timeout to lead again after a restart.
+        let only_voter = {
+            let m = raft.metrics().borrow_watched().clone();
+            m.membership_config.membership().voter_ids().eq([id])
+        };
+        if only_voter && raft.trigger().elect(false).await.is_err() {
+            tracing::warn!(id, "could not start an election");
         }
         Ok(Self {
             log: RaftLog { raft: raft.clone() },
@@ -194,6 +219,35 @@ impl RaftMember {
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {}
                 _ = stop.changed() => {}
             }
+        }
+    }
+
+    /// The only voter of its cluster records the address it serves at now (a restart may have
+    /// bound another port): members it adds later reach it there. A member of a larger cluster
+    /// keeps the address it was added with.
+    pub async fn refresh_own_address(&self) {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let membership = m.membership_config.membership();
+        let recorded = membership.get_node(&m.id).map(|n| n.addr.clone());
+        if !self.is_leader()
+            || !membership.voter_ids().eq([m.id])
+            || membership.nodes().count() != 1
+            || recorded.as_deref() == Some(self.membership.addr.as_str())
+        {
+            return;
+        }
+        let nodes = [(m.id, BasicNode::new(self.membership.addr.clone()))].into();
+        match self
+            .raft
+            .change_membership(openraft::ChangeMembers::SetNodes(nodes), false)
+            .await
+        {
+            Ok(_) => tracing::info!(
+                addr = self.membership.addr,
+                was = recorded.unwrap_or_default(),
+                "recorded this member's new address"
+            ),
+            Err(e) => tracing::warn!(error = %e, "could not record this member's address"),
         }
     }
 

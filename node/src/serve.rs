@@ -1,7 +1,7 @@
 //! `kvplane serve`: one node, wired together.
 //!
 //! ```text
-//! NATS JetStream --(ordered consumer)--> Ingestor --propose--> LocalLog --apply--> StateMachine
+//! NATS JetStream --(ordered consumer, leader)--> Ingestor --propose--> Raft --apply--> StateMachine
 //!                                                                                    | publishes
 //!                          gRPC Router/Admin <--- reads (lock-free) ---- StateHandle <+
 //! ```
@@ -26,11 +26,8 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::local_log::{LocalConsistency, LocalLog, SnapshotPolicy};
 use crate::raft_log::{RaftLog, RaftMember};
-use crate::snapshot_store::SnapshotStore;
 use kvplane_raft::RaftGrpc;
-use kvplane_state::ProposeError;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -70,7 +67,7 @@ impl StateMetrics {
         );
     }
 
-    /// Gauges only (a Raft replica applies entries inside Raft).
+    /// Gauges, from the view readers see.
     fn observe_view(&self, handle: &StateHandle) {
         let view = handle.load();
         self.applied_index
@@ -79,9 +76,8 @@ impl StateMetrics {
             .set(i64::try_from(view.indexed_blocks).unwrap_or(i64::MAX));
     }
 
-    fn observe(&self, a: &Applied, handle: &StateHandle) {
-        self.applied_index
-            .set(i64::try_from(a.index).unwrap_or(i64::MAX));
+    /// Counters, from what one entry did.
+    fn observe(&self, a: &Applied) {
         self.kv_events.inc_by(a.kv_events);
         for (reason, n) in &a.dropped {
             self.dropped
@@ -90,9 +86,6 @@ impl StateMetrics {
                 })
                 .inc_by(*n);
         }
-        let blocks = handle.load().indexed_blocks;
-        self.indexed_blocks
-            .set(i64::try_from(blocks).unwrap_or(i64::MAX));
     }
 }
 
@@ -146,9 +139,7 @@ pub async fn run(
     quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
     let raft_gauges = Arc::new(crate::raft_health::RaftGauges::default());
-    if cfg.raft.is_some() {
-        raft_gauges.register(&mut registry);
-    }
+    raft_gauges.register(&mut registry);
     let kube_client = match &cfg.policy_kubernetes {
         None => None,
         Some(k) => {
@@ -176,80 +167,35 @@ pub async fn run(
     let registry = Arc::new(registry);
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    // The log: in-process for a standalone node, Raft for a cluster member.
-    let (log, handle, applier, member, consistency) = match &cfg.raft {
-        None => {
-            let store = SnapshotStore::open(&cfg.data_dir, cfg.snapshot.keep)?;
-            let sm = {
-                let store = store.clone();
-                tokio::task::spawn_blocking(move || store.load_latest()).await??
-            };
-            let handle_slot: Arc<std::sync::OnceLock<StateHandle>> = Arc::default();
-            let on_applied = {
-                let m = state_metrics.clone();
-                let slot = handle_slot.clone();
-                Arc::new(move |a: &Applied| {
-                    if let Some(h) = slot.get() {
-                        m.observe(a, h);
-                    }
-                })
-            };
-            let (log, handle, applier) = LocalLog::start(
-                sm,
-                store,
-                SnapshotPolicy {
-                    every_entries: cfg.snapshot.every_entries,
-                    every: Duration::from_secs(cfg.snapshot.every_secs),
-                },
-                on_applied,
-            );
-            let _ = handle_slot.set(handle.clone());
-            reconcile_pools(&cfg, &log, &handle).await?;
-            let consistency: Arc<dyn Consistency> = Arc::new(LocalConsistency {
-                log: log.clone(),
-                handle: handle.clone(),
-            });
-            (Log::Local(log), handle, Some(applier), None, consistency)
-        }
-        Some(r) => {
-            let member = Arc::new(RaftMember::start(&cfg, r).await?);
-            let handle = member.handle.clone();
-            let consistency: Arc<dyn Consistency> = member.clone();
-            (
-                Log::Raft(member.log.clone()),
-                handle,
-                None,
-                Some(member),
-                consistency,
-            )
-        }
+    // The log: every node is a Raft member (a node of its own is a one-member cluster).
+    let on_applied: kvplane_raft::OnApplied = {
+        let m = state_metrics.clone();
+        Arc::new(move |a: &Applied| m.observe(a))
     };
-    // Ready: a standalone node always; a member while it knows a leader and keeps up.
-    let ready: Ready = match (&member, &cfg.raft) {
-        (Some(m), Some(r)) => {
-            let m = m.clone();
-            let (lag, lease) = (
-                r.ready_max_lag_entries,
-                Duration::from_millis(r.election_timeout_max_ms * 2),
-            );
-            Arc::new(move || m.readiness(lag, lease))
-        }
-        _ => Arc::new(|| Ok(())),
-    };
-    if let Some(m) = &member {
-        tokio::spawn(
-            raft_gauges.clone().run(
-                m.clone(),
-                cfg.data_dir
-                    .join(crate::raft_log::STATE_DIR)
-                    .join(kvplane_raft::SNAPSHOT_FILE),
-                ready.clone(),
-                stop_rx.clone(),
-            ),
+    let member = Arc::new(RaftMember::start(&cfg, bound.grpc, on_applied).await?);
+    let (log, handle) = (member.log.clone(), member.handle.clone());
+    let consistency: Arc<dyn Consistency> = member.clone();
+    // Ready while this member knows a leader and keeps up.
+    let ready: Ready = {
+        let m = member.clone();
+        let (lag, lease) = (
+            cfg.raft.ready_max_lag_entries,
+            Duration::from_millis(cfg.raft.election_timeout_max_ms * 2),
         );
-    }
-    if member.is_some() {
-        // Replicas apply inside Raft: refresh the state gauges from the view.
+        Arc::new(move || m.readiness(lag, lease))
+    };
+    tokio::spawn(
+        raft_gauges.clone().run(
+            member.clone(),
+            cfg.data_dir
+                .join(crate::raft_log::STATE_DIR)
+                .join(kvplane_raft::SNAPSHOT_FILE),
+            ready.clone(),
+            stop_rx.clone(),
+        ),
+    );
+    {
+        // Entries are applied inside Raft: refresh the state gauges from the view.
         let (m, h, mut rx) = (state_metrics.clone(), handle.clone(), stop_rx.clone());
         tokio::spawn(async move {
             loop {
@@ -263,7 +209,7 @@ pub async fn run(
     }
 
     let synced: crate::policy_source::Synced = Arc::new(watch::channel(0).0);
-    // Ingest: always on a standalone node; only while leading on a cluster member.
+    // Ingest: only while this member leads.
     let nats = async_nats::ConnectOptions::new()
         .name(format!("kvplane-{}", cfg.node_id))
         .retry_on_initial_connect()
@@ -284,35 +230,25 @@ pub async fn run(
             ingest_metrics.clone(),
             log.clone(),
         );
-        match member.clone() {
-            None => {
-                let mut first = (cfg.policy_dir.is_some() || cfg.policy_kubernetes.is_some())
-                    .then(|| synced.subscribe());
-                tokio::spawn(async move {
-                    if let Some(rx) = &mut first {
-                        let _ =
-                            tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > 0))
-                                .await;
-                    }
-                    let ingestor = Ingestor::new(js, icfg, log, m);
-                    if let Err(e) = ingestor.run(move || h.load().last_stream_seq, rx).await {
-                        tracing::error!(error = %e, "ingest stopped");
-                    }
-                })
-            }
-            Some(member) => {
-                let cfg = cfg.clone();
-                let first = (cfg.policy_dir.is_some() || cfg.policy_kubernetes.is_some())
-                    .then(|| synced.subscribe());
-                tokio::spawn(lead_ingest(member, cfg, js, icfg, log, m, h, first, rx))
-            }
-        }
+        let first = (cfg.policy_dir.is_some() || cfg.policy_kubernetes.is_some())
+            .then(|| synced.subscribe());
+        tokio::spawn(lead_ingest(
+            member.clone(),
+            cfg.clone(),
+            js,
+            icfg,
+            log,
+            m,
+            h,
+            first,
+            rx,
+        ))
     };
 
     // gRPC.
     let escrow = Arc::new(kvplane_api::Escrow::new(
         kvplane_api::QuotaConfig {
-            replica: member.as_ref().map_or(1, |m| m.membership.id),
+            replica: member.membership.id,
             grant_wait: Duration::from_millis(cfg.quota.grant_wait_ms),
             idle_release: Duration::from_millis(cfg.quota.idle_release_ms),
             default_max_output_tokens: cfg.quota.default_max_output_tokens,
@@ -349,13 +285,11 @@ pub async fn run(
         .with_routed_sink(routed_sink);
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
-        role: match member.clone() {
-            None => Arc::new(|| "standalone".to_owned()),
-            Some(m) => Arc::new(move || m.role()),
+        role: {
+            let m = member.clone();
+            Arc::new(move || m.role())
         },
-        cluster: member
-            .clone()
-            .map(|m| m as Arc<dyn kvplane_api::ClusterControl>),
+        cluster: Some(member.clone() as Arc<dyn kvplane_api::ClusterControl>),
         consistency,
         ingest: {
             let m = ingest_metrics.clone();
@@ -382,11 +316,7 @@ pub async fn run(
                 .add_service(AdminServer::new(admin))
                 .add_service(health_service)
                 .add_service(reflection)
-                .add_optional_service(
-                    member
-                        .as_ref()
-                        .map(|m| RaftGrpc::new(m.raft.clone()).into_service()),
-                )
+                .add_service(RaftGrpc::new(member.raft.clone()).into_service())
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(grpc),
                     async move {
@@ -446,11 +376,9 @@ pub async fn run(
         ))
     });
     // A StatefulSet's leader follows scale-downs.
-    let members_task = match (
-        &member,
-        cfg.raft.as_ref().and_then(|r| r.kubernetes.as_ref()),
-    ) {
-        (Some(m), Some(k)) if k.manage_membership => {
+    let members_task = match &cfg.raft.kubernetes {
+        Some(k) if k.manage_membership => {
+            let m = &member;
             match (&m.membership.pod, kube::Client::try_default().await) {
                 (Some(pod), Ok(client)) => Some(tokio::spawn(crate::kube_members::run(
                     client,
@@ -470,17 +398,17 @@ pub async fn run(
         _ => None,
     };
     // A new member that is to join asks for membership once its Raft service is up.
-    let join_task = member.clone().map(|m| {
-        let rx = stop_rx.clone();
+    let join_task = {
+        let (m, rx) = (member.clone(), stop_rx.clone());
         tokio::spawn(async move { m.join(rx).await })
-    });
+    };
     on_ready(bound);
     shutdown.await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     let _ = ingest_task.await;
     for t in [
-        join_task,
+        Some(join_task),
         members_task,
         policy_task,
         kube_task,
@@ -497,34 +425,12 @@ pub async fn run(
         tracing::warn!(error = %e, "grpc server ended with an error");
     }
     let _ = http_task.await;
-    drop(log);
-    if let Some(applier) = applier {
-        tokio::task::spawn_blocking(move || applier.join()).await?;
-    }
-    if let Some(m) = member {
-        m.final_snapshot(Duration::from_secs(10)).await;
-        if let Err(e) = m.raft.shutdown().await {
-            tracing::warn!(error = %e, "raft did not shut down cleanly");
-        }
+    member.final_snapshot(Duration::from_secs(10)).await;
+    if let Err(e) = member.raft.shutdown().await {
+        tracing::warn!(error = %e, "raft did not shut down cleanly");
     }
     tracing::info!("stopped");
     Ok(())
-}
-
-/// The log this node proposes to.
-#[derive(Debug, Clone)]
-enum Log {
-    Local(LocalLog),
-    Raft(RaftLog),
-}
-
-impl Proposer for Log {
-    async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
-        match self {
-            Self::Local(l) => l.propose(command).await,
-            Self::Raft(r) => r.propose(command).await,
-        }
-    }
 }
 
 /// While this node leads: declare the configured pools, then consume the stream from the
@@ -536,7 +442,7 @@ async fn lead_ingest(
     cfg: Config,
     js: async_nats::jetstream::Context,
     icfg: IngestConfig,
-    log: Log,
+    log: RaftLog,
     metrics: Arc<IngestMetrics>,
     handle: StateHandle,
     mut config_synced: Option<watch::Receiver<u64>>,
@@ -556,6 +462,7 @@ async fn lead_ingest(
             applied = handle.load().applied_index,
             "leading: starting ingest"
         );
+        member.refresh_own_address().await;
         if let Err(e) = reconcile_pools(&cfg, &log, &handle).await {
             tracing::warn!(error = %e, "could not declare the configured pools");
         }
@@ -649,10 +556,8 @@ fn http_app(registry: Arc<Registry>, ready: Ready) -> axum::Router {
         )
 }
 
-/// Whether this node is the one that should act for the cluster now (a standalone node always is).
-fn leading(member: &Option<Arc<RaftMember>>) -> Box<dyn Fn() -> bool + Send> {
-    match member.clone() {
-        None => Box::new(|| true),
-        Some(m) => Box::new(move || m.is_leader()),
-    }
+/// Whether this node is the one that should act for the cluster now.
+fn leading(member: &Arc<RaftMember>) -> Box<dyn Fn() -> bool + Send> {
+    let m = member.clone();
+    Box::new(move || m.is_leader())
 }

@@ -98,7 +98,7 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
     assert_eq!(s.indexed_blocks, n * 3);
     let dropped = s.ingest.unwrap().dropped;
     assert_eq!(dropped.get("parent_missing").copied().unwrap_or(0), 0);
-    // A standalone node reading the same stream once reaches the same state.
+    // A one-member cluster reading the same stream once reaches the same state.
     let single = cluster.add_node("single", &NodeOptions::default());
     let one = single.wait_applied_seq(last).await;
     assert_eq!(one.state_digest, digest);

@@ -315,11 +315,7 @@ fn the_node_configuration_in_the_config_map_is_valid() {
             .unwrap_or_else(|e| panic!("{overlay}: {e}"));
         // What the pod's environment gives it.
         cfg.node_id = "kvplane-0".into();
-        let k = cfg
-            .raft
-            .as_mut()
-            .and_then(|r| r.kubernetes.as_mut())
-            .unwrap();
+        let k = cfg.raft.kubernetes.as_mut().unwrap();
         k.pod_name = Some("kvplane-0".into());
         k.namespace = Some("kvplane".into());
         assert_eq!(cfg.problems(), Vec::<String>::new(), "{overlay}");

@@ -483,6 +483,8 @@ async fn a_second_node_on_a_live_data_directory_exits_with_a_clear_error_and_tou
     let node = &cluster.nodes[0];
     node.status().await;
     let data = node.dir.join("data");
+    // Frozen, the live node writes nothing itself while the second one tries (it keeps its lock).
+    node.pause();
     let before = tree(&data);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvplane"))
         .args(["serve", "--data-dir"])
@@ -508,6 +510,7 @@ async fn a_second_node_on_a_live_data_directory_exits_with_a_clear_error_and_tou
         before,
         "the live node's files are as they were"
     );
+    node.resume();
     // The live node serves on.
     node.status().await;
 }

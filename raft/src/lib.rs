@@ -28,7 +28,7 @@ pub use forward::{ForwardError, Replica};
 pub use log_store::{LogStore, LogStoreError};
 pub use network::{Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
-pub use state_machine::{ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
+pub use state_machine::{OnApplied, ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
 
 openraft::declare_raft_types!(
     /// kvplane's Raft types.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
-use kvplane_state::{Entry, StateHandle, StateMachine};
+use kvplane_state::{Applied, Entry, StateHandle, StateMachine};
 use openraft::alias::{LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf};
 use openraft::storage::{EntryResponder, RaftStateMachine};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
@@ -29,11 +29,15 @@ struct Inner {
     current: Option<(SnapshotMetaOf<TypeConfig>, Vec<u8>)>,
 }
 
+/// Told what each applied entry did (metrics); called on the apply path, so it must be quick.
+pub type OnApplied = Arc<dyn Fn(&Applied) + Send + Sync>;
+
 /// The replicated state of one node. Cheap to clone (clones share it).
 #[derive(Clone)]
 pub struct ReplicatedState {
     inner: Arc<Mutex<Inner>>,
     handle: StateHandle,
+    on_applied: Option<OnApplied>,
 }
 
 impl std::fmt::Debug for ReplicatedState {
@@ -78,6 +82,11 @@ impl ReplicatedState {
                 let file: SnapshotFile = rmp_serde::from_slice(&bytes).map_err(io::Error::other)?;
                 let sm = StateMachine::restore(&file.data)
                     .map_err(|e| io::Error::other(e.to_string()))?;
+                tracing::info!(
+                    index = sm.applied_index(),
+                    bytes = file.data.len(),
+                    "state restored from snapshot"
+                );
                 (sm, Some((file.meta, file.data)))
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => (StateMachine::new(), None),
@@ -101,7 +110,14 @@ impl ReplicatedState {
                 current,
             })),
             handle,
+            on_applied: None,
         }
+    }
+
+    /// The same state, telling `f` what each applied entry did.
+    pub fn observed_by(mut self, f: OnApplied) -> Self {
+        self.on_applied = Some(f);
+        self
     }
 
     /// Readers' view of the state; it follows every applied entry and every installed snapshot.
@@ -196,6 +212,9 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
                             command: p.command,
                         })
                         .map_err(|e| io::Error::other(e.to_string()))?;
+                    if let Some(f) = &self.on_applied {
+                        f(&applied);
+                    }
                     result.rejected = applied.rejected.map(|e| e.to_string());
                 }
                 EntryPayload::Membership(m) => {

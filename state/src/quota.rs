@@ -7,7 +7,9 @@
 //! twice. A grant is never more than what is left of the window's budget; when what is left is
 //! less than a full grant for every replica holding some, it is shared equally among them. A
 //! replica gives back what it will not use with a release; nothing is ever taken back by a
-//! timer. Batches are deduplicated by (replica, incarnation, sequence).
+//! timer. Batches are deduplicated by (replica, incarnation, sequence). A replica's new process
+//! (incarnation) starts holding nothing: what its earlier one held stays spent for the window,
+//! since no one knows how much of it was.
 
 use std::collections::BTreeMap;
 
@@ -59,7 +61,8 @@ pub struct Book {
     pub window_ms: u64,
     /// The window's budget (`u64::MAX`: that dimension is not limited, and never granted).
     pub budget: Amount,
-    /// Granted and not released, over all replicas.
+    /// Granted and not released, over all replicas (with what earlier processes of a restarted
+    /// replica held, which is no one's any more).
     pub granted: Amount,
     /// Per replica, what it holds.
     pub holders: BTreeMap<u64, Amount>,
@@ -117,6 +120,15 @@ impl Ledger {
             Some(&(inc, seq)) if b.incarnation < inc || (b.incarnation == inc && b.seq <= seq) => {
                 out.duplicate = true;
                 return out;
+            }
+            Some(&(inc, _)) if inc < b.incarnation => {
+                // The replica restarted: what its earlier process held may have been spent, and
+                // that record died with it. Its holdings stay granted (counted against the
+                // window) but are no one's to spend or release any more.
+                for book in self.books.values_mut() {
+                    book.holders.remove(&b.replica);
+                }
+                self.replicas.insert(b.replica, (b.incarnation, b.seq));
             }
             _ => {
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));

@@ -189,15 +189,15 @@ impl Member {
     }
 
     async fn up(&mut self) -> anyhow::Result<()> {
-        let section = self
-            .cfg
-            .raft
-            .clone()
-            .context("bench members are raft members")?;
         let listener = TcpListener::bind(&self.cfg.grpc_listen)
             .await
             .with_context(|| format!("cannot listen on {}", self.cfg.grpc_listen))?;
-        let member = RaftMember::start(&self.cfg, &section).await?;
+        let member = RaftMember::start(
+            &self.cfg,
+            listener.local_addr()?,
+            std::sync::Arc::new(|_| {}),
+        )
+        .await?;
         let service = RaftGrpc::new(member.raft.clone()).into_service();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -255,19 +255,21 @@ fn member_config(
         })
         .collect();
     // Every field but the ones set below at its default.
-    let mut raft: RaftSection = toml::from_str("")?;
-    raft.id = Some(i as u64 + 1);
-    raft.peers = peers;
-    raft.bootstrap = i == 0;
-    raft.heartbeat_ms = 100;
-    raft.election_timeout_min_ms = election[0];
-    raft.election_timeout_max_ms = election[1];
-    raft.snapshot_logs = 1_000_000;
+    let raft = RaftSection {
+        id: Some(i as u64 + 1),
+        peers,
+        bootstrap: i == 0,
+        heartbeat_ms: 100,
+        election_timeout_min_ms: election[0],
+        election_timeout_max_ms: election[1],
+        snapshot_logs: 1_000_000,
+        ..RaftSection::default()
+    };
     Ok(Config {
         node_id: format!("bench-{i}"),
         data_dir: dir.join(format!("node-{i}")),
         grpc_listen: addrs[i].to_string(),
-        raft: Some(raft),
+        raft,
         ..Config::default()
     })
 }

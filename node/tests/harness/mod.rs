@@ -216,23 +216,30 @@ impl Node {
             .map(|d| format!("policy_dir = \"{}\"\npolicy_poll_ms = 100\n", d.display()))
             .unwrap_or_default();
         let mut toml = format!(
-            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[snapshot]\nevery_entries = {}\n",
+            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[raft]\nfault_injection = true\n",
             dir.join("data").display(),
             o.grpc_listen,
             o.max_message_bytes,
             o.max_batch_messages,
-            o.snapshot_every_entries,
         );
+        let (snapshot_logs, keep_logs) = o
+            .raft
+            .as_ref()
+            .and_then(|r| r.compaction)
+            .unwrap_or((o.snapshot_every_entries, 1_000));
+        toml.push_str(&format!(
+            "snapshot_logs = {snapshot_logs}\nkeep_logs_after_snapshot = {keep_logs}\n"
+        ));
         if let Some(RaftOptions {
             id,
             peers,
             bootstrap,
             join,
-            compaction,
+            compaction: _,
         }) = &o.raft
         {
             toml.push_str(&format!(
-                "\n[raft]\nid = {id}\nbootstrap = {bootstrap}\nfault_injection = true\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\njoin = [{}]\n",
+                "id = {id}\nbootstrap = {bootstrap}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = 400\nelection_timeout_max_ms = 800\npeers = [{}]\njoin = [{}]\n",
                 peers
                     .iter()
                     .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
@@ -243,11 +250,6 @@ impl Node {
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
-            if let Some((every, keep)) = compaction {
-                toml.push_str(&format!(
-                    "snapshot_logs = {every}\nkeep_logs_after_snapshot = {keep}\n"
-                ));
-            }
         }
         let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
         // With a policy directory the worker sets are the fleet: the default pool (every

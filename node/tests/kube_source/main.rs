@@ -1,6 +1,6 @@
 //! The Kubernetes config source against a fake API server (tower-test's mock service answering as
 //! the API server does, see `fake_api.rs`): the example policies as custom
-//! resources enter the replicated state (a real state machine behind the node's in-process
+//! resources enter the replicated state (a real state machine behind a one-member Raft
 //! log), every object gets its `Accepted` condition, a broken object is refused with its reason
 //! while the rest apply, and edits and deletions follow.
 
@@ -14,13 +14,13 @@ use std::time::Duration;
 
 use fake_api::FakeApi;
 use kube::CustomResourceExt;
+use kvplane_node::config::Config;
 use kvplane_node::kube_source::{self, KubeSourceMetrics};
-use kvplane_node::local_log::{LocalLog, SnapshotPolicy};
-use kvplane_node::snapshot_store::SnapshotStore;
+use kvplane_node::raft_log::RaftMember;
 use kvplane_policy::kinds::{
     GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
 };
-use kvplane_state::{StateHandle, StateMachine};
+use kvplane_state::StateHandle;
 use serde_json::{Value, json};
 
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
@@ -90,20 +90,24 @@ struct Source {
     state: StateHandle,
     leading: Arc<AtomicBool>,
     _stop: tokio::sync::watch::Sender<bool>,
+    _member: RaftMember,
     _dir: tempfile::TempDir,
 }
 
-fn start(api: FakeApi) -> Source {
+/// The source in front of a one-member Raft cluster of its own (a real log and state in a
+/// temporary directory; nothing listens, as a single voter talks to no one).
+async fn start(api: FakeApi) -> Source {
     let dir = tempfile::tempdir().unwrap();
-    let (log, state, _applier) = LocalLog::start(
-        StateMachine::new(),
-        SnapshotStore::open(dir.path(), 1).unwrap(),
-        SnapshotPolicy {
-            every_entries: 1_000_000,
-            every: Duration::from_secs(3600),
-        },
-        Arc::new(|_| {}),
-    );
+    let cfg = Config {
+        data_dir: dir.path().to_owned(),
+        ..Config::default()
+    };
+    let member = RaftMember::start(&cfg, "127.0.0.1:1".parse().unwrap(), Arc::new(|_| {}))
+        .await
+        .unwrap();
+    let (_keep, mut never) = tokio::sync::watch::channel(false);
+    assert!(member.wait_leadership(&mut never).await);
+    let (log, state) = (member.log.clone(), member.handle.clone());
     let leading = Arc::new(AtomicBool::new(false));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let l = leading.clone();
@@ -124,6 +128,7 @@ fn start(api: FakeApi) -> Source {
         state,
         leading,
         _stop: stop,
+        _member: member,
         _dir: dir,
     }
 }
@@ -144,7 +149,7 @@ async fn custom_resources_enter_the_state_with_their_status_written_back() {
             json!({"workerSets": ["missing"]}),
         ),
     );
-    let s = start(api.clone());
+    let s = start(api.clone()).await;
 
     // Not leading: the watches run, nothing is written.
     wait("five watches", || (s.api.served().0 == 5).then_some(())).await;
