@@ -16,8 +16,8 @@ use prometheus_client::registry::Registry;
 use crate::raft_log::RaftMember;
 
 impl RaftMember {
-    /// Ready to serve: a leader is known (a leader itself heard from a quorum within `lease`)
-    /// and this replica has applied all but at most `max_lag` of the entries the cluster
+    /// Ready to serve: a leader is known and was heard from within `lease` (a leader itself
+    /// heard from a quorum within it) and this replica has applied all but at most `max_lag` of the entries the cluster
     /// committed. `Err` says why not.
     pub fn readiness(&self, max_lag: u64, lease: Duration) -> Result<(), String> {
         let m = self.raft.metrics().borrow_watched().clone();
@@ -28,6 +28,19 @@ impl RaftMember {
             let acked = m.last_quorum_acked.map(|t| t.elapsed());
             if acked.is_none_or(|a| a > lease) {
                 return Err("leading without a quorum".into());
+            }
+        } else {
+            // With Pre-Vote a member cut off from the quorum never starts an election and keeps
+            // the leader it knew: judge it by when that leader was last heard from.
+            match self.contact.elapsed() {
+                None => return Err(format!("no word from leader {leader} yet")),
+                Some(e) if e > lease => {
+                    return Err(format!(
+                        "no word from leader {leader} for {} ms",
+                        e.as_millis()
+                    ));
+                }
+                Some(_) => {}
             }
         }
         let committed = m

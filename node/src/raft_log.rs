@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvplane_raft::{Faults, KvRaft, LogStore, Network, Proposal, Replica, ReplicatedState};
+use kvplane_raft::{
+    Faults, KvRaft, LeaderContact, LogStore, Network, Proposal, RaftGrpc, Replica, ReplicatedState,
+};
 use kvplane_state::{Command, ProposeError, Proposer, StateHandle};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
@@ -74,6 +76,7 @@ pub struct RaftMember {
     state: ReplicatedState,
     replica: Replica,
     faults: Option<Faults>,
+    pub(crate) contact: LeaderContact,
 }
 
 impl RaftMember {
@@ -117,6 +120,9 @@ impl RaftMember {
             // Ingest entries can be large (up to `ingest.max_batch_messages` messages): keep one
             // AppendEntries message well under the gRPC message limit.
             max_payload_entries: 64,
+            // A member back from a pause or a partition first asks whether it could win: it
+            // does not raise the term and unseat a leader the others still follow.
+            enable_pre_vote: Some(true),
             ..Default::default()
         }
         .validate()?;
@@ -159,7 +165,13 @@ impl RaftMember {
             membership,
             state,
             faults: r.fault_injection.then_some(faults),
+            contact: LeaderContact::default(),
         })
+    }
+
+    /// The `kvplane.v1.Raft` service peers call, recording when a leader was last heard from.
+    pub fn grpc_service(&self) -> kvplane_proto::v1::raft_server::RaftServer<RaftGrpc> {
+        RaftGrpc::new(self.raft.clone(), self.contact.clone()).into_service()
     }
 
     /// Whether this node belongs to a membership (its own log says so).
@@ -168,7 +180,16 @@ impl RaftMember {
         m.membership_config.membership().get_node(&m.id).is_some()
     }
 
-    /// Until this node is a member: asks the `join` addresses (following leader hints) to add
+    /// Whether this node is a voter (its own log says so).
+    fn is_voter(&self) -> bool {
+        let m = self.raft.metrics().borrow_watched().clone();
+        m.membership_config
+            .membership()
+            .voter_ids()
+            .any(|v| v == m.id)
+    }
+
+    /// Until this node is a voter: asks the `join` addresses (following leader hints) to add
     /// it. Returns at once for a node that already is one or has nowhere to ask. A StatefulSet's
     /// ordinal 0 first asks whether a cluster exists, and starts one when none does.
     pub async fn join(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -194,7 +215,10 @@ impl RaftMember {
             return;
         }
         let mut attempt = 0u32;
-        while !self.is_member() && !*stop.borrow() {
+        // Until a voter, not merely a member: the leader may have added this node as a learner
+        // and then failed to promote it (another membership change in flight, or this call
+        // timed out), and only another ask promotes it.
+        while !self.is_voter() && !*stop.borrow() {
             for target in &targets {
                 match crate::cluster_cmd::add_member(
                     target,

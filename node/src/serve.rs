@@ -27,7 +27,6 @@ use tokio::sync::watch;
 
 use crate::config::Config;
 use crate::raft_log::{RaftLog, RaftMember};
-use kvplane_raft::RaftGrpc;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -316,7 +315,7 @@ pub async fn run(
                 .add_service(AdminServer::new(admin))
                 .add_service(health_service)
                 .add_service(reflection)
-                .add_service(RaftGrpc::new(member.raft.clone()).into_service())
+                .add_service(member.grpc_service())
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(grpc),
                     async move {

@@ -26,7 +26,7 @@ mod state_machine;
 pub use faults::Faults;
 pub use forward::{ForwardError, Replica};
 pub use log_store::{LogStore, LogStoreError};
-pub use network::{Network, RaftGrpc};
+pub use network::{LeaderContact, Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
 pub use state_machine::{OnApplied, ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kvplane_proto::v1::raft_client::RaftClient;
@@ -192,6 +192,15 @@ impl RaftNetworkV2<TypeConfig> for Connection {
             .await
     }
 
+    async fn pre_vote(
+        &mut self,
+        rpc: VoteRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<TypeConfig>, RPCError<TypeConfig>> {
+        self.call(&rpc, &option, |mut c, r| async move { c.pre_vote(r).await })
+            .await
+    }
+
     async fn full_snapshot(
         &mut self,
         vote: VoteOf<TypeConfig>,
@@ -234,17 +243,39 @@ impl RaftNetworkV2<TypeConfig> for Connection {
     }
 }
 
+/// When this member last heard from a leader it accepted (an AppendEntries it did not refuse
+/// for a higher vote). With Pre-Vote a member cut off from the quorum keeps its old leader in
+/// its metrics; this says how long ago that leader was last heard from.
+#[derive(Debug, Clone, Default)]
+pub struct LeaderContact(Arc<Mutex<Option<Instant>>>);
+
+impl LeaderContact {
+    fn touch(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+
+    /// Time since the last contact; `None` before any.
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|t| t.elapsed())
+    }
+}
+
 /// The server side: hands Raft RPCs to the local Raft instance.
 #[derive(Clone)]
 pub struct RaftGrpc {
     raft: KvRaft,
     id: u64,
+    contact: LeaderContact,
 }
 
 impl RaftGrpc {
-    pub fn new(raft: KvRaft) -> Self {
+    /// Records every accepted AppendEntries in `contact`.
+    pub fn new(raft: KvRaft, contact: LeaderContact) -> Self {
         let id = raft.metrics().borrow_watched().id;
-        Self { raft, id }
+        Self { raft, id, contact }
     }
 
     /// Refuses an RPC meant for another Raft node (an earlier incarnation at this address).
@@ -282,6 +313,9 @@ impl raft_server::Raft for RaftGrpc {
         let rpc: AppendEntriesRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.append_entries(rpc).await;
+        if matches!(&result, Ok(r) if !matches!(r, AppendEntriesResponse::HigherVote(_))) {
+            self.contact.touch();
+        }
         Ok(Response::new(RaftPayload {
             data: encode(&result),
         }))
@@ -292,6 +326,19 @@ impl raft_server::Raft for RaftGrpc {
         let rpc: VoteRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.vote(rpc).await;
+        Ok(Response::new(RaftPayload {
+            data: encode(&result),
+        }))
+    }
+
+    async fn pre_vote(
+        &self,
+        request: Request<RaftPayload>,
+    ) -> Result<Response<RaftPayload>, Status> {
+        self.for_me(&request)?;
+        let rpc: VoteRequest<TypeConfig> =
+            decode(&request.into_inner().data).map_err(bad_request)?;
+        let result = self.raft.pre_vote(rpc).await;
         Ok(Response::new(RaftPayload {
             data: encode(&result),
         }))
@@ -326,6 +373,9 @@ impl raft_server::Raft for RaftGrpc {
                 },
             )
             .await;
+        if result.is_ok() {
+            self.contact.touch();
+        }
         Ok(Response::new(RaftPayload {
             data: encode(&result),
         }))

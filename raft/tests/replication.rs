@@ -78,7 +78,7 @@ async fn start_in(
     .await
     .unwrap();
     let (tx, rx) = oneshot::channel::<()>();
-    let svc = RaftGrpc::new(raft.clone()).into_service();
+    let svc = RaftGrpc::new(raft.clone(), Default::default()).into_service();
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use kvplane_raft::{Proposal, RaftGrpc};
+use kvplane_raft::Proposal;
 use kvplane_state::{
     Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
     PoolConfig, StateMachine, Tier,
@@ -198,7 +198,7 @@ impl Member {
             std::sync::Arc::new(|_| {}),
         )
         .await?;
-        let service = RaftGrpc::new(member.raft.clone()).into_service();
+        let service = member.grpc_service();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let _ = tonic::transport::Server::builder()
