@@ -376,6 +376,7 @@ spec:
 fn first_entry(policies: bool) -> Command {
     if !policies {
         return Command::ConfigPut {
+            owner: Some(kvplane_state::Owner::Admin),
             kind: POOL_KIND.into(),
             name: "p".into(),
             value: PoolConfig {
@@ -391,6 +392,7 @@ fn first_entry(policies: bool) -> Command {
     let (catalog, problems) = docs.check();
     assert!(problems.is_empty(), "{problems:?}");
     Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
         puts: catalog
             .objects()
             .iter()

@@ -82,6 +82,7 @@ fn state(tok: &ModelTokenizer, systems: &[String]) -> StateMachine {
         ),
     };
     let mut commands = vec![Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
         puts: vec![ConfigObject::policy(&set)],
         deletes: Vec::new(),
     }];

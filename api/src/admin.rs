@@ -134,8 +134,34 @@ impl AdminService {
                     m
                 }),
             quota: self.escrow.as_ref().map(|e| e.status()).unwrap_or_default(),
+            config_objects: config_objects(&view),
         }
     }
+}
+
+/// Every config object with its owner, pools first, then policy objects by kind and name.
+fn config_objects(view: &kvplane_state::View) -> Vec<pb::ConfigObjectStatus> {
+    let pools = view
+        .catalog
+        .config_pools
+        .keys()
+        .map(|n| (kvplane_state::POOL_KIND.to_owned(), n.clone()));
+    let policies = view
+        .catalog
+        .objects()
+        .into_iter()
+        .map(|o| (o.kind().as_str().to_owned(), o.name));
+    pools
+        .chain(policies)
+        .map(|(kind, name)| pb::ConfigObjectStatus {
+            owner: view
+                .owner(&kind, &name)
+                .map(|o| o.as_str().to_owned())
+                .unwrap_or_default(),
+            kind,
+            name,
+        })
+        .collect()
 }
 
 /// Bytes per `StateChunk` (well under the gRPC message limit).
@@ -190,6 +216,7 @@ impl pb::admin_server::Admin for AdminService {
             ));
         }
         self.write(Command::ConfigPut {
+            owner: Some(kvplane_state::Owner::Admin),
             kind: r.kind,
             name: r.name,
             value: r.value,
@@ -202,7 +229,21 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<DeleteConfigRequest>,
     ) -> Result<Response<WriteResponse>, Status> {
         let r = request.into_inner();
+        let owner = if r.owner.is_empty() {
+            kvplane_state::Owner::Admin
+        } else {
+            kvplane_state::Owner::parse(&r.owner).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "unknown owner {:?} (known: {})",
+                    r.owner,
+                    kvplane_state::Owner::ALL
+                        .map(kvplane_state::Owner::as_str)
+                        .join(", ")
+                ))
+            })?
+        };
         self.write(Command::ConfigDelete {
+            owner: Some(owner),
             kind: r.kind,
             name: r.name,
         })

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use kvplane_proto::v1::ReadConsistency;
-use kvplane_state::{Command, ProposeError, StateHandle};
+use kvplane_state::{ApplyError, Command, ProposeError, StateHandle};
 use tonic::Status;
 
 /// Writes and read barriers of this node's Raft log (a follower forwards to the leader).
@@ -20,6 +20,10 @@ pub trait Consistency: Send + Sync {
 /// The gRPC status for a write or barrier that failed.
 pub fn propose_status(e: &ProposeError) -> Status {
     match e {
+        ProposeError::Refused {
+            reason: ApplyError::Owned { .. },
+            ..
+        } => Status::failed_precondition(e.to_string()),
         ProposeError::Refused { .. } => Status::invalid_argument(e.to_string()),
         ProposeError::NotLeader { .. } | ProposeError::Unavailable(_) | ProposeError::Closed => {
             Status::unavailable(e.to_string())

@@ -686,6 +686,7 @@ mod tests {
         apply(
             &mut sm,
             Command::ConfigApply {
+                owner: Some(kvplane_state::Owner::Admin),
                 puts: vec![policy],
                 deletes: vec![],
             },

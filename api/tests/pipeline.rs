@@ -16,6 +16,7 @@ use support::{EXAMPLES, TestFleet, explain, report, request, route, target, toke
 fn pools_node(lora: &[&str]) -> TestFleet {
     let mut f = TestFleet::new();
     f.command(Command::ConfigPut {
+        owner: Some(kvplane_state::Owner::Admin),
         kind: POOL_KIND.into(),
         name: "default".into(),
         value: PoolConfig {
@@ -45,6 +46,7 @@ fn a_pools_node_with_a_limits_only_policy_still_routes() {
     let (catalog, problems) = docs.check();
     assert!(problems.is_empty(), "{problems:?}");
     f.command(Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
         puts: catalog.objects().iter().map(ConfigObject::policy).collect(),
         deletes: Vec::new(),
     });

@@ -112,6 +112,7 @@ impl Applier {
             seq: 0,
         };
         a.command(Command::ConfigPut {
+            owner: Some(kvplane_state::Owner::Admin),
             kind: POOL_KIND.into(),
             name: "p".into(),
             value: PoolConfig {

@@ -40,6 +40,8 @@ enum Cmd {
     Demo(crate::demo::DemoArgs),
     /// Raft membership: status, add, remove.
     Cluster(crate::cluster_cmd::ClusterArgs),
+    /// Config objects: put (as admin), delete (as admin or on behalf of their owner).
+    Config(crate::config_cmd::ConfigArgs),
     /// Check policy YAML offline: every problem, with file, document and field path.
     Validate(crate::policy_cmd::ValidateArgs),
     /// Print the CustomResourceDefinitions of the five policy kinds.
@@ -98,6 +100,7 @@ pub fn main() -> ExitCode {
         }),
         Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
         Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
+        Cmd::Config(a) => rt.block_on(crate::config_cmd::run(a)),
         Cmd::Bench(c) => rt.block_on(crate::bench::run(c)),
         Cmd::Validate(a) => crate::policy_cmd::validate(&a),
         Cmd::Crds => {

@@ -112,8 +112,9 @@ fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()
         "the policies have {} problem(s)",
         problems.len()
     );
+    // What if these were all the policies: whoever owns what is beside the point here.
     let current = sm.handle().load().catalog.clone();
-    let Some((command, _, _)) = crate::policy_source::change(&current, &desired) else {
+    let Some((command, _, _)) = crate::policy_source::change(&current, &desired, None) else {
         return Ok(());
     };
     // As a leader would propose it, stamped with this clock.

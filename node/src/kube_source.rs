@@ -21,7 +21,7 @@ use kvplane_policy::kinds::{
     ObjectStatus, VERSION,
 };
 use kvplane_policy::{Kind, Object, Submitted, admit};
-use kvplane_state::{Proposer, StateHandle};
+use kvplane_state::{Command, Owner, Proposer, StateHandle};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -244,8 +244,19 @@ async fn reconcile(
     written: &mut BTreeMap<Key, ObjectStatus>,
 ) {
     let objects = mirror.objects();
-    let submitted = submitted(&objects, &mirror.tokenizers);
-    let current = state.load().catalog.clone();
+    let view = state.load();
+    let mut submitted = submitted(&objects, &mirror.tokenizers);
+    for s in &mut submitted {
+        if let Some(other) =
+            crate::policy_source::foreign_owner(&view, s.kind, &s.name, Owner::Kubernetes)
+        {
+            s.object = Err(format!(
+                "{}/{} is owned by {other}: change it there, or delete it there first",
+                s.kind, s.name
+            ));
+        }
+    }
+    let current = crate::policy_source::owned(&view, Owner::Kubernetes);
     let admission = admit(&submitted, &current);
     metrics
         .refused
@@ -253,9 +264,22 @@ async fn reconcile(
     let (puts, _) = current.diff(&admission.catalog);
     let changed: BTreeSet<Key> = puts.iter().map(|o| (o.kind(), o.name.clone())).collect();
     let mut index = None;
-    if let Some((command, puts, deletes)) =
-        crate::policy_source::change(&current, &admission.catalog)
-    {
+    let plan = crate::policy_source::plan(&current, &admission.catalog, Owner::Kubernetes);
+    if plan.kept_last > 0 {
+        tracing::warn!(
+            objects = plan.kept_last,
+            "the namespace holds no policy objects: the ones kubernetes owns stay until deleted \
+             explicitly (Admin.DeleteConfig with owner kubernetes)"
+        );
+    }
+    if let Some((command, puts, deletes)) = plan.change {
+        if let Command::ConfigApply { puts, deletes, .. } = &command {
+            tracing::debug!(
+                puts = ?puts.iter().map(|p| format!("{}/{}", p.kind, p.name)).collect::<Vec<_>>(),
+                deletes = ?deletes.iter().map(|d| format!("{}/{}", d.kind, d.name)).collect::<Vec<_>>(),
+                "kubernetes policy change"
+            );
+        }
         match log.propose(command).await {
             Ok(i) => {
                 metrics.applied.inc();
@@ -272,11 +296,13 @@ async fn reconcile(
     let config_index = state.load().config_index;
     for ((kind, name), o) in &objects {
         let key = (*kind, name.clone());
-        let old: ObjectStatus = o
+        let seen: ObjectStatus = o
             .data
             .get("status")
             .and_then(|s| serde_json::from_value(s.clone()).ok())
             .unwrap_or_default();
+        // The watch may not show this source's last write yet: that write is the newer one.
+        let old = written.get(&key).unwrap_or(&seen).clone();
         let applied_index = match (admission.refused.contains_key(&key), index) {
             (false, Some(i)) if changed.contains(&key) => Some(i),
             (false, _) => old.applied_index.or(Some(config_index)),
@@ -290,9 +316,10 @@ async fn reconcile(
             }
         });
         let want = status(o, refused, applied_index, &old);
-        if want == old || written.get(&key) == Some(&want) {
+        if want == seen || written.get(&key) == Some(&want) {
             continue;
         }
+        tracing::debug!(%kind, name, applied_index = ?want.applied_index, "writing the status");
         let patch = serde_json::json!({ "status": want });
         match apis[kind]
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))

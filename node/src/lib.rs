@@ -6,6 +6,7 @@ mod bridge_cmd;
 pub mod cli;
 mod cluster_cmd;
 pub mod config;
+mod config_cmd;
 mod data_dir_lock;
 pub mod demo;
 mod explain_cmd;

@@ -266,6 +266,9 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
                 "spent_tokens": q.spent_tokens, "spent_requests": q.spent_requests,
                 "fail_open_tokens": q.fail_open_tokens,
             })).collect::<Vec<_>>(),
+            "config_objects": s.config_objects.iter().map(|c| json!({
+                "kind": c.kind, "name": c.name, "owner": c.owner,
+            })).collect::<Vec<_>>(),
             "ingest": {
                 "applied_stream_sequence": ingest.applied_stream_sequence,
                 "stream_last_sequence": ingest.stream_last_sequence,
@@ -309,6 +312,18 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
             w.kv_cache_usage * 100.0,
             w.address
         );
+    }
+    if !s.config_objects.is_empty() {
+        println!();
+        println!("{:<48} owner", "config object");
+        for c in &s.config_objects {
+            let owner = if c.owner.is_empty() {
+                "(none: written before owners)"
+            } else {
+                c.owner.as_str()
+            };
+            println!("{:<48} {owner}", format!("{}/{}", c.kind, c.name));
+        }
     }
     if !s.quota.is_empty() {
         println!();

@@ -16,7 +16,7 @@ use kvplane_api::{AdminService, ApiMetrics, Consistency, IngestStatus, NodeInfo,
 use kvplane_ingest::{IngestConfig, IngestMetrics, Ingestor};
 use kvplane_proto::v1::admin_server::AdminServer;
 use kvplane_proto::v1::router_server::RouterServer;
-use kvplane_state::{Applied, Command, POOL_KIND, PoolConfig, Proposer, StateHandle};
+use kvplane_state::{Applied, Command, Owner, POOL_KIND, PoolConfig, Proposer, StateHandle};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -483,8 +483,10 @@ async fn lead_ingest(
     }
 }
 
-/// Declares the pools of the node configuration (creating or updating them). Pools written
-/// through `Admin.PutConfig` are left alone; they are deleted the same way.
+/// Declares the pools of the node configuration (creating or updating them; they are the
+/// node's). A pool another source owns is left alone, with a warning. The node never deletes a
+/// pool it no longer declares (members may run different configurations during a rollout):
+/// `Admin.DeleteConfig` with owner `node` does.
 async fn reconcile_pools(
     cfg: &Config,
     log: &impl Proposer,
@@ -497,8 +499,14 @@ async fn reconcile_pools(
             models: p.models.clone(),
             lora_adapters: p.lora_adapters.clone(),
         };
-        if view.pools.get(&p.name).map(|v| &v.config) != Some(&want) {
+        let owner = view.owner(POOL_KIND, &p.name);
+        if let Some(other) = owner.filter(|o| *o != Owner::Node) {
+            tracing::warn!(pool = p.name, owner = %other, "a configured pool is owned by another source; left as it is");
+            continue;
+        }
+        if view.pools.get(&p.name).map(|v| &v.config) != Some(&want) || owner.is_none() {
             log.propose(Command::ConfigPut {
+                owner: Some(Owner::Node),
                 kind: POOL_KIND.into(),
                 name: p.name.clone(),
                 value: want.to_json(),

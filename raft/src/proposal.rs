@@ -39,8 +39,8 @@ impl fmt::Display for Proposal {
                 b.items.len()
             ),
             Command::ConfigPut { kind, name, .. } => format!("config put {kind}/{name}"),
-            Command::ConfigDelete { kind, name } => format!("config delete {kind}/{name}"),
-            Command::ConfigApply { puts, deletes } => {
+            Command::ConfigDelete { kind, name, .. } => format!("config delete {kind}/{name}"),
+            Command::ConfigApply { puts, deletes, .. } => {
                 format!(
                     "config apply ({} puts, {} deletes)",
                     puts.len(),
@@ -64,5 +64,5 @@ pub struct ApplyResult {
     /// The log index the entry was applied at.
     pub index: u64,
     /// A refused configuration command, with the reason.
-    pub rejected: Option<String>,
+    pub rejected: Option<kvplane_state::ApplyError>,
 }

@@ -215,7 +215,7 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
                     if let Some(f) = &self.on_applied {
                         f(&applied);
                     }
-                    result.rejected = applied.rejected.map(|e| e.to_string());
+                    result.rejected = applied.rejected;
                 }
                 EntryPayload::Membership(m) => {
                     inner.membership = StoredMembershipOf::<TypeConfig>::new(Some(log_id), m);

@@ -122,6 +122,7 @@ fn leader_of(nodes: &[&TestNode]) -> Option<u64> {
 /// Declares pool "p" (block size 16).
 fn pool() -> Command {
     Command::ConfigPut {
+        owner: Some(kvplane_state::Owner::Admin),
         kind: POOL_KIND.into(),
         name: "p".into(),
         value: PoolConfig {

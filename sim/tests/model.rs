@@ -138,6 +138,7 @@ fn kvplane_state_from_the_events_matches_the_engine_cache_under_eviction() {
             index: 1,
             timestamp_ms: 0,
             command: Command::ConfigPut {
+                owner: Some(kvplane_state::Owner::Admin),
                 kind: POOL_KIND.into(),
                 name: "p".into(),
                 value: PoolConfig {

@@ -19,19 +19,29 @@ pub enum Command {
     Noop,
     /// Messages consumed from the ingest stream, in stream order.
     Ingest(IngestBatch),
-    /// Creates or replaces one configuration object (`value` is its JSON).
+    /// Creates or replaces one configuration object (`value` is its JSON) for `owner`.
     ConfigPut {
         kind: String,
         name: String,
         value: Vec<u8>,
+        /// `None` in entries written before objects had owners: such a write claims nothing.
+        #[serde(default)]
+        owner: Option<crate::Owner>,
     },
-    /// Removes one configuration object.
-    ConfigDelete { kind: String, name: String },
+    /// Removes one configuration object of `owner`.
+    ConfigDelete {
+        kind: String,
+        name: String,
+        #[serde(default)]
+        owner: Option<crate::Owner>,
+    },
     /// Puts and deletes applied together, or not at all: a policy change takes effect at one
     /// log index on every replica, and the resulting set of objects is always consistent.
     ConfigApply {
         puts: Vec<ConfigObject>,
         deletes: Vec<ConfigKey>,
+        #[serde(default)]
+        owner: Option<crate::Owner>,
     },
     /// Escrow grants asked for, and released, by one replica (see [`crate::Ledger`]).
     Quota(crate::QuotaBatch),

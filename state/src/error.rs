@@ -2,7 +2,7 @@
 
 /// A command the state machine refused. The entry still counts as applied (the log moved on);
 /// the state is unchanged by the refused part, identically on every replica.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum ApplyError {
     #[error("invalid {kind} {name:?}: {reason}")]
     InvalidConfig {
@@ -10,8 +10,29 @@ pub enum ApplyError {
         name: String,
         reason: String,
     },
+    #[error(
+        "{kind} {name:?} is owned by {owner}; {by} may not change it (change it through {owner}, \
+         or delete it with owner {owner})"
+    )]
+    Owned {
+        kind: String,
+        name: String,
+        owner: crate::Owner,
+        by: crate::Owner,
+    },
     #[error("entry index {got} does not follow applied index {applied}")]
     OutOfOrder { applied: u64, got: u64 },
+}
+
+impl ApplyError {
+    /// Its metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::InvalidConfig { .. } => "invalid_config",
+            Self::Owned { .. } => "owned",
+            Self::OutOfOrder { .. } => "out_of_order",
+        }
+    }
 }
 
 /// A snapshot that cannot be read back.

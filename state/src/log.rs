@@ -1,6 +1,6 @@
 //! The one path by which anything changes the state: a proposer appends a command to the log,
-//! and the state machine applies it once it is committed. The in-process log (single node)
-//! and the Raft log implement the same trait, so nothing that proposes cares which it has.
+//! and the state machine applies it once it is committed. The Raft log implements the trait;
+//! nothing that proposes depends on more.
 
 use std::future::Future;
 
@@ -19,7 +19,10 @@ pub enum ProposeError {
     /// The entry was committed at `index`, but the state machine refused the command (every
     /// replica refuses it identically).
     #[error("refused at index {index}: {reason}")]
-    Refused { index: u64, reason: String },
+    Refused {
+        index: u64,
+        reason: crate::ApplyError,
+    },
     #[error("log failure: {0}")]
     Log(String),
 }

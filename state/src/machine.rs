@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::Owner;
 use crate::blocks::{Change, RankBlocks};
 use crate::config::{POOL_KIND, PoolConfig, worker_set_pool};
 use crate::digest::{Digest, Hasher};
@@ -87,6 +88,8 @@ pub struct StateMachine {
     pub(crate) next_worker_id: u64,
     pub(crate) next_event_id: u64,
     pub(crate) config: BTreeMap<(String, String), Vec<u8>>,
+    /// Who wrote each object of `config` (objects from before owners have none).
+    pub(crate) owners: Arc<BTreeMap<(String, String), Owner>>,
     pub(crate) pools: BTreeMap<String, Pool>,
     /// Keyed by `(pool, worker name)`.
     pub(crate) workers: BTreeMap<(String, String), Worker>,
@@ -117,6 +120,7 @@ impl StateMachine {
             next_worker_id: 1,
             next_event_id: 0,
             config: BTreeMap::new(),
+            owners: Arc::default(),
             pools: BTreeMap::new(),
             workers: BTreeMap::new(),
             ranks: BTreeMap::new(),
@@ -175,23 +179,32 @@ impl StateMachine {
         match &entry.command {
             Command::Noop => {}
             Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out, &mut touched),
-            Command::ConfigPut { kind, name, value } => {
+            Command::ConfigPut {
+                kind,
+                name,
+                value,
+                owner,
+            } => {
                 let put = ConfigObject {
                     kind: kind.clone(),
                     name: name.clone(),
                     value: value.clone(),
                 };
-                out.rejected = self.config_change(entry.index, &[put], &[]).err();
+                out.rejected = self.config_change(entry.index, &[put], &[], *owner).err();
             }
-            Command::ConfigDelete { kind, name } => {
+            Command::ConfigDelete { kind, name, owner } => {
                 let key = ConfigKey {
                     kind: kind.clone(),
                     name: name.clone(),
                 };
-                out.rejected = self.config_change(entry.index, &[], &[key]).err();
+                out.rejected = self.config_change(entry.index, &[], &[key], *owner).err();
             }
-            Command::ConfigApply { puts, deletes } => {
-                out.rejected = self.config_change(entry.index, puts, deletes).err();
+            Command::ConfigApply {
+                puts,
+                deletes,
+                owner,
+            } => {
+                out.rejected = self.config_change(entry.index, puts, deletes, *owner).err();
             }
             Command::Quota(batch) => {
                 let catalog = self.catalog.clone();
@@ -421,14 +434,34 @@ impl StateMachine {
         index.clear(wid, dp, event_id);
     }
 
-    /// Applies puts and deletes together after checking that the result is consistent;
-    /// refuses all of them otherwise.
+    /// Applies puts and deletes together after checking that `owner` may write every object
+    /// they name and that the result is consistent; refuses all of them otherwise.
     fn config_change(
         &mut self,
         index: u64,
         puts: &[ConfigObject],
         deletes: &[ConfigKey],
+        owner: Option<Owner>,
     ) -> Result<(), ApplyError> {
+        if let Some(by) = owner {
+            let keys = puts
+                .iter()
+                .map(|p| (&p.kind, &p.name))
+                .chain(deletes.iter().map(|d| (&d.kind, &d.name)));
+            for (kind, name) in keys {
+                match self.owners.get(&(kind.clone(), name.clone())) {
+                    Some(&o) if o != by => {
+                        return Err(ApplyError::Owned {
+                            kind: kind.clone(),
+                            name: name.clone(),
+                            owner: o,
+                            by,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+        }
         let invalid = |kind: &str, name: &str, reason: String| ApplyError::InvalidConfig {
             kind: kind.into(),
             name: name.into(),
@@ -502,6 +535,15 @@ impl StateMachine {
             ));
         }
         // Apply: it can no longer fail.
+        let owners = Arc::make_mut(&mut self.owners);
+        for d in deletes {
+            owners.remove(&(d.kind.clone(), d.name.clone()));
+        }
+        if let Some(o) = owner {
+            for p in puts {
+                owners.insert((p.kind.clone(), p.name.clone()), o);
+            }
+        }
         for d in deletes {
             self.config_delete(&d.kind, &d.name);
         }
@@ -597,6 +639,10 @@ impl StateMachine {
         h.u64(self.config.len() as u64);
         for ((kind, name), value) in &self.config {
             h.str(kind).str(name).bytes(value);
+            // An object from before owners hashes as it did then.
+            if let Some(o) = self.owners.get(&(kind.clone(), name.clone())) {
+                h.str(o.as_str());
+            }
         }
         h.u64(self.workers.len() as u64);
         for ((pool, name), w) in &self.workers {
@@ -656,6 +702,7 @@ impl StateMachine {
             pools,
             dropped: self.dropped.iter().map(|(r, n)| (r.as_str(), *n)).collect(),
             catalog: self.catalog.clone(),
+            owners: self.owners.clone(),
             quota: self.quota.clone(),
         });
     }

@@ -3,7 +3,7 @@
 //! Layout: `b"KVPSNAP\0"`, a little-endian u32 format version, the MessagePack payload, and a
 //! little-endian xxh3-64 checksum of everything before it. The payload holds the reference
 //! counts (sorted, so equal states give equal bytes), the workers, the config, each pool's
-//! prefix tree as dynamo-kv-router events, and the quota ledger. A restored state is checked against the digest the
+//! prefix tree as dynamo-kv-router events, the quota ledger and the config objects' owners. A restored state is checked against the digest the
 //! snapshot recorded.
 
 use std::collections::BTreeMap;
@@ -35,6 +35,9 @@ struct Payload {
     dropped: Vec<(DropReason, u64)>,
     quota: crate::Ledger,
     digest: u128,
+    /// Config objects' owners (absent in snapshots from before owners).
+    #[serde(default)]
+    owners: Vec<(String, String, crate::Owner)>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -94,6 +97,11 @@ impl StateMachine {
             dropped: self.dropped.iter().map(|(r, n)| (*r, *n)).collect(),
             quota: (*self.quota).clone(),
             digest: self.digest().0,
+            owners: self
+                .owners
+                .iter()
+                .map(|((k, n), o)| (k.clone(), n.clone(), *o))
+                .collect(),
         };
         let body = rmp_serde::to_vec(&payload).unwrap_or_default();
         let mut out = Vec::with_capacity(body.len() + 20);
@@ -171,6 +179,7 @@ impl StateMachine {
             sm.config.insert((kind, name), value);
         }
         sm.catalog = Arc::new(catalog);
+        sm.owners = Arc::new(p.owners.into_iter().map(|(k, n, o)| ((k, n), o)).collect());
         sm.workers = p.workers.into_iter().map(|(p, n, w)| ((p, n), w)).collect();
         for r in p.ranks {
             let mut rank = RankBlocks::default();

@@ -21,6 +21,8 @@ pub struct View {
     pub dropped: BTreeMap<&'static str, u64>,
     /// The policy objects (always consistent); `config_index` is their generation.
     pub catalog: Arc<kvplane_policy::Catalog>,
+    /// Who wrote each config object, by (kind, name); objects from before owners are absent.
+    pub owners: Arc<BTreeMap<(String, String), crate::Owner>>,
     /// Tenant limits' escrow: every replica's grants in the current windows.
     pub quota: Arc<crate::Ledger>,
 }
@@ -60,8 +62,16 @@ impl View {
             pools: BTreeMap::new(),
             dropped: BTreeMap::new(),
             catalog: Arc::default(),
+            owners: Arc::default(),
             quota: Arc::default(),
         }
+    }
+
+    /// The owner of config object `kind`/`name`, if it has one.
+    pub fn owner(&self, kind: &str, name: &str) -> Option<crate::Owner> {
+        self.owners
+            .get(&(kind.to_owned(), name.to_owned()))
+            .copied()
     }
 
     pub fn workers(&self) -> impl Iterator<Item = &WorkerView> {

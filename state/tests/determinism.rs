@@ -171,6 +171,7 @@ fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
         index: first_index,
         timestamp_ms: 1,
         command: Command::ConfigPut {
+            owner: Some(kvplane_state::Owner::Admin),
             kind: POOL_KIND.into(),
             name: "p".into(),
             value: PoolConfig {
@@ -386,6 +387,7 @@ fn applying_many_entries_inside_one_async_task_completes() {
                 }
             };
             sm.apply(&next(Command::ConfigPut {
+                owner: Some(kvplane_state::Owner::Admin),
                 kind: POOL_KIND.into(),
                 name: "p".into(),
                 value: PoolConfig {

@@ -46,6 +46,7 @@ impl Run {
             index: 1,
             timestamp_ms: 0,
             command: Command::ConfigPut {
+                owner: Some(kvplane_state::Owner::Admin),
                 kind: POOL_KIND.into(),
                 name: "p".into(),
                 value: PoolConfig {

@@ -28,6 +28,7 @@ fn apply(sm: &mut StateMachine, command: Command) -> Option<String> {
 
 fn all_of(c: &Catalog) -> Command {
     Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
         puts: c.objects().iter().map(ConfigObject::policy).collect(),
         deletes: Vec::new(),
     }
@@ -61,6 +62,7 @@ fn an_inconsistent_change_is_refused_whole_and_changes_nothing() {
     let refused = apply(
         &mut sm,
         Command::ConfigApply {
+            owner: Some(kvplane_state::Owner::Admin),
             puts: vec![ConfigObject::policy(&cloud)],
             deletes: vec![ConfigKey {
                 kind: Kind::WorkerSet.as_str().into(),
@@ -79,6 +81,7 @@ fn an_inconsistent_change_is_refused_whole_and_changes_nothing() {
     let refused = apply(
         &mut sm,
         Command::ConfigPut {
+            owner: Some(kvplane_state::Owner::Admin),
             kind: "InferencePool".into(),
             name: "bad".into(),
             value: br#"{"workerSets":["large-a100"],"colour":"red"}"#.to_vec(),

@@ -52,6 +52,7 @@ impl TestFleet {
         assert!(problems.is_empty(), "{problems:#?}");
         let mut f = Self::new();
         f.command(Command::ConfigApply {
+            owner: Some(kvplane_state::Owner::Admin),
             puts: catalog.objects().iter().map(ConfigObject::policy).collect(),
             deletes: Vec::new(),
         });

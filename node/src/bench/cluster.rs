@@ -97,6 +97,7 @@ struct Failover {
 fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
     let block_size = 16u32;
     let mut commands = vec![Command::ConfigPut {
+        owner: Some(kvplane_state::Owner::Admin),
         kind: POOL_KIND.into(),
         name: "default".into(),
         value: PoolConfig {

@@ -50,6 +50,7 @@ pub fn workload(a: &GrantArgs) -> Vec<Command> {
         }),
     });
     let mut out = vec![Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
         puts: vec![policy],
         deletes: Vec::new(),
     }];

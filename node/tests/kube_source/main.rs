@@ -20,7 +20,7 @@ use kvplane_node::raft_log::RaftMember;
 use kvplane_policy::kinds::{
     GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
 };
-use kvplane_state::StateHandle;
+use kvplane_state::{Command, Owner, Proposer, StateHandle};
 use serde_json::{Value, json};
 
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
@@ -90,7 +90,7 @@ struct Source {
     state: StateHandle,
     leading: Arc<AtomicBool>,
     _stop: tokio::sync::watch::Sender<bool>,
-    _member: RaftMember,
+    member: RaftMember,
     _dir: tempfile::TempDir,
 }
 
@@ -128,13 +128,17 @@ async fn start(api: FakeApi) -> Source {
         state,
         leading,
         _stop: stop,
-        _member: member,
+        member,
         _dir: dir,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn custom_resources_enter_the_state_with_their_status_written_back() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("kvplane_node=debug,info")
+        .with_test_writer()
+        .try_init();
     let api = FakeApi::default();
     for (plural, o) in examples() {
         api.apply(&plural, o);
@@ -248,4 +252,55 @@ async fn custom_resources_enter_the_state_with_their_status_written_back() {
     // One status write per object, and one per change since (the source resyncs every 50 ms:
     // writes that would change nothing, and its own writes coming back, are skipped).
     assert_eq!(s.api.status_patches(), objects + 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_another_source_owns_is_refused_with_its_owner_in_the_status() {
+    let api = FakeApi::default();
+    let providers = plural("InferenceProvider");
+    let spec = |model: &str| json!({"endpoint": "https://p.example/v1", "api": "OpenAI", "model": model, "expectedTtftMs": 500});
+    api.apply(
+        &providers,
+        object("InferenceProvider", "by-admin", spec("k")),
+    );
+    api.apply(
+        &providers,
+        object("InferenceProvider", "by-kube", spec("k")),
+    );
+    let s = start(api.clone()).await;
+    // Admin wrote "by-admin" first.
+    s.member
+        .log
+        .propose(Command::ConfigPut {
+            kind: "InferenceProvider".into(),
+            name: "by-admin".into(),
+            value: serde_json::to_vec(&spec("a")).unwrap(),
+            owner: Some(Owner::Admin),
+        })
+        .await
+        .unwrap();
+    s.leading.store(true, Ordering::SeqCst);
+    let (theirs, mine) = wait("both statuses", || {
+        s.api
+            .status(&providers, "by-admin")
+            .zip(s.api.status(&providers, "by-kube"))
+    })
+    .await;
+    let (ok, why, _) = accepted(&theirs);
+    assert_eq!(ok, "False");
+    assert!(why.contains("is owned by admin"), "{why}");
+    assert_eq!(accepted(&mine).0, "True");
+    let view = s.state.load();
+    assert_eq!(
+        view.catalog.providers["by-admin"].model, "a",
+        "the admin's version stays"
+    );
+    assert_eq!(
+        view.owner("InferenceProvider", "by-kube"),
+        Some(Owner::Kubernetes)
+    );
+    assert_eq!(
+        view.owner("InferenceProvider", "by-admin"),
+        Some(Owner::Admin)
+    );
 }

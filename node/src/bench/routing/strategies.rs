@@ -59,6 +59,7 @@ impl Feed {
             index: 1,
             timestamp_ms: 0,
             command: Command::ConfigApply {
+                owner: Some(kvplane_state::Owner::Admin),
                 puts: vec![put],
                 deletes: Vec::new(),
             },
