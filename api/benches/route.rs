@@ -583,8 +583,12 @@ fn main() {
         })
         .unwrap();
     assert!(grant.quota.is_some_and(|q| q.granted.tokens > 0));
+    // The process the grant went to (a replica spends only what its own process was granted).
     let escrow = std::sync::Arc::new(kvplane_api::Escrow::new(
-        kvplane_api::QuotaConfig::default(),
+        kvplane_api::QuotaConfig {
+            incarnation: 1,
+            ..Default::default()
+        },
         psm.handle(),
         Default::default(),
     ));
