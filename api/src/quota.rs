@@ -503,6 +503,7 @@ impl Escrow {
                     let window_start_ms = window.map_or(0, |(s, _)| s);
                     // Unspendable from now on: this batch will carry seq + 1.
                     let seq = local.seq + 1;
+                    self.metrics.released(&key.tenant, avail);
                     local.releasing.push(Releasing {
                         seq,
                         key: key.clone(),

@@ -32,6 +32,7 @@ pub struct QuotaMetrics {
     rejected_tokens: Family<TenantReason, Counter>,
     settled_tokens: Family<Tenant, Counter>,
     refunded_tokens: Family<Tenant, Counter>,
+    released_tokens: Family<Tenant, Counter>,
     escrow_tokens: Family<Tenant, Gauge>,
     grants: Family<Outcome, Counter>,
     grant_latency: Histogram,
@@ -47,6 +48,7 @@ impl Default for QuotaMetrics {
             rejected_tokens: Family::default(),
             settled_tokens: Family::default(),
             refunded_tokens: Family::default(),
+            released_tokens: Family::default(),
             escrow_tokens: Family::default(),
             grants: Family::default(),
             // 100 us .. ~3 s
@@ -99,6 +101,11 @@ impl QuotaMetrics {
             self.refunded_tokens.clone(),
         );
         r.register(
+            "kvplane_quota_released_tokens",
+            "Escrow tokens this replica released (unused, idle) back to the window, by tenant",
+            self.released_tokens.clone(),
+        );
+        r.register(
             "kvplane_quota_escrow_tokens",
             "Tokens this replica holds and has not spent in the current window",
             self.escrow_tokens.clone(),
@@ -143,6 +150,12 @@ impl QuotaMetrics {
         self.refunded_tokens
             .get_or_create(&tenant(t))
             .inc_by(refunded);
+    }
+
+    pub(crate) fn released(&self, t: &str, tokens: u64) {
+        self.released_tokens
+            .get_or_create(&tenant(t))
+            .inc_by(tokens);
     }
 
     pub(crate) fn escrow(&self, t: &str, tokens: u64) {

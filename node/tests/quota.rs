@@ -62,13 +62,26 @@ impl Seen {
     }
 }
 
-/// Sends `tenant`'s requests (100 prompt tokens, at most 100 output: 200 reserved) to `addr`
-/// until `until`.
-async fn client(addr: String, tenant: &'static str, until: Instant) -> Seen {
-    let mut seen = Seen::default();
-    let mut router = kvplane_proto::v1::router_client::RouterClient::connect(addr)
-        .await
-        .unwrap();
+/// Tokens a client reserves per request: 100 prompt tokens and at most 100 output.
+const PER_REQUEST: u64 = 200;
+
+/// How a client sends.
+#[derive(Debug, Clone, Copy)]
+enum Pattern {
+    /// As fast as it is answered.
+    Steady,
+    /// One request, `idle` of silence (its replica releases what it holds unspent), then a
+    /// burst of 9: the burst races the release.
+    Releasing { idle: Duration },
+}
+
+/// One Route of `tenant`'s, counted in `seen` by the client itself: `PER_REQUEST` tokens
+/// into the window the answer names.
+async fn send_one(
+    router: &mut kvplane_proto::v1::router_client::RouterClient<tonic::transport::Channel>,
+    tenant: &str,
+    seen: &mut Seen,
+) {
     let req = RouteRequest {
         tenant: tenant.into(),
         model: "m".into(),
@@ -76,41 +89,56 @@ async fn client(addr: String, tenant: &'static str, until: Instant) -> Seen {
         max_output_tokens: 100,
         ..Default::default()
     };
-    while Instant::now() < until {
-        match router.route(req.clone()).await {
-            Ok(r) => {
-                let r = r.into_inner();
-                match &r.decision {
-                    Some(Decision::Endpoint(_)) => {
-                        assert_eq!(r.charges.len(), 1);
-                        for c in &r.charges {
-                            *seen
-                                .admitted
-                                .entry((c.tenant.clone(), c.window_start_ms))
-                                .or_default() += c.tokens;
-                        }
-                    }
-                    Some(Decision::Rejection(j))
-                        if j.code == i32::from(RejectCode::RateLimited) =>
-                    {
-                        assert!(j.retry_after_ms > 0);
-                        seen.limited += 1;
-                        let kind = if j.reason.contains("fails closed") {
-                            "fails closed"
-                        } else {
-                            assert!(j.reason.contains("reached"), "{}", j.reason);
-                            "exhausted"
-                        };
-                        seen.reasons.entry(kind).or_insert((0, j.reason.clone())).0 += 1;
-                        // Pacing, so that refused clients leave the nodes some CPU.
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    other => panic!("{other:?}"),
+    match router.route(req).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            match &r.decision {
+                Some(Decision::Endpoint(_)) => {
+                    assert_eq!(r.charges.len(), 1);
+                    let c = &r.charges[0];
+                    *seen
+                        .admitted
+                        .entry((c.tenant.clone(), c.window_start_ms))
+                        .or_default() += PER_REQUEST;
                 }
+                Some(Decision::Rejection(j)) if j.code == i32::from(RejectCode::RateLimited) => {
+                    assert!(j.retry_after_ms > 0);
+                    seen.limited += 1;
+                    let kind = if j.reason.contains("fails closed") {
+                        "fails closed"
+                    } else {
+                        assert!(j.reason.contains("reached"), "{}", j.reason);
+                        "exhausted"
+                    };
+                    seen.reasons.entry(kind).or_insert((0, j.reason.clone())).0 += 1;
+                    // Pacing, so that refused clients leave the nodes some CPU.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                other => panic!("{other:?}"),
             }
-            Err(_) => {
-                seen.errors += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(_) => {
+            seen.errors += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Sends `tenant`'s requests to `addr` in `pattern` until `until`.
+async fn client(addr: String, tenant: &'static str, until: Instant, pattern: Pattern) -> Seen {
+    let mut seen = Seen::default();
+    let mut router = kvplane_proto::v1::router_client::RouterClient::connect(addr)
+        .await
+        .unwrap();
+    while Instant::now() < until {
+        match pattern {
+            Pattern::Steady => send_one(&mut router, tenant, &mut seen).await,
+            Pattern::Releasing { idle } => {
+                send_one(&mut router, tenant, &mut seen).await;
+                tokio::time::sleep(idle).await;
+                for _ in 0..9 {
+                    send_one(&mut router, tenant, &mut seen).await;
+                }
             }
         }
     }
@@ -130,7 +158,8 @@ fn spawn_clients(
         .iter()
         .flat_map(|n| {
             tenants.iter().flat_map(move |&t| {
-                (0..per_node).map(move |_| tokio::spawn(client(n.endpoint(), t, until)))
+                (0..per_node)
+                    .map(move |_| tokio::spawn(client(n.endpoint(), t, until, Pattern::Steady)))
             })
         })
         .collect();
@@ -286,5 +315,92 @@ async fn the_limit_holds_with_a_node_partitioned_and_after_the_leader_is_killed(
             .any(|((_, w), t)| *w >= after - WINDOW_MS && *t > 0),
         "admission resumed under the new leader: {:?}",
         seen.admitted
+    );
+}
+
+/// The race the escrow's set-aside closes, on three processes. A follower holds most of a
+/// grant unspent; the window's rest is spent by the other replicas' clients; the follower,
+/// idle for `quota.idle_release_ms`, releases what it holds while its path to the leader is
+/// cut (the release stays in flight), a burst arrives on it, then the path heals, the release
+/// applies and the others take the released tokens. Before the set-aside the follower admitted
+/// the burst against what it was releasing: 21,200 of 20,000 with this schedule (measured with
+/// the set-aside switched off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_on_a_replica_releasing_its_escrow_never_takes_the_window_over_its_budget() {
+    const WINDOW: u64 = 10_000;
+    let (cluster, _dir) = harness::started_with_limits_and(
+        "    - {tenant: acme, tokensPerMinute: 120000, burst: 2000, windowSeconds: 10}\n",
+        Vec::new(),
+        "[quota]\nidle_release_ms = 1000\n".into(),
+    )
+    .await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let f = (leader + 1) % 3;
+    let follower = &cluster.nodes[f];
+    let mut router = follower.router().await;
+    // The schedule needs most of one window: start at the beginning of one.
+    wait_for("a window to begin", Duration::from_secs(12), || async {
+        (now_ms() % WINDOW < 300).then_some(())
+    })
+    .await;
+    let window = now_ms() - now_ms() % WINDOW;
+    let until = Instant::now() + Duration::from_millis(WINDOW - 1_000);
+    // The follower's one request: it is granted 2,000 and spends 200.
+    let mut seen = Seen::default();
+    send_one(&mut router, "acme", &mut seen).await;
+    assert_eq!(seen.admitted.values().sum::<u64>(), PER_REQUEST);
+    // The others take the rest of the window.
+    let mut tasks = Vec::new();
+    for (_, n) in cluster.nodes.iter().enumerate().filter(|(i, _)| *i != f) {
+        for _ in 0..2 {
+            tasks.push(tokio::spawn(client(
+                n.endpoint(),
+                "acme",
+                until,
+                Pattern::Steady,
+            )));
+        }
+    }
+    // Cut the follower's path to the leader; once it has proposed its release, the burst.
+    follower
+        .block(vec![cluster.nodes[leader].raft_id.unwrap()])
+        .await;
+    wait_for("the follower's release", Duration::from_secs(5), || async {
+        let m = follower.metrics().await;
+        (harness::metric_value(&m, "kvplane_quota_released_tokens_total") > 0.0).then_some(())
+    })
+    .await;
+    let burst: Vec<_> = (0..9)
+        .map(|_| {
+            let mut r = router.clone();
+            tokio::spawn(async move {
+                let mut seen = Seen::default();
+                send_one(&mut r, "acme", &mut seen).await;
+                seen
+            })
+        })
+        .collect();
+    for b in burst {
+        seen.merge(b.await.unwrap());
+    }
+    // Healed: the release applies, and the others may take what it returned.
+    follower.block(Vec::new()).await;
+    for t in tasks {
+        seen.merge(t.await.unwrap());
+    }
+    assert_eq!(seen.errors, 0);
+    assert!(seen.limited > 0, "the load must exceed the limit");
+    let in_window = seen
+        .admitted
+        .get(&("acme".to_owned(), window))
+        .copied()
+        .unwrap_or(0);
+    eprintln!("admitted in the window: {in_window} of 20000");
+    assert!(in_window <= 20_000, "{in_window} tokens admitted of 20,000");
+    assert!(in_window >= 17_000, "only {in_window} of 20,000 used");
+    let records = node_records(&cluster, &[0, 1, 2]).await;
+    assert_eq!(
+        records, seen.admitted,
+        "the nodes' records are the clients' counts"
     );
 }

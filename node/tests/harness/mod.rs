@@ -17,7 +17,10 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 
 mod raft;
-pub use raft::{chain, prompt, publish_chains, routed_worker, started, started_with_limits};
+pub use raft::{
+    chain, prompt, publish_chains, routed_worker, started, started_with_limits,
+    started_with_limits_and,
+};
 
 /// Runs the `kvplane` binary with `args`, asserts it succeeded, and returns its stdout.
 pub fn kvplane_ok(args: &[&str]) -> String {
@@ -163,6 +166,8 @@ pub struct NodeOptions {
     pub policy_dir: Option<PathBuf>,
     /// Extra environment of the process (`OTEL_*`, for instance).
     pub env: Vec<(String, String)>,
+    /// TOML sections appended to the config (`[quota]`, for instance).
+    pub extra_toml: String,
 }
 
 /// A cluster member's Raft settings (the fault layer is always enabled in tests).
@@ -187,6 +192,7 @@ impl Default for NodeOptions {
             policy_dir: None,
             pool_models: Vec::new(),
             env: Vec::new(),
+            extra_toml: String::new(),
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
             max_batch_messages: 512,
@@ -261,6 +267,8 @@ impl Node {
                 models.join(", ")
             ));
         }
+        toml.push('\n');
+        toml.push_str(&o.extra_toml);
         let path = dir.join("kvplane.toml");
         std::fs::write(&path, toml).unwrap();
         path

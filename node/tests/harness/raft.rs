@@ -88,6 +88,15 @@ pub async fn started_with_limits(
     limits: &str,
     env: Vec<(String, String)>,
 ) -> (Cluster, tempfile::TempDir) {
+    started_with_limits_and(limits, env, String::new()).await
+}
+
+/// As [`started_with_limits`], with `extra_toml` appended to every node's config.
+pub async fn started_with_limits_and(
+    limits: &str,
+    env: Vec<(String, String)>,
+    extra_toml: String,
+) -> (Cluster, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let policies = format!(
         "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: gpu}}\nspec: {{model: m, blockSize: 16}}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: tenants}}\nspec:\n  limits:\n{limits}"
@@ -96,6 +105,7 @@ pub async fn started_with_limits(
     let o = NodeOptions {
         policy_dir: Some(dir.path().to_owned()),
         env,
+        extra_toml,
         ..Default::default()
     };
     let (cluster, js) = started(&o).await;
