@@ -65,16 +65,6 @@ impl Seen {
 /// Tokens a client reserves per request: 100 prompt tokens and at most 100 output.
 const PER_REQUEST: u64 = 200;
 
-/// How a client sends.
-#[derive(Debug, Clone, Copy)]
-enum Pattern {
-    /// As fast as it is answered.
-    Steady,
-    /// One request, `idle` of silence (its replica releases what it holds unspent), then a
-    /// burst of 9: the burst races the release.
-    Releasing { idle: Duration },
-}
-
 /// One Route of `tenant`'s, counted in `seen` by the client itself: `PER_REQUEST` tokens
 /// into the window the answer names.
 async fn send_one(
@@ -124,23 +114,14 @@ async fn send_one(
     }
 }
 
-/// Sends `tenant`'s requests to `addr` in `pattern` until `until`.
-async fn client(addr: String, tenant: &'static str, until: Instant, pattern: Pattern) -> Seen {
+/// Sends `tenant`'s requests to `addr`, as fast as they are answered, until `until`.
+async fn client(addr: String, tenant: &'static str, until: Instant) -> Seen {
     let mut seen = Seen::default();
     let mut router = kvplane_proto::v1::router_client::RouterClient::connect(addr)
         .await
         .unwrap();
     while Instant::now() < until {
-        match pattern {
-            Pattern::Steady => send_one(&mut router, tenant, &mut seen).await,
-            Pattern::Releasing { idle } => {
-                send_one(&mut router, tenant, &mut seen).await;
-                tokio::time::sleep(idle).await;
-                for _ in 0..9 {
-                    send_one(&mut router, tenant, &mut seen).await;
-                }
-            }
-        }
+        send_one(&mut router, tenant, &mut seen).await;
     }
     seen
 }
@@ -158,8 +139,7 @@ fn spawn_clients(
         .iter()
         .flat_map(|n| {
             tenants.iter().flat_map(move |&t| {
-                (0..per_node)
-                    .map(move |_| tokio::spawn(client(n.endpoint(), t, until, Pattern::Steady)))
+                (0..per_node).map(move |_| tokio::spawn(client(n.endpoint(), t, until)))
             })
         })
         .collect();
@@ -353,12 +333,7 @@ async fn a_burst_on_a_replica_releasing_its_escrow_never_takes_the_window_over_i
     let mut tasks = Vec::new();
     for (_, n) in cluster.nodes.iter().enumerate().filter(|(i, _)| *i != f) {
         for _ in 0..2 {
-            tasks.push(tokio::spawn(client(
-                n.endpoint(),
-                "acme",
-                until,
-                Pattern::Steady,
-            )));
+            tasks.push(tokio::spawn(client(n.endpoint(), "acme", until)));
         }
     }
     // Cut the follower's path to the leader; once it has proposed its release, the burst.
