@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use kvplane_proto::v1::{
     self as pb, AddMemberRequest, ClusterStatusResponse, DeleteConfigRequest, ExportStateRequest,
     IngestPosition, PutConfigRequest, RemoveMemberRequest, SetFaultsRequest, SetFaultsResponse,
@@ -24,25 +23,7 @@ pub struct IngestStatus {
 
 type Source<T> = Arc<dyn Fn() -> T + Send + Sync>;
 
-/// Why a membership change was refused.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum ClusterError {
-    #[error("this node is not the leader{}", .leader.as_ref().map(|l| format!("; the leader is at {l}")).unwrap_or_default())]
-    NotLeader { leader: Option<String> },
-    #[error("membership change failed: {0}")]
-    Failed(String),
-    #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
-    FaultsDisabled,
-}
-
-/// Raft membership, as the Admin service drives it.
-pub trait ClusterControl: Send + Sync {
-    fn status(&self) -> ClusterStatusResponse;
-    fn add(&self, id: u64, addr: String) -> BoxFuture<'_, Result<(), ClusterError>>;
-    fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
-    /// Test-only fault layer: the peers this node stops sending Raft traffic to.
-    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
-}
+pub use kvplane_raft::{ClusterControl, ClusterError};
 
 /// Node-level facts the Admin service reports next to the state.
 #[derive(Clone)]

@@ -2,20 +2,11 @@
 
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use kvplane_proto::v1::ReadConsistency;
-use kvplane_state::{ApplyError, Command, ProposeError, StateHandle};
+use kvplane_state::{ApplyError, ProposeError, StateHandle};
 use tonic::Status;
 
-/// Writes and read barriers of this node's Raft log (a follower forwards to the leader).
-pub trait Consistency: Send + Sync {
-    /// Commits `command`; resolves once this node has applied it, with its index.
-    fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>>;
-    /// Resolves once this node has applied every entry committed before the call.
-    fn read_barrier(&self) -> BoxFuture<'_, Result<u64, ProposeError>>;
-    /// This node's whole state as snapshot bytes, with the index it was taken at.
-    fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>>;
-}
+pub use kvplane_raft::Consistency;
 
 /// The gRPC status for a write or barrier that failed.
 pub fn propose_status(e: &ProposeError) -> Status {

@@ -32,12 +32,6 @@ pub struct RouterService {
     pub(crate) tokenizers: Arc<crate::Tokenizers>,
 }
 
-impl std::fmt::Debug for dyn Consistency {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Consistency")
-    }
-}
-
 impl RouterService {
     pub fn new(state: StateHandle, cost: CostModel, metrics: Arc<ApiMetrics>) -> Self {
         Self {

@@ -68,18 +68,6 @@ async fn leader(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
     connect(&s.leader_addr).await
 }
 
-/// Asks the cluster reachable at `via` to add node `id` at `addr` (learner, then voter).
-pub(crate) async fn add_member(via: &str, id: u64, addr: &str) -> anyhow::Result<()> {
-    leader(via)
-        .await?
-        .add_member(AddMemberRequest {
-            id,
-            addr: addr.to_owned(),
-        })
-        .await?;
-    Ok(())
-}
-
 fn print(s: &ClusterStatusResponse) {
     println!("node         {}", s.node);
     println!("leader       {} {}", s.leader, s.leader_addr);

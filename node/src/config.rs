@@ -8,7 +8,7 @@ use kvplane_api::CostModel;
 use kvplane_state::valid_name;
 use serde::Deserialize;
 
-pub use crate::raft_config::{KubernetesSection, Membership, PeerSection, RaftSection};
+pub use kvplane_raft::{KubernetesSection, Membership, PeerSection, RaftSection};
 
 /// Why the configuration cannot be used.
 #[derive(Debug, thiserror::Error)]

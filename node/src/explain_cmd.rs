@@ -139,7 +139,7 @@ async fn load_state(s: &str) -> anyhow::Result<StateMachine> {
     let path = Path::new(s);
     if path.is_dir() {
         let raft = path
-            .join(crate::raft_log::STATE_DIR)
+            .join(kvplane_raft::STATE_DIR)
             .join(kvplane_raft::SNAPSHOT_FILE);
         if raft.exists() {
             return kvplane_raft::read_snapshot_file(&raft)

@@ -26,7 +26,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::raft_log::{RaftLog, RaftMember};
+use kvplane_raft::{RaftLog, RaftMember};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -137,7 +137,7 @@ pub async fn run(
     let quota_metrics = kvplane_api::QuotaMetrics::default();
     quota_metrics.register(&mut registry);
     let kube_metrics = Arc::new(crate::kube_source::KubeSourceMetrics::default());
-    let raft_gauges = Arc::new(crate::raft_health::RaftGauges::default());
+    let raft_gauges = Arc::new(kvplane_raft::RaftGauges::default());
     raft_gauges.register(&mut registry);
     let kube_client = match &cfg.policy_kubernetes {
         None => None,
@@ -171,7 +171,8 @@ pub async fn run(
         let m = state_metrics.clone();
         Arc::new(move |a: &Applied| m.observe(a))
     };
-    let member = Arc::new(RaftMember::start(&cfg, bound.grpc, on_applied).await?);
+    let member =
+        Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
     let (log, handle) = (member.log.clone(), member.handle.clone());
     let consistency: Arc<dyn Consistency> = member.clone();
     // Ready while this member knows a leader and keeps up.
@@ -187,7 +188,7 @@ pub async fn run(
         raft_gauges.clone().run(
             member.clone(),
             cfg.data_dir
-                .join(crate::raft_log::STATE_DIR)
+                .join(kvplane_raft::STATE_DIR)
                 .join(kvplane_raft::SNAPSHOT_FILE),
             ready.clone(),
             stop_rx.clone(),
@@ -379,7 +380,7 @@ pub async fn run(
         Some(k) if k.manage_membership => {
             let m = &member;
             match (&m.membership.pod, kube::Client::try_default().await) {
-                (Some(pod), Ok(client)) => Some(tokio::spawn(crate::kube_members::run(
+                (Some(pod), Ok(client)) => Some(tokio::spawn(kvplane_raft::follow_statefulset(
                     client,
                     k.namespace().unwrap_or_else(|_| "default".into()),
                     pod.set.clone(),

@@ -15,20 +15,35 @@
 //! - [`Replica`]: writes and linearizable reads from any member (a follower forwards to the
 //!   leader, then waits until it applied the result).
 //! - [`Faults`]: a switchable fault layer in the transport, for partition tests.
+//!
+//! - [`RaftMember`]: one member assembled (log, state, network, bootstrap, join, the id kept on
+//!   a StatefulSet volume, readiness and gauges, following a StatefulSet's scale-downs), seen by
+//!   the rest through [`Consistency`], [`ClusterControl`] and `kvplane_state::Proposer`.
 
+mod control;
 mod faults;
 mod forward;
+mod health;
+mod identity;
 mod log_store;
+mod member;
 mod network;
 mod proposal;
+mod section;
 mod state_machine;
+mod statefulset;
 
+pub use control::{ClusterControl, ClusterError, Consistency};
 pub use faults::Faults;
 pub use forward::{ForwardError, Replica};
+pub use health::RaftGauges;
 pub use log_store::{LogStore, LogStoreError};
+pub use member::{MemberError, RaftLog, RaftMember, STATE_DIR, role_name};
 pub use network::{LeaderContact, Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
+pub use section::{KubernetesSection, Membership, PeerSection, Pod, RaftSection};
 pub use state_machine::{OnApplied, ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
+pub use statefulset::run as follow_statefulset;
 
 openraft::declare_raft_types!(
     /// kvplane's Raft types.

@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, PeerSection, RaftSection};
-use crate::raft_log::RaftMember;
+use kvplane_raft::RaftMember;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterBenchArgs {
@@ -194,7 +194,8 @@ impl Member {
             .await
             .with_context(|| format!("cannot listen on {}", self.cfg.grpc_listen))?;
         let member = RaftMember::start(
-            &self.cfg,
+            &self.cfg.raft,
+            &self.cfg.data_dir,
             listener.local_addr()?,
             std::sync::Arc::new(|_| {}),
         )

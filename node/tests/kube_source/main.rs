@@ -14,12 +14,11 @@ use std::time::Duration;
 
 use fake_api::FakeApi;
 use kube::CustomResourceExt;
-use kvplane_node::config::Config;
 use kvplane_node::kube_source::{self, KubeSourceMetrics};
-use kvplane_node::raft_log::RaftMember;
 use kvplane_policy::kinds::{
     GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
 };
+use kvplane_raft::{RaftMember, RaftSection};
 use kvplane_state::{Command, Owner, Proposer, StateHandle};
 use serde_json::{Value, json};
 
@@ -98,13 +97,14 @@ struct Source {
 /// temporary directory; nothing listens, as a single voter talks to no one).
 async fn start(api: FakeApi) -> Source {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = Config {
-        data_dir: dir.path().to_owned(),
-        ..Config::default()
-    };
-    let member = RaftMember::start(&cfg, "127.0.0.1:1".parse().unwrap(), Arc::new(|_| {}))
-        .await
-        .unwrap();
+    let member = RaftMember::start(
+        &RaftSection::default(),
+        dir.path(),
+        "127.0.0.1:1".parse().unwrap(),
+        Arc::new(|_| {}),
+    )
+    .await
+    .unwrap();
     let (_keep, mut never) = tokio::sync::watch::channel(false);
     assert!(member.wait_leadership(&mut never).await);
     let (log, state) = (member.log.clone(), member.handle.clone());

@@ -1,20 +1,24 @@
-//! The replicated log: proposals go through Raft; ingest runs only on the leader.
+//! One Raft member, assembled: the redb log, the replicated state, the network, bootstrap and
+//! join, and the traits the rest of kvplane uses of it ([`crate::Consistency`],
+//! [`crate::ClusterControl`], [`kvplane_state::Proposer`]).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::BoxFuture;
-use kvplane_raft::{
-    Faults, KvRaft, LeaderContact, LogStore, Network, Proposal, RaftGrpc, Replica, ReplicatedState,
+use crate::{
+    Faults, KvRaft, LeaderContact, LogStore, LogStoreError, Network, OnApplied, Proposal, RaftGrpc,
+    Replica, ReplicatedState,
 };
+use futures::future::BoxFuture;
 use kvplane_state::{Command, ProposeError, Proposer, StateHandle};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ServerState};
 use tracing::Instrument;
 
-use crate::config::{Config, Membership};
+use crate::section::{Membership, RaftSection};
 
 /// Proposes through Raft; cheap to clone.
 #[derive(Clone)]
@@ -62,7 +66,7 @@ impl Proposer for RaftLog {
 }
 
 /// Where a Raft node keeps its state snapshots, under its data directory.
-pub(crate) const STATE_DIR: &str = "raft/state";
+pub const STATE_DIR: &str = "raft/state";
 
 /// Where a standalone node kept its snapshots before every node was a Raft member.
 const LEGACY_SNAPSHOT_DIR: &str = "snapshots";
@@ -84,31 +88,31 @@ impl RaftMember {
     /// asked to (or when it is a one-member cluster of its own) and the log is empty. `grpc` is
     /// the address the API listener bound: a member that names no other address is reached there.
     pub async fn start(
-        cfg: &Config,
+        r: &RaftSection,
+        data_dir: &Path,
         grpc: std::net::SocketAddr,
-        on_applied: kvplane_raft::OnApplied,
-    ) -> anyhow::Result<Self> {
-        let r = &cfg.raft;
+        on_applied: OnApplied,
+    ) -> Result<Self, MemberError> {
         let mut membership = r
             .membership(&grpc.to_string())
-            .map_err(|e| anyhow::anyhow!(e))?;
-        let dir = cfg.data_dir.join("raft");
+            .map_err(MemberError::Config)?;
+        let dir = data_dir.join("raft");
         std::fs::create_dir_all(&dir)?;
         let had_log = dir.join("log.redb").exists();
-        if !had_log && cfg.data_dir.join(LEGACY_SNAPSHOT_DIR).is_dir() {
+        if !had_log && data_dir.join(LEGACY_SNAPSHOT_DIR).is_dir() {
             tracing::warn!(
-                dir = %cfg.data_dir.join(LEGACY_SNAPSHOT_DIR).display(),
+                dir = %data_dir.join(LEGACY_SNAPSHOT_DIR).display(),
                 "this data directory holds snapshots of the earlier standalone layout; they are not \
                  read: the state is rebuilt from the stream, and objects written through \
                  Admin.PutConfig must be written again"
             );
         }
         if let Some(pod) = &membership.pod {
-            let id = crate::raft_identity::persistent_id(&dir, pod.ordinal, had_log)?;
+            let id = crate::identity::persistent_id(&dir, pod.ordinal, had_log)?;
             membership = membership.with_id(id);
         }
         let log = LogStore::open(&dir.join("log.redb"))?;
-        let state = ReplicatedState::open(&cfg.data_dir.join(STATE_DIR))?.observed_by(on_applied);
+        let state = ReplicatedState::open(&data_dir.join(STATE_DIR))?.observed_by(on_applied);
         let handle = state.handle();
         let config = openraft::Config {
             cluster_name: "kvplane".into(),
@@ -197,7 +201,7 @@ impl RaftMember {
         if self.membership.pod.is_some()
             && !self.membership.initial.is_empty()
             && !self.is_member()
-            && crate::raft_identity::may_initialize(&targets, &stop).await
+            && crate::identity::may_initialize(&targets, &stop).await
         {
             let members: BTreeMap<u64, BasicNode> = self
                 .membership
@@ -220,13 +224,7 @@ impl RaftMember {
         // timed out), and only another ask promotes it.
         while !self.is_voter() && !*stop.borrow() {
             for target in &targets {
-                match crate::cluster_cmd::add_member(
-                    target,
-                    self.membership.id,
-                    &self.membership.addr,
-                )
-                .await
-                {
+                match add_through(target, self.membership.id, &self.membership.addr).await {
                     Ok(()) => {
                         tracing::info!(id = self.membership.id, via = target, "joined the cluster");
                         return;
@@ -303,7 +301,7 @@ impl RaftMember {
     }
 
     /// Removes member `id`, voter or learner, from the membership (on the leader).
-    pub(crate) async fn remove_member(&self, id: u64) -> Result<(), kvplane_api::ClusterError> {
+    pub async fn remove_member(&self, id: u64) -> Result<(), crate::ClusterError> {
         let voter = {
             let m = self.raft.metrics().borrow_watched().clone();
             m.membership_config
@@ -325,7 +323,7 @@ impl RaftMember {
     }
 
     /// The members as (id, address).
-    pub(crate) fn members(&self) -> Vec<(u64, String)> {
+    pub fn members(&self) -> Vec<(u64, String)> {
         let m = self.raft.metrics().borrow_watched().clone();
         m.membership_config
             .membership()
@@ -334,7 +332,7 @@ impl RaftMember {
             .collect()
     }
 
-    pub(crate) fn is_leader(&self) -> bool {
+    pub fn is_leader(&self) -> bool {
         let m = self.raft.metrics().borrow_watched().clone();
         m.state == ServerState::Leader && m.current_leader == Some(m.id)
     }
@@ -373,7 +371,7 @@ impl RaftMember {
     }
 }
 
-impl kvplane_api::ClusterControl for RaftMember {
+impl crate::ClusterControl for RaftMember {
     fn status(&self) -> kvplane_proto::v1::ClusterStatusResponse {
         let m = self.raft.metrics().borrow_watched().clone();
         let membership = m.membership_config.membership();
@@ -412,7 +410,7 @@ impl kvplane_api::ClusterControl for RaftMember {
         &self,
         id: u64,
         addr: String,
-    ) -> futures::future::BoxFuture<'_, Result<(), kvplane_api::ClusterError>> {
+    ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
             self.leader_only()?;
             self.raft
@@ -430,7 +428,7 @@ impl kvplane_api::ClusterControl for RaftMember {
             let stale = {
                 let m = self.raft.metrics().borrow_watched().clone();
                 let membership = m.membership_config.membership();
-                crate::raft_identity::stale_members(
+                crate::identity::stale_members(
                     membership.nodes().map(|(i, n)| (*i, n.addr.as_str())),
                     id,
                     &addr,
@@ -444,10 +442,7 @@ impl kvplane_api::ClusterControl for RaftMember {
         })
     }
 
-    fn remove(
-        &self,
-        id: u64,
-    ) -> futures::future::BoxFuture<'_, Result<(), kvplane_api::ClusterError>> {
+    fn remove(&self, id: u64) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
             self.leader_only()?;
             self.remove_member(id).await?;
@@ -456,17 +451,17 @@ impl kvplane_api::ClusterControl for RaftMember {
         })
     }
 
-    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, kvplane_api::ClusterError> {
+    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, crate::ClusterError> {
         let f = self
             .faults
             .as_ref()
-            .ok_or(kvplane_api::ClusterError::FaultsDisabled)?;
+            .ok_or(crate::ClusterError::FaultsDisabled)?;
         f.set_blocked(blocked);
         Ok(f.blocked())
     }
 }
 
-impl kvplane_api::Consistency for RaftMember {
+impl crate::Consistency for RaftMember {
     fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>> {
         Box::pin(self.replica.write(command))
     }
@@ -481,32 +476,32 @@ impl kvplane_api::Consistency for RaftMember {
 }
 
 impl RaftMember {
-    fn leader_only(&self) -> Result<(), kvplane_api::ClusterError> {
+    fn leader_only(&self) -> Result<(), crate::ClusterError> {
         if self.is_leader() {
             return Ok(());
         }
-        let s = kvplane_api::ClusterControl::status(self);
-        Err(kvplane_api::ClusterError::NotLeader {
+        let s = crate::ClusterControl::status(self);
+        Err(crate::ClusterError::NotLeader {
             leader: (!s.leader_addr.is_empty()).then_some(s.leader_addr),
         })
     }
 }
 
 fn membership_error(
-    e: RaftError<kvplane_raft::TypeConfig, ClientWriteError<kvplane_raft::TypeConfig>>,
-) -> kvplane_api::ClusterError {
+    e: RaftError<crate::TypeConfig, ClientWriteError<crate::TypeConfig>>,
+) -> crate::ClusterError {
     match e {
         RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
-            kvplane_api::ClusterError::NotLeader {
+            crate::ClusterError::NotLeader {
                 leader: f.leader_node.map(|n| n.addr),
             }
         }
-        other => kvplane_api::ClusterError::Failed(other.to_string()),
+        other => crate::ClusterError::Failed(other.to_string()),
     }
 }
 
 /// A Raft role's name, as Status and `kvplane_raft_role` say it.
-pub(crate) fn role_name(state: ServerState) -> &'static str {
+pub fn role_name(state: ServerState) -> &'static str {
     match state {
         ServerState::Leader => "leader",
         ServerState::Follower => "follower",
@@ -514,4 +509,51 @@ pub(crate) fn role_name(state: ServerState) -> &'static str {
         ServerState::Learner => "learner",
         ServerState::Shutdown => "shutdown",
     }
+}
+
+/// Why a member could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum MemberError {
+    #[error("raft: {0}")]
+    Config(String),
+    #[error("raft data: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("raft log: {0}")]
+    Log(#[from] LogStoreError),
+    #[error("raft settings: {0}")]
+    Settings(#[from] openraft::ConfigError),
+    #[error("raft did not start: {0}")]
+    Start(#[from] openraft::errors::Fatal<crate::TypeConfig>),
+}
+
+/// Asks the cluster reachable at `via` (following its leader hint) to add node `id` at `addr`:
+/// learner, then voter.
+async fn add_through(via: &str, id: u64, addr: &str) -> Result<(), tonic::Status> {
+    use kvplane_proto::v1::admin_client::AdminClient;
+    let url = |a: &str| {
+        if a.starts_with("http") {
+            a.to_owned()
+        } else {
+            format!("http://{a}")
+        }
+    };
+    let connect = |a: String| async move {
+        AdminClient::connect(a)
+            .await
+            .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))
+    };
+    let mut c = connect(url(via)).await?;
+    let s = c
+        .cluster_status(kvplane_proto::v1::StatusRequest::default())
+        .await?
+        .into_inner();
+    if s.leader != s.node && !s.leader_addr.is_empty() {
+        c = connect(url(&s.leader_addr)).await?;
+    }
+    c.add_member(kvplane_proto::v1::AddMemberRequest {
+        id,
+        addr: addr.to_owned(),
+    })
+    .await?;
+    Ok(())
 }

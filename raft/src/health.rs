@@ -13,7 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::raft_log::RaftMember;
+use crate::member::RaftMember;
 
 impl RaftMember {
     /// Ready to serve: a leader is known and was heard from within `lease` (a leader itself
@@ -159,7 +159,7 @@ impl RaftGauges {
         let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.term.set(i(x.current_term));
         self.leader_id.set(i(x.current_leader.unwrap_or(0)));
-        let role = crate::raft_log::role_name(x.state);
+        let role = crate::member::role_name(x.state);
         for r in ROLES {
             self.role
                 .get_or_create(&RoleLabel { role: r })

@@ -2,7 +2,7 @@
 //!
 //! Every `membership_check_ms` the leader reads its StatefulSet's `spec.replicas` and removes,
 //! one per round, a member whose address is `<set>-<ordinal>....` with `ordinal >= replicas`
-//! (see [`crate::raft_identity::departed`]). A member leaving is a joint-consensus membership
+//! (see [`crate::identity::departed`]). A member leaving is a joint-consensus membership
 //! change, so the cluster keeps a quorum throughout; scaling up again brings the pod back under
 //! a new id when its volume is new, or its old one when the volume was kept (it then joins as
 //! a new member again).
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 
-use crate::raft_log::RaftMember;
+use crate::member::RaftMember;
 
 pub async fn run(
     client: kube::Client,
@@ -43,7 +43,7 @@ pub async fn run(
             }
         };
         let members = member.members();
-        let gone = crate::raft_identity::departed(
+        let gone = crate::identity::departed(
             members.iter().map(|(i, a)| (*i, a.as_str())),
             &set,
             u64::try_from(replicas).unwrap_or(0),

@@ -159,7 +159,7 @@ pub struct Membership {
     /// Addresses to ask for membership when the log is empty and nothing is initialized.
     pub join: Vec<String>,
     /// A StatefulSet member: its set and ordinal (its id is then chosen once per volume, see
-    /// [`crate::raft_identity`]).
+    /// [`crate::identity`]).
     pub pod: Option<Pod>,
 }
 
@@ -234,7 +234,7 @@ impl RaftSection {
     /// Resolves this member's identity. With `kubernetes`, pod `<set>-<n>` looks for the cluster
     /// among the other ordinals below `max_members`; ordinal 0 may initialize a one-member
     /// cluster (only once every other existing pod said it has none, see
-    /// [`crate::raft_identity`]). Its id here is `n + 1`, replaced at start by the id kept on its
+    /// [`crate::identity`]). Its id here is `n + 1`, replaced at start by the id kept on its
     /// volume.
     pub fn membership(&self, grpc_listen: &str) -> Result<Membership, String> {
         if let Some(k) = &self.kubernetes {
@@ -310,7 +310,7 @@ impl RaftSection {
         })
     }
 
-    pub(crate) fn problems(&self, grpc_listen: &str, p: &mut Vec<String>) {
+    pub fn problems(&self, grpc_listen: &str, p: &mut Vec<String>) {
         if self.kubernetes.is_some()
             && (self.id.is_some()
                 || !self.peers.is_empty()

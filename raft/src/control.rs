@@ -1,0 +1,43 @@
+//! What the rest of kvplane uses of a member: writes and read barriers ([`Consistency`]) and
+//! membership control ([`ClusterControl`]). [`crate::RaftMember`] implements both; the API
+//! crate's services take them as trait objects, so routing semantics test without a member.
+
+use futures::future::BoxFuture;
+use kvplane_proto::v1::ClusterStatusResponse;
+use kvplane_state::{Command, ProposeError};
+
+/// Writes and read barriers of this node's Raft log (a follower forwards to the leader).
+pub trait Consistency: Send + Sync {
+    /// Commits `command`; resolves once this node has applied it, with its index.
+    fn write(&self, command: Command) -> BoxFuture<'_, Result<u64, ProposeError>>;
+    /// Resolves once this node has applied every entry committed before the call.
+    fn read_barrier(&self) -> BoxFuture<'_, Result<u64, ProposeError>>;
+    /// This node's whole state as snapshot bytes, with the index it was taken at.
+    fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>>;
+}
+
+impl std::fmt::Debug for dyn Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Consistency")
+    }
+}
+
+/// Why a membership change was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClusterError {
+    #[error("this node is not the leader{}", .leader.as_ref().map(|l| format!("; the leader is at {l}")).unwrap_or_default())]
+    NotLeader { leader: Option<String> },
+    #[error("membership change failed: {0}")]
+    Failed(String),
+    #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
+    FaultsDisabled,
+}
+
+/// Raft membership, as the Admin service drives it.
+pub trait ClusterControl: Send + Sync {
+    fn status(&self) -> ClusterStatusResponse;
+    fn add(&self, id: u64, addr: String) -> BoxFuture<'_, Result<(), ClusterError>>;
+    fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
+    /// Test-only fault layer: the peers this node stops sending Raft traffic to.
+    fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
+}
