@@ -49,7 +49,7 @@ fn url(addr: &str) -> String {
     }
 }
 
-async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
+pub(crate) async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
     AdminClient::connect(url(addr))
         .await
         .with_context(|| format!("cannot connect to {addr}"))

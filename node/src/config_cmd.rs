@@ -3,7 +3,6 @@
 //! an object its source (node config, directory, Kubernetes) no longer holds.
 
 use anyhow::Context;
-use kvplane_proto::v1::admin_client::AdminClient;
 use kvplane_proto::v1::{DeleteConfigRequest, PutConfigRequest};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -47,14 +46,7 @@ pub enum ConfigCmd {
 }
 
 pub async fn run(a: ConfigArgs) -> anyhow::Result<()> {
-    let addr = if a.addr.starts_with("http") {
-        a.addr.clone()
-    } else {
-        format!("http://{}", a.addr)
-    };
-    let mut c = AdminClient::connect(addr)
-        .await
-        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    let mut c = crate::cluster_cmd::connect(&a.addr).await?;
     let written = match a.command {
         ConfigCmd::Put { kind, name, file } => {
             let value = if file == "-" {

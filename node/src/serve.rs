@@ -519,7 +519,7 @@ async fn reconcile_pools(
 }
 
 /// Why this node is not ready to serve, if it is not.
-type Ready = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+type Ready = Arc<dyn Fn() -> Result<(), kvplane_raft::NotReady> + Send + Sync>;
 
 fn http_app(registry: Arc<Registry>, ready: Ready) -> axum::Router {
     use axum::http::{StatusCode, header};

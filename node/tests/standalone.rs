@@ -39,6 +39,17 @@ fn put_pool(name: &str) -> PutConfigRequest {
     }
 }
 
+/// One of acme's requests: 100 prompt tokens, at most 100 output.
+fn acme_request() -> RouteRequest {
+    RouteRequest {
+        tenant: "acme".into(),
+        model: "m".into(),
+        token_ids: prompt(1).into_iter().cycle().take(100).collect(),
+        max_output_tokens: 100,
+        ..Default::default()
+    }
+}
+
 /// Tokens the client reserves per request: 100 prompt tokens and at most 100 output.
 const PER_REQUEST: u64 = 200;
 
@@ -46,13 +57,7 @@ const PER_REQUEST: u64 = 200;
 /// returns how many were admitted, counted here.
 async fn admit_until_refused(node: &harness::Node, max: u64) -> u64 {
     let mut router = node.router().await;
-    let req = RouteRequest {
-        tenant: "acme".into(),
-        model: "m".into(),
-        token_ids: prompt(1).into_iter().cycle().take(100).collect(),
-        max_output_tokens: 100,
-        ..Default::default()
-    };
+    let req = acme_request();
     let (mut admitted, mut waits) = (0, 0);
     while admitted < max {
         let r = router.route(req.clone()).await.unwrap().into_inner();
@@ -110,13 +115,7 @@ async fn an_acknowledged_config_write_and_quota_grant_survive_kill_9() {
     // more); then a config write. Both acknowledged, then SIGKILL at once: no snapshot is
     // taken in between.
     let mut router = node.router().await;
-    let req = RouteRequest {
-        tenant: "acme".into(),
-        model: "m".into(),
-        token_ids: prompt(1).into_iter().cycle().take(100).collect(),
-        max_output_tokens: 100,
-        ..Default::default()
-    };
+    let req = acme_request();
     for _ in 0..2 {
         let r = router.route(req.clone()).await.unwrap().into_inner();
         assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");

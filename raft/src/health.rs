@@ -15,30 +15,62 @@ use prometheus_client::registry::Registry;
 
 use crate::member::RaftMember;
 
+/// Why a member is not ready to serve (`/readyz` answers 503 with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error("no leader known")]
+    NoLeader,
+    #[error("leading without a quorum")]
+    NoQuorum,
+    #[error("no word from leader {leader} yet")]
+    NotHeardFrom { leader: u64 },
+    #[error("no word from leader {leader} for {ms} ms")]
+    Silent { leader: u64, ms: u128 },
+    #[error("applied index {applied} is {lag} entries behind the committed {committed} (leader {leader})")]
+    Behind {
+        applied: u64,
+        lag: u64,
+        committed: u64,
+        leader: u64,
+    },
+}
+
+impl NotReady {
+    /// Its metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::NoLeader => "no_leader",
+            Self::NoQuorum => "no_quorum",
+            Self::NotHeardFrom { .. } | Self::Silent { .. } => "leader_silent",
+            Self::Behind { .. } => "behind",
+        }
+    }
+}
+
 impl RaftMember {
     /// Ready to serve: a leader is known and was heard from within `lease` (a leader itself
-    /// heard from a quorum within it) and this replica has applied all but at most `max_lag` of the entries the cluster
-    /// committed. `Err` says why not.
-    pub fn readiness(&self, max_lag: u64, lease: Duration) -> Result<(), String> {
+    /// heard from a quorum within it), and this replica has applied all but at most `max_lag`
+    /// of the entries the cluster committed.
+    pub fn readiness(&self, max_lag: u64, lease: Duration) -> Result<(), NotReady> {
         let m = self.raft.metrics().borrow_watched().clone();
         let Some(leader) = m.current_leader else {
-            return Err("no leader known".into());
+            return Err(NotReady::NoLeader);
         };
         if m.state == ServerState::Leader {
             let acked = m.last_quorum_acked.map(|t| t.elapsed());
             if acked.is_none_or(|a| a > lease) {
-                return Err("leading without a quorum".into());
+                return Err(NotReady::NoQuorum);
             }
         } else {
             // With Pre-Vote a member cut off from the quorum never starts an election and keeps
             // the leader it knew: judge it by when that leader was last heard from.
             match self.contact.elapsed() {
-                None => return Err(format!("no word from leader {leader} yet")),
+                None => return Err(NotReady::NotHeardFrom { leader }),
                 Some(e) if e > lease => {
-                    return Err(format!(
-                        "no word from leader {leader} for {} ms",
-                        e.as_millis()
-                    ));
+                    return Err(NotReady::Silent {
+                        leader,
+                        ms: e.as_millis(),
+                    });
                 }
                 Some(_) => {}
             }
@@ -50,9 +82,12 @@ impl RaftMember {
         let applied = m.last_applied.map_or(0, |l| l.index);
         let lag = committed.saturating_sub(applied);
         if lag > max_lag {
-            return Err(format!(
-                "applied index {applied} is {lag} entries behind the committed {committed} (leader {leader})"
-            ));
+            return Err(NotReady::Behind {
+                applied,
+                lag,
+                committed,
+                leader,
+            });
         }
         Ok(())
     }
@@ -190,7 +225,7 @@ impl RaftGauges {
         self: Arc<Self>,
         member: Arc<RaftMember>,
         snapshot: PathBuf,
-        ready: Arc<dyn Fn() -> Result<(), String> + Send + Sync>,
+        ready: Arc<dyn Fn() -> Result<(), NotReady> + Send + Sync>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         loop {

@@ -36,7 +36,7 @@ mod statefulset;
 pub use control::{ClusterControl, ClusterError, Consistency};
 pub use faults::Faults;
 pub use forward::{ForwardError, Replica};
-pub use health::RaftGauges;
+pub use health::{NotReady, RaftGauges};
 pub use log_store::{LogStore, LogStoreError};
 pub use member::{MemberError, RaftLog, RaftMember, STATE_DIR, role_name};
 pub use network::{LeaderContact, Network, RaftGrpc};
