@@ -139,6 +139,15 @@ pub fn read_snapshot_file(path: &Path) -> io::Result<StateMachine> {
     StateMachine::restore(&file.data).map_err(|e| io::Error::other(e.to_string()))
 }
 
+/// Runs `f` on a blocking thread.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> io::Result<T> + Send + 'static,
+) -> io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| io::Error::other(format!("state machine task failed: {e}")))?
+}
+
 impl Inner {
     /// Makes `(meta, data)` the current snapshot, on disk first when there is a directory.
     fn keep(&mut self, meta: SnapshotMetaOf<TypeConfig>, data: Vec<u8>) -> io::Result<()> {
@@ -158,17 +167,21 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
     type SnapshotData = Vec<u8>;
 
     async fn build_snapshot(&mut self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
-        let mut inner = self.inner.lock().await;
-        let data = inner.sm.snapshot();
-        let meta = SnapshotMetaOf::<TypeConfig> {
-            last_log_id: inner.last_applied,
-            last_membership: inner.membership.clone(),
-        };
-        inner.keep(meta.clone(), data.clone())?;
-        Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
-            meta,
-            snapshot: data,
+        // Serializing and fsyncing take a while: on a blocking thread, not the runtime's.
+        let mut inner = self.inner.clone().lock_owned().await;
+        blocking(move || {
+            let data = inner.sm.snapshot();
+            let meta = SnapshotMetaOf::<TypeConfig> {
+                last_log_id: inner.last_applied,
+                last_membership: inner.membership.clone(),
+            };
+            inner.keep(meta.clone(), data.clone())?;
+            Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
+                meta,
+                snapshot: data,
+            })
         })
+        .await
     }
 }
 
@@ -187,41 +200,55 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
     where
         Strm: Stream<Item = Result<EntryResponder<TypeConfig>, io::Error>> + Unpin + OptionalSend,
     {
-        let mut inner = self.inner.lock().await;
+        let mut batch = Vec::new();
         while let Some(item) = entries.next().await {
-            let (entry, responder) = item?;
-            let log_id = entry.log_id;
-            let mut result = ApplyResult {
-                index: log_id.index,
-                rejected: None,
-            };
-            match entry.payload {
-                EntryPayload::Blank => {}
-                EntryPayload::Normal(p) => {
-                    let _span = tracing::debug_span!(
-                        "raft.apply",
-                        index = log_id.index,
-                        command = p.command.kind()
-                    )
-                    .entered();
-                    let applied = inner
-                        .sm
-                        .apply(&Entry {
-                            index: log_id.index,
-                            timestamp_ms: p.timestamp_ms,
-                            command: p.command,
-                        })
-                        .map_err(|e| io::Error::other(e.to_string()))?;
-                    if let Some(f) = &self.on_applied {
-                        f(&applied);
+            batch.push(item?);
+        }
+        // Applying flushes the prefix index's writer and republishes the view: on a blocking
+        // thread, so the runtime (Raft's own tasks, the API) never waits for it.
+        let mut inner = self.inner.clone().lock_owned().await;
+        let on_applied = self.on_applied.clone();
+        let answered = blocking(move || {
+            let mut answered = Vec::with_capacity(batch.len());
+            for (entry, responder) in batch {
+                let log_id = entry.log_id;
+                let mut result = ApplyResult {
+                    index: log_id.index,
+                    rejected: None,
+                };
+                match entry.payload {
+                    EntryPayload::Blank => {}
+                    EntryPayload::Normal(p) => {
+                        let _span = tracing::debug_span!(
+                            "raft.apply",
+                            index = log_id.index,
+                            command = p.command.kind()
+                        )
+                        .entered();
+                        let applied = inner
+                            .sm
+                            .apply(&Entry {
+                                index: log_id.index,
+                                timestamp_ms: p.timestamp_ms,
+                                command: p.command,
+                            })
+                            .map_err(|e| io::Error::other(e.to_string()))?;
+                        if let Some(f) = &on_applied {
+                            f(&applied);
+                        }
+                        result.rejected = applied.rejected;
                     }
-                    result.rejected = applied.rejected;
+                    EntryPayload::Membership(m) => {
+                        inner.membership = StoredMembershipOf::<TypeConfig>::new(Some(log_id), m);
+                    }
                 }
-                EntryPayload::Membership(m) => {
-                    inner.membership = StoredMembershipOf::<TypeConfig>::new(Some(log_id), m);
-                }
+                inner.last_applied = Some(log_id);
+                answered.push((responder, result));
             }
-            inner.last_applied = Some(log_id);
+            Ok(answered)
+        })
+        .await?;
+        for (responder, result) in answered {
             if let Some(r) = responder {
                 r.send(result);
             }
@@ -238,15 +265,20 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
         meta: &SnapshotMetaOf<TypeConfig>,
         snapshot: Vec<u8>,
     ) -> Result<(), io::Error> {
-        let restored = StateMachine::restore(&snapshot)
-            .map_err(|e| io::Error::other(e.to_string()))?
-            .with_handle(self.handle.clone());
-        let mut inner = self.inner.lock().await;
-        inner.sm = restored;
-        inner.last_applied = meta.last_log_id;
-        inner.membership = meta.last_membership.clone();
         let bytes = snapshot.len();
-        inner.keep(meta.clone(), snapshot)?;
+        let handle = self.handle.clone();
+        let mut inner = self.inner.clone().lock_owned().await;
+        let meta_kept = meta.clone();
+        blocking(move || {
+            let restored = StateMachine::restore(&snapshot)
+                .map_err(|e| io::Error::other(e.to_string()))?
+                .with_handle(handle);
+            inner.sm = restored;
+            inner.last_applied = meta_kept.last_log_id;
+            inner.membership = meta_kept.last_membership.clone();
+            inner.keep(meta_kept, snapshot)
+        })
+        .await?;
         tracing::info!(
             index = meta.last_log_id.as_ref().map_or(0, |l| l.index),
             bytes,
