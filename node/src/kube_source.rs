@@ -244,6 +244,8 @@ async fn reconcile(
     written: &mut BTreeMap<Key, ObjectStatus>,
 ) {
     let objects = mirror.objects();
+    // A resource deleted and created again is a new object: it gets its status written anew.
+    written.retain(|k, _| objects.contains_key(k));
     let view = state.load();
     let mut submitted = submitted(&objects, &mirror.tokenizers);
     for s in &mut submitted {

@@ -452,6 +452,8 @@ async fn lead_ingest(
         if !member.wait_leadership(&mut stop).await {
             return;
         }
+        // First: a member added while the config sources catch up must find this address.
+        member.refresh_own_address().await;
         // The config sources apply what they have first (at most 10 s): an engine's messages
         // for a worker set the catalog is about to hold are not dropped as of an unknown pool.
         if let Some(rx) = &mut config_synced {
@@ -462,7 +464,6 @@ async fn lead_ingest(
             applied = handle.load().applied_index,
             "leading: starting ingest"
         );
-        member.refresh_own_address().await;
         if let Err(e) = reconcile_pools(&cfg, &log, &handle).await {
             tracing::warn!(error = %e, "could not declare the configured pools");
         }

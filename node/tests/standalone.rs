@@ -221,3 +221,13 @@ async fn a_standalone_node_grown_to_three_members_keeps_its_digest_and_its_confi
     let last = publish_chains(&js, 20, 30).await;
     cluster.all_agree(&[0, 1, 2], last).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_of_its_own_stays_ready_as_its_own_quorum() {
+    let cluster = Cluster::start(1);
+    let node = &cluster.nodes[0];
+    // Past the readiness lease (two election timeouts, 2 s): a leader with no follower to
+    // acknowledge it is still its own quorum. The time passing is what is under test.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(node.readyz().await, (200, "ready".to_owned()));
+}

@@ -26,7 +26,9 @@ pub enum NotReady {
     NotHeardFrom { leader: u64 },
     #[error("no word from leader {leader} for {ms} ms")]
     Silent { leader: u64, ms: u128 },
-    #[error("applied index {applied} is {lag} entries behind the committed {committed} (leader {leader})")]
+    #[error(
+        "applied index {applied} is {lag} entries behind the committed {committed} (leader {leader})"
+    )]
     Behind {
         applied: u64,
         lag: u64,
@@ -57,8 +59,11 @@ impl RaftMember {
             return Err(NotReady::NoLeader);
         };
         if m.state == ServerState::Leader {
+            // A leader that is its quorum alone (a one-member cluster) has no follower to
+            // acknowledge it: openraft stamps `last_quorum_acked` once, when it starts leading.
+            let alone = m.membership_config.membership().voter_ids().eq([m.id]);
             let acked = m.last_quorum_acked.map(|t| t.elapsed());
-            if acked.is_none_or(|a| a > lease) {
+            if !alone && acked.is_none_or(|a| a > lease) {
                 return Err(NotReady::NoQuorum);
             }
         } else {

@@ -204,9 +204,14 @@ impl Default for RaftSection {
 }
 
 impl RaftSection {
-    /// A node of its own: no peers to start with, none to join, no StatefulSet.
+    /// A node of its own: no peers to start with, none to join, no StatefulSet, and either no
+    /// id or `bootstrap`. A node that names only its `id` waits to be added
+    /// (`kvplane cluster add`) instead of starting a cluster of its own.
     pub fn is_single(&self) -> bool {
-        self.kubernetes.is_none() && self.peers.is_empty() && self.join.is_empty()
+        self.kubernetes.is_none()
+            && self.peers.is_empty()
+            && self.join.is_empty()
+            && (self.id.is_none() || self.bootstrap)
     }
 
     fn default_forward_timeout_ms() -> u64 {
@@ -464,6 +469,13 @@ mod tests {
             );
             assert!(m.join.is_empty());
         }
+        // A node naming only its id waits to be added; with bootstrap it starts its own.
+        let waits = section("id = 4\n").membership("127.0.0.1:7070").unwrap();
+        assert_eq!((waits.id, waits.initial.len()), (4, 0));
+        let own = section("id = 4\nbootstrap = true\n")
+            .membership("127.0.0.1:7070")
+            .unwrap();
+        assert_eq!(own.initial.len(), 1);
         // With peers or join addresses, the id is the operator's to give.
         let mut p = Vec::new();
         section("join = [\"a:1\"]\n").problems("127.0.0.1:7070", &mut p);

@@ -1,5 +1,8 @@
 //! The state machine is deterministic: the same stream gives the same digest and the same
-//! answers, however it is cut into entries, and a snapshot restores both exactly.
+//! answers, however it is cut into entries, and a snapshot restores both exactly. Its answers
+//! are those of a reference model written here - a plain map per worker from block hash to
+//! reference count, with vLLM's rules for parents, removals, clears and workers going down -
+//! after every entry of random event streams.
 
 #![allow(clippy::unwrap_used)]
 
@@ -232,8 +235,124 @@ fn run(entries: &[Entry]) -> StateMachine {
     sm
 }
 
+/// What the prefix index should answer, kept the plainest way: per worker, the GPU blocks it
+/// holds with their reference counts.
+#[derive(Debug, Default)]
+struct Model {
+    /// By worker name: up, and block hash -> references.
+    workers: BTreeMap<String, (bool, BTreeMap<u64, u32>)>,
+}
+
+impl Model {
+    fn apply(&mut self, op: &Op) {
+        let name = |w: &usize| format!("w{w}");
+        let w = match op {
+            Op::Store { w, .. }
+            | Op::Remove { w, .. }
+            | Op::Clear { w }
+            | Op::Metrics { w, .. }
+            | Op::Down { w }
+            | Op::Up { w } => name(w),
+        };
+        if !self.workers.contains_key(&w) {
+            if matches!(op, Op::Down { .. }) {
+                return;
+            }
+            self.workers.insert(w.clone(), (true, BTreeMap::new()));
+        }
+        let (up, blocks) = self.workers.get_mut(&w).unwrap();
+        match op {
+            Op::Down { .. } => {
+                *up = false;
+                blocks.clear();
+            }
+            Op::Up { .. } => *up = true,
+            _ if !*up => {}
+            Op::Metrics { .. } => {}
+            Op::Clear { .. } => blocks.clear(),
+            Op::Store {
+                c,
+                start,
+                len,
+                tier,
+                ..
+            } => {
+                let hashes = chain_hashes(*c);
+                // Only GPU blocks are in the index; a store needs its parent held.
+                if *tier != Tier::Gpu || (*start > 0 && !blocks.contains_key(&hashes[start - 1])) {
+                    return;
+                }
+                for h in &hashes[*start..(start + len).min(LEN)] {
+                    *blocks.entry(*h).or_default() += 1;
+                }
+            }
+            Op::Remove { c, pos, .. } => {
+                let h = chain_hashes(*c)[*pos];
+                if let Some(n) = blocks.get_mut(&h) {
+                    *n -= 1;
+                    if *n == 0 {
+                        blocks.remove(&h);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Per chain: for each worker holding its first block, how many leading blocks it holds.
+    fn answers(&self) -> Vec<BTreeMap<String, u32>> {
+        (0..CHAINS)
+            .map(|c| {
+                let hashes = chain_hashes(c);
+                self.workers
+                    .iter()
+                    .filter_map(|(w, (_, blocks))| {
+                        let n = hashes.iter().take_while(|h| blocks.contains_key(h)).count();
+                        (n > 0).then(|| (w.clone(), n as u32))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// The state's answers with worker names instead of ids (the model knows no ids).
+fn named_answers(sm: &StateMachine) -> Vec<BTreeMap<String, u32>> {
+    let view = sm.handle().load();
+    let names: BTreeMap<u64, String> = view.pools["p"]
+        .workers
+        .iter()
+        .map(|w| (w.id, w.name.clone()))
+        .collect();
+    answers(sm)
+        .into_iter()
+        .map(|a| {
+            a.into_iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|((id, _), n)| (names[&id].clone(), n))
+                .collect()
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn the_index_answers_as_a_plain_map_of_blocks_per_worker_does(
+        ops in prop::collection::vec(op(), 1..160),
+    ) {
+        // One entry per message, so the model can be compared after each.
+        let cuts = vec![true; ops.len()];
+        let es = entries(&ops, &cuts, 1);
+        let mut sm = StateMachine::new();
+        sm.apply(&es[0]).unwrap();
+        let mut model = Model::default();
+        for (e, op) in es[1..].iter().zip(&ops) {
+            sm.apply(e).unwrap();
+            model.apply(op);
+            prop_assert_eq!(named_answers(&sm), model.answers(), "after {:?}", op);
+        }
+    }
 
     #[test]
     fn same_entries_give_the_same_digest_and_answers(
