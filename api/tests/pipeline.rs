@@ -122,7 +122,7 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
     let mut f = pools_node(&[]);
     f.caches("default", "w0", &prompt[..128], 16, None, None)
         .load("default", "w1", 2, 0.5);
-    let s = f.service();
+    let s = f.service_with_stopped_clock();
     // A request routed and not reported: it is in w0's queue.
     route(&s, request("first", "m", &[], prompt.clone()));
     let a = explain(&s, request("probe", "m", &[], prompt.clone()));

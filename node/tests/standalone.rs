@@ -231,3 +231,27 @@ async fn a_node_of_its_own_stays_ready_as_its_own_quorum() {
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(node.readyz().await, (200, "ready".to_owned()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_recorded_at_a_wildcard_address_refuses_to_grow() {
+    let one = NodeOptions {
+        grpc_listen: format!("0.0.0.0:{}", harness::free_port()),
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(1, &one);
+    let node = &cluster.nodes[0];
+    harness::wait_for("the node ready", Duration::from_secs(20), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
+    let err = node
+        .admin()
+        .await
+        .add_member(kvplane_proto::v1::AddMemberRequest {
+            id: 2,
+            addr: "127.0.0.1:1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("set raft.advertise_addr"), "{err}");
+}

@@ -413,6 +413,24 @@ impl crate::ClusterControl for RaftMember {
     ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
             self.leader_only()?;
+            // Members reach each other at the addresses the membership records: a wildcard
+            // one (a node that listens on 0.0.0.0 and advertises nothing) reaches no one.
+            let wildcard = |a: &str| {
+                a.parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.ip().is_unspecified())
+            };
+            if wildcard(&self.membership.addr) {
+                return Err(crate::ClusterError::Failed(format!(
+                    "this member is recorded at {}, which other members cannot reach: set \
+                     raft.advertise_addr first",
+                    self.membership.addr
+                )));
+            }
+            if wildcard(&addr) {
+                return Err(crate::ClusterError::Failed(format!(
+                    "{addr} is not an address other members can reach"
+                )));
+            }
             self.raft
                 .add_learner(id, BasicNode::new(addr.clone()), true)
                 .await

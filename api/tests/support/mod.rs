@@ -190,6 +190,15 @@ impl TestFleet {
     pub fn service(&self) -> RouterService {
         RouterService::new(self.sm.handle(), CostModel::default(), Arc::default())
     }
+
+    /// The same service with its predictor's clock stopped at the current time, for tests that
+    /// compare two answers: a queue's remaining time shrinks as the wall clock runs.
+    pub fn service_with_stopped_clock(&self) -> RouterService {
+        let now = kvplane_api::predict::wall_clock()();
+        let clock: kvplane_api::predict::Clock = Arc::new(move || now);
+        self.service()
+            .with_predictor(Arc::new(kvplane_api::predict::Predictor::new(clock)))
+    }
 }
 
 /// `n` distinct prompt tokens starting at `seed * 10_000`.
