@@ -637,10 +637,12 @@ impl StateMachine {
             .u64(self.last_seq)
             .u64(self.next_worker_id);
         h.u64(self.config.len() as u64);
-        for ((kind, name), value) in &self.config {
-            h.str(kind).str(name).bytes(value);
+        // Owners are keyed as `config` is (a subset of its keys): walked beside it, in order.
+        let mut owners = self.owners.iter().peekable();
+        for (key, value) in &self.config {
+            h.str(&key.0).str(&key.1).bytes(value);
             // An object from before owners hashes as it did then.
-            if let Some(o) = self.owners.get(&(kind.clone(), name.clone())) {
+            if let Some((_, o)) = owners.next_if(|(k, _)| *k == key) {
                 h.str(o.as_str());
             }
         }
