@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::config::{Config, Overrides};
-use crate::route_cmd::{self, RouteArgs, StatusArgs};
+use kvplane_bench::{BenchCmd, demo, sim_engine};
+use kvplane_cli::route::{self, RouteArgs, StatusArgs};
+use kvplane_cli::{cluster, config as config_cmd, explain, validate};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -26,7 +28,7 @@ enum Cmd {
     Route(RouteArgs),
     /// Show every candidate a node considered for a request, and why it won or lost; offline
     /// with `--state SNAPSHOT_OR_ADDR` and/or `--policies DIR`.
-    Explain(crate::explain_cmd::ExplainArgs),
+    Explain(explain::ExplainArgs),
     /// Show a node's state: applied index, digest, workers, ingest position.
     Status(StatusArgs),
     /// Simulators.
@@ -37,24 +39,24 @@ enum Cmd {
     /// An OpenAI-compatible HTTP gateway that routes with kvplane.
     Gateway(crate::gateway_cmd::GatewayArgs),
     /// Run a local fleet end to end and compare kvplane with round-robin.
-    Demo(crate::demo::DemoArgs),
+    Demo(demo::DemoArgs),
     /// Raft membership: status, add, remove.
-    Cluster(crate::cluster_cmd::ClusterArgs),
+    Cluster(cluster::ClusterArgs),
     /// Config objects: put (as admin), delete (as admin or on behalf of their owner).
-    Config(crate::config_cmd::ConfigArgs),
+    Config(config_cmd::ConfigArgs),
     /// Check policy YAML offline: every problem, with file, document and field path.
-    Validate(crate::policy_cmd::ValidateArgs),
+    Validate(validate::ValidateArgs),
     /// Print the CustomResourceDefinitions of the five policy kinds.
     Crds,
     /// Benchmarks (JSON on stdout).
     #[command(subcommand)]
-    Bench(crate::bench::BenchCmd),
+    Bench(BenchCmd),
 }
 
 #[derive(Debug, Subcommand)]
 enum SimCmd {
     /// One simulated vLLM engine (OpenAI API, /metrics, ZMQ KV events).
-    Engine(crate::sim_cmd::SimEngineArgs),
+    Engine(sim_engine::SimEngineArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -77,12 +79,12 @@ pub fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         },
-        Cmd::Route(a) => rt.block_on(route_cmd::route(a, false)),
-        Cmd::Explain(a) => rt.block_on(crate::explain_cmd::run(a)),
-        Cmd::Status(a) => rt.block_on(route_cmd::status(a)),
+        Cmd::Route(a) => rt.block_on(route::route(a, false)),
+        Cmd::Explain(a) => rt.block_on(explain::run(a)),
+        Cmd::Status(a) => rt.block_on(route::status(a)),
         Cmd::Sim(SimCmd::Engine(a)) => rt.block_on(async {
             let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-sim");
-            let r = crate::sim_cmd::engine(a, shutdown_signal()).await;
+            let r = sim_engine::engine(a, shutdown_signal()).await;
             t.shutdown();
             r
         }),
@@ -98,13 +100,13 @@ pub fn main() -> ExitCode {
             t.shutdown();
             r
         }),
-        Cmd::Demo(a) => rt.block_on(crate::demo::run(a)),
-        Cmd::Cluster(a) => rt.block_on(crate::cluster_cmd::run(a)),
-        Cmd::Config(a) => rt.block_on(crate::config_cmd::run(a)),
-        Cmd::Bench(c) => rt.block_on(crate::bench::run(c)),
-        Cmd::Validate(a) => crate::policy_cmd::validate(&a),
+        Cmd::Demo(a) => rt.block_on(demo::run(a)),
+        Cmd::Cluster(a) => rt.block_on(cluster::run(a)),
+        Cmd::Config(a) => rt.block_on(config_cmd::run(a)),
+        Cmd::Bench(c) => rt.block_on(kvplane_bench::run(c)),
+        Cmd::Validate(a) => validate::validate(&a),
         Cmd::Crds => {
-            crate::policy_cmd::crds();
+            validate::crds();
             Ok(())
         }
     };

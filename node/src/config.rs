@@ -61,7 +61,7 @@ pub struct Config {
     /// Admission against tenant limits.
     pub quota: QuotaSection,
     /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
-    pub policy_kubernetes: Option<crate::kube_source::KubeSourceSection>,
+    pub policy_kubernetes: Option<crate::sources::kubernetes::KubeSourceSection>,
     /// Replication. Absent (or with no peers, join addresses or kubernetes): a one-member
     /// cluster of its own.
     pub raft: RaftSection,
@@ -101,6 +101,14 @@ pub struct PoolSection {
 }
 
 impl Config {
+    /// The `[[tokenizers]]` as (model, directory) pairs.
+    pub fn tokenizer_dirs(&self) -> Vec<(String, PathBuf)> {
+        self.tokenizers
+            .iter()
+            .map(|t| (t.model.clone(), t.dir.clone()))
+            .collect()
+    }
+
     /// The pools declared at start: those of the config, else `default` (block size 16,
     /// serving every model) when no policy source is set. With a policy source the worker
     /// sets are the fleet: a catch-all pool beside them would serve every model nobody

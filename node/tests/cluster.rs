@@ -9,8 +9,8 @@ mod harness;
 use std::time::{Duration, Instant};
 
 use harness::{
-    NodeOptions, chain, kvplane_ok, prompt, publish, publish_chains, routed_worker, started,
-    wait_for,
+    NodeOptions, chain, eventually, kvplane_ok, prompt, publish, publish_chains, routed_worker,
+    started,
 };
 use kvplane_ingest::{kv_subject, worker_subject};
 use kvplane_proto::v1::RouteRequest;
@@ -55,7 +55,7 @@ async fn killing_the_leader_mid_ingest_loses_and_repeats_nothing() {
     let mut n = 0u64;
     let mut failovers = Vec::new();
     for _round in 0..5 {
-        let leader = wait_for("a leader", Duration::from_secs(20), || {
+        let leader = eventually("a leader", Duration::from_secs(20), || {
             cluster.leader(&[0, 1, 2])
         })
         .await;
@@ -219,7 +219,7 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
     };
     cluster.add_node("kvplane-2-again", &o);
     let any = cluster.nodes[0].endpoint();
-    let status = wait_for(
+    let status = eventually(
         "the new incarnation to replace the old one",
         Duration::from_secs(30),
         || async {

@@ -9,7 +9,7 @@ mod harness;
 use std::time::{Duration, Instant};
 
 use harness::{Cluster, Nats, Node, NodeOptions, RaftOptions, prompt, publish_chains};
-use harness::{routed_worker, started, wait_for};
+use harness::{eventually, routed_worker, started};
 use kvplane_ingest::ensure_stream;
 use kvplane_proto::v1::{
     PutConfigRequest, ReadConsistency, RouteRequest, StatusRequest, route_response::Decision,
@@ -182,7 +182,7 @@ async fn a_frozen_leader_is_replaced_and_follows_after_it_resumes() {
 
     cluster.nodes[leader].pause();
     let paused_at = Instant::now();
-    let new_leader = wait_for("a new leader", Duration::from_secs(20), || {
+    let new_leader = eventually("a new leader", Duration::from_secs(20), || {
         cluster.leader(&rest)
     })
     .await;
@@ -224,7 +224,7 @@ async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot
     let last = publish_chains(&js, 5, 80).await;
     let rest: Vec<usize> = (0..3).filter(|i| *i != away).collect();
     cluster.all_agree(&rest, last).await;
-    let purged = wait_for(
+    let purged = eventually(
         "the leader to purge its log",
         Duration::from_secs(20),
         || async {

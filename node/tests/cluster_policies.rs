@@ -8,7 +8,7 @@ mod harness;
 use std::path::Path;
 use std::time::Duration;
 
-use harness::{Cluster, NodeOptions, wait_for};
+use harness::{Cluster, NodeOptions, eventually};
 
 const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
 
@@ -23,7 +23,7 @@ fn copy_examples(to: &Path) {
 /// Waits until all replicas report the same policy generation, past `after`, with `objects`
 /// policy objects; returns the generation.
 async fn generation(cluster: &Cluster, after: u64, objects: u32) -> u64 {
-    wait_for(
+    eventually(
         "every replica at one policy generation",
         Duration::from_secs(30),
         || async {
@@ -61,7 +61,7 @@ async fn a_policy_change_reaches_every_replica_at_the_same_index() {
     // An invalid edit is refused: nothing changes, the problem is counted.
     std::fs::write(dir.join("7-broken.yaml"), "apiVersion: kvplane.io/v1alpha1\nkind: InferencePool\nmetadata: {name: x}\nspec: {workerSets: [nope]}\n").unwrap();
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
-    wait_for(
+    eventually(
         "the leader to refuse the directory",
         Duration::from_secs(20),
         || async {

@@ -10,7 +10,7 @@ mod harness;
 use std::path::Path;
 use std::time::Duration;
 
-use harness::{Cluster, NodeOptions, kvplane_ok, metric_value, wait_for};
+use harness::{Cluster, NodeOptions, eventually, kvplane_ok, metric_value};
 use kvplane_proto::v1::{DeleteConfigRequest, PutConfigRequest, StatusResponse};
 
 const SET: &str = "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n";
@@ -138,7 +138,7 @@ async fn the_directory_and_admin_keep_their_own_objects_and_neither_overwrites_t
     // The directory emptied (a lost mount, say): nothing is deleted...
     std::fs::remove_file(policies.path().join("provider.yaml")).unwrap();
     std::fs::remove_file(policies.path().join("set.yaml")).unwrap();
-    wait_for(
+    eventually(
         "the kept objects counted",
         Duration::from_secs(20),
         || async {

@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, NodeOptions, wait_for};
+use harness::{Cluster, Engine, NodeOptions, eventually};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -19,7 +19,7 @@ fn words(tag: &str, n: usize) -> String {
 }
 
 async fn wait_workers_up(node: &harness::Node, n: usize) {
-    wait_for(
+    eventually(
         &format!("{n} workers up"),
         Duration::from_secs(30),
         || async {
@@ -110,7 +110,7 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     )
     .await;
     let second = chat("a second, different question");
-    wait_for(
+    eventually(
         "kvplane to index engine-2's blocks",
         Duration::from_secs(20),
         || async {
@@ -150,7 +150,7 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     assert_eq!(hits_after[2], hits_before[2]);
 
     // The gateway reported the usage back to kvplane.
-    wait_for("usage reported", Duration::from_secs(10), || async {
+    eventually("usage reported", Duration::from_secs(10), || async {
         let m = node.metrics().await;
         m.contains(r#"kvplane_usage_reports_total{outcome="known"} 1"#)
             .then_some(())
@@ -204,7 +204,7 @@ async fn the_bridge_fills_dropped_and_missed_batches_from_replay() {
     }
     for i in 0..5 {
         let p = prompt(i);
-        wait_for(
+        eventually(
             &format!("prompt {i} indexed"),
             Duration::from_secs(20),
             || async {
@@ -239,7 +239,7 @@ async fn the_bridge_fills_dropped_and_missed_batches_from_replay() {
     for i in 5..9 {
         let p = prompt(i);
         let bridge_log = engine.bridge.current_log();
-        wait_for(
+        eventually(
             &format!("prompt {i} indexed after the bridge restart; bridge log:\n{bridge_log}"),
             Duration::from_secs(20),
             || async {
@@ -329,7 +329,7 @@ async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_mode
     .await;
     let first: serde_json::Value = first.json().await.unwrap();
     let second = chat("And of Germany? Größe, 東京 🚀");
-    let (worker, matched, prompt_blocks) = wait_for(
+    let (worker, matched, prompt_blocks) = eventually(
         "kvplane to index engine-2's blocks of the system prompt",
         Duration::from_secs(20),
         || async {
@@ -377,7 +377,7 @@ async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_mode
         &with("chatml-lora", None),
     )
     .await;
-    let adapter = wait_for(
+    let adapter = eventually(
         "the adapter's blocks indexed",
         Duration::from_secs(20),
         || async {
@@ -398,7 +398,7 @@ async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_mode
         &with("chatml-style", Some("alice")),
     )
     .await;
-    wait_for(
+    eventually(
         "alice's salted blocks indexed",
         Duration::from_secs(20),
         || async {

@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, free_port, wait_for};
+use harness::{Cluster, Engine, eventually, free_port};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -75,7 +75,7 @@ async fn an_engine_restart_and_a_nats_restart_lose_nothing() {
 
     // The engine dies: the bridge announces it down and kvplane forgets its cache.
     engine.sim.kill();
-    wait_for("worker down", Duration::from_secs(30), || async {
+    eventually("worker down", Duration::from_secs(30), || async {
         let s = cluster.nodes[0].status().await;
         s.workers
             .first()
@@ -86,7 +86,7 @@ async fn an_engine_restart_and_a_nats_restart_lose_nothing() {
     // It comes back empty on the same ports: the bridge resubscribes, the worker is up again,
     // and what it caches from now on is routable; what it lost is not.
     engine.sim.restart();
-    wait_for("worker up again", Duration::from_secs(30), || async {
+    eventually("worker up again", Duration::from_secs(30), || async {
         let s = cluster.nodes[0].status().await;
         s.workers.first().is_some_and(|w| w.up).then_some(())
     })

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use harness::{Cluster, prompt, wait_for};
+use harness::{Cluster, eventually, prompt};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -120,7 +120,7 @@ async fn a_route_call_with_a_traceparent_continues_that_trace_with_the_decision_
     let r = router.route(call).await.unwrap().into_inner();
     assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
 
-    let spans = wait_for("the trace's spans", Duration::from_secs(20), || async {
+    let spans = eventually("the trace's spans", Duration::from_secs(20), || async {
         let ours: Vec<Span> = collector
             .spans()
             .into_iter()
@@ -185,7 +185,7 @@ async fn a_route_call_with_a_traceparent_continues_that_trace_with_the_decision_
         .send()
         .await
         .unwrap();
-    let server = wait_for(
+    let server = eventually(
         "the gateway's trace in kvplane",
         Duration::from_secs(20),
         || async {
@@ -200,7 +200,7 @@ async fn a_route_call_with_a_traceparent_continues_that_trace_with_the_decision_
 
     // The leader's own work is traced too: the quota grant it proposed and applied, the
     // ingest batch of the worker's announcement.
-    wait_for("raft and ingest spans", Duration::from_secs(20), || async {
+    eventually("raft and ingest spans", Duration::from_secs(20), || async {
         let names: Vec<String> = collector.spans().into_iter().map(|s| s.name).collect();
         ["raft.propose", "raft.apply", "ingest.batch"]
             .iter()
@@ -239,7 +239,7 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
     let r = router.route(big).await.unwrap().into_inner();
     assert!(matches!(r.decision, Some(Decision::Rejection(_))), "{r:?}");
     // The Raft gauges are sampled every second.
-    let scrape = wait_for("raft gauges", Duration::from_secs(10), || async {
+    let scrape = eventually("raft gauges", Duration::from_secs(10), || async {
         let text = node.metrics().await;
         let body = text
             .split_once("\r\n\r\n")
@@ -386,7 +386,7 @@ async fn readiness_goes_off_on_a_replica_cut_off_from_the_quorum_and_back_when_h
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
     let cut = (leader + 1) % 3;
     cluster.isolate(cut).await;
-    let why = wait_for(
+    let why = eventually(
         "the cut replica not ready",
         Duration::from_secs(20),
         || async {
@@ -406,7 +406,7 @@ async fn readiness_goes_off_on_a_replica_cut_off_from_the_quorum_and_back_when_h
         );
     }
     cluster.heal().await;
-    wait_for(
+    eventually(
         "the healed replica ready",
         Duration::from_secs(20),
         || async { (cluster.nodes[cut].readyz().await.0 == 200).then_some(()) },

@@ -308,7 +308,7 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
     };
     // The other replica learns it over NATS and counts it in that worker's queue.
     let mut other = cluster.nodes[1].router().await;
-    let x = harness::wait_for(
+    let x = harness::eventually(
         "the other replica to count the routed request",
         std::time::Duration::from_secs(5),
         || {

@@ -11,7 +11,7 @@ mod harness;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use harness::{Cluster, prompt, wait_for};
+use harness::{Cluster, eventually, prompt};
 use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
 
 /// Budgets per 2 s window: acme 20,000 tokens, beta 10,000.
@@ -250,7 +250,7 @@ async fn the_limit_holds_with_a_node_partitioned_and_after_the_leader_is_killed(
     // A follower cut off mid-run spends what it holds, then refuses: fail closed.
     let run = (now_ms(), 0);
     let clients = spawn_clients(&cluster, &["acme"], 2, Duration::from_millis(6000));
-    wait_for(
+    eventually(
         "the first window's grants",
         Duration::from_secs(10),
         || async { (!node_records(&cluster, &all).await.is_empty()).then_some(()) },
@@ -274,7 +274,7 @@ async fn the_limit_holds_with_a_node_partitioned_and_after_the_leader_is_killed(
     let run = (now_ms(), 0);
     let survivors: Vec<usize> = all.iter().copied().filter(|&i| i != leader).collect();
     let clients = spawn_clients(&cluster, &["acme"], 2, Duration::from_millis(7000));
-    wait_for("grants in this run", Duration::from_secs(10), || async {
+    eventually("grants in this run", Duration::from_secs(10), || async {
         let r = node_records(&cluster, &survivors).await;
         r.keys()
             .any(|(_, w)| *w >= run.0 - run.0 % WINDOW_MS)
@@ -319,7 +319,7 @@ async fn a_burst_on_a_replica_releasing_its_escrow_never_takes_the_window_over_i
     let follower = &cluster.nodes[f];
     let mut router = follower.router().await;
     // The schedule needs most of one window: start at the beginning of one.
-    wait_for("a window to begin", Duration::from_secs(12), || async {
+    eventually("a window to begin", Duration::from_secs(12), || async {
         (now_ms() % WINDOW < 300).then_some(())
     })
     .await;
@@ -340,7 +340,7 @@ async fn a_burst_on_a_replica_releasing_its_escrow_never_takes_the_window_over_i
     follower
         .block(vec![cluster.nodes[leader].raft_id.unwrap()])
         .await;
-    wait_for("the follower's release", Duration::from_secs(5), || async {
+    eventually("the follower's release", Duration::from_secs(5), || async {
         let m = follower.metrics().await;
         (harness::metric_value(&m, "kvplane_quota_released_tokens_total") > 0.0).then_some(())
     })

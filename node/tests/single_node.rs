@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, NodeOptions, publish, wait_for};
+use harness::{Cluster, NodeOptions, eventually, publish};
 use kvplane_ingest::vllm::encode_batch;
 use kvplane_ingest::{ensure_stream, kv_subject, worker_subject};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
@@ -348,7 +348,7 @@ async fn bad_input_is_counted_and_skipped_and_the_node_keeps_serving() {
     let more: Vec<u32> = (7_000..7_032).collect();
     let last = publish(&js, kv_subject("default", "c"), chain_batch(&more, 16, 6)).await;
     node.wait_applied_seq(last).await;
-    let c = wait_for("worker c routable", Duration::from_secs(5), || async {
+    let c = eventually("worker c routable", Duration::from_secs(5), || async {
         let c = route(node, &more).await;
         (c.worker == "c").then_some(c)
     })

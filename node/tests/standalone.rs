@@ -101,7 +101,7 @@ async fn an_acknowledged_config_write_and_quota_grant_survive_kill_9() {
     )
     .await;
     let node = &mut cluster.nodes[0];
-    harness::wait_for("the worker is up", Duration::from_secs(20), || async {
+    harness::eventually("the worker is up", Duration::from_secs(20), || async {
         node.status()
             .await
             .workers
@@ -240,7 +240,7 @@ async fn a_node_recorded_at_a_wildcard_address_refuses_to_grow() {
     };
     let cluster = Cluster::start_with(1, &one);
     let node = &cluster.nodes[0];
-    harness::wait_for("the node ready", Duration::from_secs(20), || async {
+    harness::eventually("the node ready", Duration::from_secs(20), || async {
         (node.readyz().await.0 == 200).then_some(())
     })
     .await;

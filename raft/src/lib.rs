@@ -41,7 +41,7 @@ pub use log_store::{LogStore, LogStoreError};
 pub use member::{MemberError, RaftLog, RaftMember, STATE_DIR, role_name};
 pub use network::{LeaderContact, Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
-pub use section::{KubernetesSection, Membership, PeerSection, Pod, RaftSection};
+pub use section::{KubernetesSection, Membership, PeerSection, Pod, RaftSection, SectionError};
 pub use state_machine::{OnApplied, ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
 pub use statefulset::run as follow_statefulset;
 

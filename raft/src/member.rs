@@ -295,6 +295,15 @@ impl RaftMember {
         }
     }
 
+    /// Stops this member: a final snapshot (waited for at most `timeout`, so a restart replays
+    /// little), then Raft itself.
+    pub async fn stop(&self, timeout: Duration) {
+        self.final_snapshot(timeout).await;
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::warn!(error = %e, "raft did not shut down cleanly");
+        }
+    }
+
     /// This node's role, as Status reports it.
     pub fn role(&self) -> String {
         role_name(self.raft.metrics().borrow_watched().state).to_owned()
@@ -533,7 +542,7 @@ pub fn role_name(state: ServerState) -> &'static str {
 #[derive(Debug, thiserror::Error)]
 pub enum MemberError {
     #[error("raft: {0}")]
-    Config(String),
+    Config(#[from] crate::section::SectionError),
     #[error("raft data: {0}")]
     Io(#[from] std::io::Error),
     #[error("raft log: {0}")]

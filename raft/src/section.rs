@@ -112,18 +112,15 @@ impl KubernetesSection {
         10_000
     }
 
-    fn pod_name(&self) -> Result<String, String> {
+    fn pod_name(&self) -> Result<String, SectionError> {
         match &self.pod_name {
             Some(p) => Ok(p.clone()),
-            None => std::env::var("HOSTNAME").map_err(|_| {
-                "raft.kubernetes.pod_name is not set and HOSTNAME is not in the environment"
-                    .to_owned()
-            }),
+            None => std::env::var("HOSTNAME").map_err(|_| SectionError::NoPodName),
         }
     }
 
     /// The namespace, from the section or the pod's environment.
-    pub fn namespace(&self) -> Result<String, String> {
+    pub fn namespace(&self) -> Result<String, SectionError> {
         const MOUNTED: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
         if let Some(n) = &self.namespace {
             return Ok(n.clone());
@@ -135,9 +132,7 @@ impl KubernetesSection {
         }
         std::fs::read_to_string(MOUNTED)
             .map(|n| n.trim().to_owned())
-            .map_err(|_| {
-                format!("raft.kubernetes.namespace is not set, nor POD_NAMESPACE, nor {MOUNTED}")
-            })
+            .map_err(|_| SectionError::NoNamespace(MOUNTED))
     }
 
     fn addr(&self, pod: &str, namespace: &str, port: u16) -> String {
@@ -241,19 +236,19 @@ impl RaftSection {
     /// cluster (only once every other existing pod said it has none, see
     /// [`crate::identity`]). Its id here is `n + 1`, replaced at start by the id kept on its
     /// volume.
-    pub fn membership(&self, grpc_listen: &str) -> Result<Membership, String> {
+    pub fn membership(&self, grpc_listen: &str) -> Result<Membership, SectionError> {
         if let Some(k) = &self.kubernetes {
             let pod = k.pod_name()?;
             let (set, ordinal) = pod
                 .rsplit_once('-')
                 .and_then(|(set, n)| Some((set, n.parse::<u64>().ok()?)))
-                .ok_or_else(|| format!("pod name {pod:?} is not <statefulset>-<ordinal>"))?;
+                .ok_or_else(|| SectionError::PodName(pod.clone()))?;
             let port = match k.port {
                 Some(p) => p,
                 None => grpc_listen
                     .parse::<SocketAddr>()
                     .map(|a| a.port())
-                    .map_err(|_| format!("grpc_listen {grpc_listen:?} has no port"))?,
+                    .map_err(|_| SectionError::NoPort(grpc_listen.to_owned()))?,
             };
             let namespace = k.namespace()?;
             let id = ordinal + 1;
@@ -282,7 +277,7 @@ impl RaftSection {
         let id = match self.id {
             Some(id) => id,
             None if self.is_single() => 1,
-            None => return Err("raft.id is required with raft.peers or raft.join".into()),
+            None => return Err(SectionError::NoId),
         };
         let addr = self
             .advertise_addr
@@ -327,7 +322,7 @@ impl RaftSection {
             );
         }
         if let Err(e) = self.membership(grpc_listen) {
-            p.push(e);
+            p.push(e.to_string());
         }
         if let Some(id) = self.id
             && !self.peers.is_empty()
@@ -379,6 +374,21 @@ fn is_host_port(a: &str) -> bool {
     a.parse::<SocketAddr>().is_ok()
         || a.rsplit_once(':')
             .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+}
+
+/// Why a `[raft]` section names no membership for this member.
+#[derive(Debug, thiserror::Error)]
+pub enum SectionError {
+    #[error("raft.kubernetes.pod_name is not set and HOSTNAME is not in the environment")]
+    NoPodName,
+    #[error("pod name {0:?} is not <statefulset>-<ordinal>")]
+    PodName(String),
+    #[error("grpc_listen {0:?} has no port")]
+    NoPort(String),
+    #[error("raft.kubernetes.namespace is not set, nor POD_NAMESPACE, nor {0}")]
+    NoNamespace(&'static str),
+    #[error("raft.id is required with raft.peers or raft.join")]
+    NoId,
 }
 
 #[cfg(test)]

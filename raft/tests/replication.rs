@@ -101,15 +101,8 @@ async fn start_in(
     )
 }
 
-async fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait_for<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    kvplane_testkit::eventually_sync(what, Duration::from_secs(20), f).await
 }
 
 fn leader_of(nodes: &[&TestNode]) -> Option<u64> {

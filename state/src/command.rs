@@ -48,6 +48,31 @@ pub enum Command {
 }
 
 impl Command {
+    /// The one `ConfigApply` by `owner` that turns the catalog `current` into `desired`, with
+    /// its numbers of puts and deletes; `None` when they are equal.
+    pub fn config_change(
+        current: &kvplane_policy::Catalog,
+        desired: &kvplane_policy::Catalog,
+        owner: Option<crate::Owner>,
+    ) -> Option<(Self, usize, usize)> {
+        let (puts, deletes) = current.diff(desired);
+        if puts.is_empty() && deletes.is_empty() {
+            return None;
+        }
+        let command = Self::ConfigApply {
+            owner,
+            puts: puts.iter().map(ConfigObject::policy).collect(),
+            deletes: deletes
+                .iter()
+                .map(|(k, n)| ConfigKey {
+                    kind: k.as_str().to_owned(),
+                    name: n.clone(),
+                })
+                .collect(),
+        };
+        Some((command, puts.len(), deletes.len()))
+    }
+
     /// Its name, for logs and traces.
     pub fn kind(&self) -> &'static str {
         match self {

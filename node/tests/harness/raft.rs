@@ -7,7 +7,7 @@ use kvplane_ingest::vllm::encode_batch;
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use kvplane_state::{KvBatch, KvEvent, Tier};
 
-use super::{Cluster, Node, NodeOptions, publish, wait_for};
+use super::{Cluster, Node, NodeOptions, eventually, publish};
 
 /// Publishes KV chains `from..to` (worker `w{i % 3}` of pool `default`, salt `i + 1`) and
 /// returns the last stream sequence.
@@ -73,7 +73,7 @@ pub async fn started(o: &NodeOptions) -> (Cluster, async_nats::jetstream::Contex
     let cluster = Cluster::start_raft(3, o);
     let js = cluster.nats.jetstream().await;
     ensure_stream(&js, "KVPLANE").await.unwrap();
-    wait_for("a leader", Duration::from_secs(20), || {
+    eventually("a leader", Duration::from_secs(20), || {
         cluster.leader(&[0, 1, 2])
     })
     .await;
@@ -154,31 +154,5 @@ pub async fn started_with_limits_and(
             );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-impl Cluster {
-    /// Waits until every node in `among` applied the stream up to `last` and all report the
-    /// same digest and index size; returns the digest.
-    pub async fn all_agree(&self, among: &[usize], last: u64) -> String {
-        wait_for(
-            "every replica to apply the stream and agree",
-            Duration::from_secs(30),
-            || async {
-                let mut digests = Vec::new();
-                for &i in among {
-                    let s = self.nodes[i].status().await;
-                    if s.ingest.as_ref().map_or(0, |g| g.applied_stream_sequence) < last {
-                        return None;
-                    }
-                    digests.push((s.state_digest, s.indexed_blocks));
-                }
-                digests
-                    .windows(2)
-                    .all(|w| w[0] == w[1])
-                    .then(|| digests[0].0.clone())
-            },
-        )
-        .await
     }
 }

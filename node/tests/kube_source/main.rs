@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use fake_api::FakeApi;
 use kube::CustomResourceExt;
-use kvplane_node::kube_source::{self, KubeSourceMetrics};
+use kvplane_node::sources::{
+    self,
+    kubernetes::{self as kube_source, KubeSourceMetrics},
+};
 use kvplane_policy::kinds::{
     GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
 };
@@ -73,15 +76,8 @@ fn accepted(status: &Value) -> (&str, &str, i64) {
     )
 }
 
-async fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait<T>(what: &str, f: impl FnMut() -> Option<T>) -> T {
+    kvplane_testkit::eventually_sync(what, Duration::from_secs(20), f).await
 }
 
 struct Source {
@@ -115,12 +111,14 @@ async fn start(api: FakeApi) -> Source {
         api.client(NS),
         NS.into(),
         Duration::from_millis(50),
-        log,
-        state.clone(),
-        move || l.load(Ordering::SeqCst),
+        sources::Context {
+            log,
+            state: state.clone(),
+            leading: Arc::new(move || l.load(Ordering::SeqCst)),
+            synced: Arc::new(tokio::sync::watch::channel(0).0),
+            tokenizers: Arc::default(),
+        },
         Arc::new(KubeSourceMetrics::default()),
-        Arc::new(tokio::sync::watch::channel(0).0),
-        Arc::default(),
         stop_rx,
     ));
     Source {

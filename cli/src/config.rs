@@ -46,7 +46,7 @@ pub enum ConfigCmd {
 }
 
 pub async fn run(a: ConfigArgs) -> anyhow::Result<()> {
-    let mut c = crate::cluster_cmd::connect(&a.addr).await?;
+    let mut c = crate::cluster::connect(&a.addr).await?;
     let written = match a.command {
         ConfigCmd::Put { kind, name, file } => {
             let value = if file == "-" {

@@ -20,8 +20,8 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, PeerSection, RaftSection};
 use kvplane_raft::RaftMember;
+use kvplane_raft::{PeerSection, RaftSection};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterBenchArgs {
@@ -171,15 +171,22 @@ fn rate(seconds: f64, entries: u64, events: u64) -> Rate {
     }
 }
 
+/// Where one member listens and keeps its files, and its `[raft]` section.
+struct MemberConfig {
+    grpc_listen: String,
+    data_dir: std::path::PathBuf,
+    raft: RaftSection,
+}
+
 /// One in-process member: Raft plus its gRPC server.
 struct Member {
-    cfg: Config,
+    cfg: MemberConfig,
     raft: Option<RaftMember>,
     server: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
 }
 
 impl Member {
-    async fn start(cfg: Config) -> anyhow::Result<Self> {
+    async fn start(cfg: MemberConfig) -> anyhow::Result<Self> {
         let mut m = Self {
             cfg,
             raft: None,
@@ -247,7 +254,7 @@ fn member_config(
     i: usize,
     addrs: &[SocketAddr],
     election: [u64; 2],
-) -> anyhow::Result<Config> {
+) -> anyhow::Result<MemberConfig> {
     let peers: Vec<PeerSection> = addrs
         .iter()
         .enumerate()
@@ -267,12 +274,10 @@ fn member_config(
         snapshot_logs: 1_000_000,
         ..RaftSection::default()
     };
-    Ok(Config {
-        node_id: format!("bench-{i}"),
+    Ok(MemberConfig {
         data_dir: dir.join(format!("node-{i}")),
         grpc_listen: addrs[i].to_string(),
         raft,
-        ..Config::default()
     })
 }
 

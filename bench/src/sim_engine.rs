@@ -1,4 +1,4 @@
-//! `kvplane sim engine`: one simulated vLLM engine.
+//! `kvplane sim engine`: one simulated vLLM engine, as a command-line role.
 
 use kvplane_sim::EngineParams;
 use kvplane_sim::server::{SimConfig, run};

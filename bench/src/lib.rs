@@ -1,8 +1,14 @@
-//! `kvplane bench ...`: benchmarks that print JSON.
+//! Whole-system drivers of the `kvplane` binary: `kvplane bench ...` (benchmarks that print
+//! JSON, checked in CI in their small modes), `kvplane demo` (a local fleet end to end) and
+//! `kvplane sim engine` (one simulated vLLM engine, the demo's and the tests' fleet).
+//! They start real Raft members, drive `api/`'s RouterService on `state/`, and run `sim/`'s
+//! engine model; none of it runs inside a node.
 
 pub mod cluster;
+pub mod demo;
 mod grants;
 pub(crate) mod routing;
+pub mod sim_engine;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCmd {

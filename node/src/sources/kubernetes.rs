@@ -28,6 +28,8 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use super::Context;
+
 /// `[policy_kubernetes]` of the node config.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -137,7 +139,7 @@ fn submitted(
             name: name.clone(),
             object: parse(*kind, name, o).and_then(|obj| match &obj.spec {
                 kvplane_policy::Spec::WorkerSet(s) => {
-                    match crate::policy_source::tokenizer_problem(tokenizers, s) {
+                    match super::tokenizer_problem(tokenizers, s) {
                         Some(p) => Err(p),
                         None => Ok(obj),
                     }
@@ -154,19 +156,14 @@ fn parse(kind: Kind, name: &str, o: &DynamicObject) -> Result<Object, String> {
     Object::from_json(kind, name, &json).map_err(|e| e.to_string())
 }
 
-/// Keeps the replicated catalog equal to the admitted objects of `namespace` while `leading()`
-/// holds, until `stop`.
-#[allow(clippy::too_many_arguments)]
+/// Keeps the objects Kubernetes owns in the replicated catalog equal to the admitted objects
+/// of `namespace` while this node leads, until `stop`.
 pub async fn run(
     client: Client,
     namespace: String,
     resync: Duration,
-    log: impl Proposer,
-    state: StateHandle,
-    leading: impl Fn() -> bool + Send,
+    node: Context<impl Proposer>,
     metrics: Arc<KubeSourceMetrics>,
-    synced: crate::policy_source::Synced,
-    tokenizers: Arc<kvplane_api::Tokenizers>,
     mut stop: watch::Receiver<bool>,
 ) {
     let apis: BTreeMap<Kind, Api<DynamicObject>> = Kind::ALL
@@ -181,7 +178,7 @@ pub async fn run(
     let mut mirror = Mirror {
         stores: BTreeMap::new(),
         ready: BTreeSet::new(),
-        tokenizers,
+        tokenizers: node.tokenizers.clone(),
     };
     let mut streams: Vec<
         BoxStream<'static, (Kind, watcher::Result<watcher::Event<DynamicObject>>)>,
@@ -221,9 +218,17 @@ pub async fn run(
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
-        if mirror.complete() && leading() {
-            reconcile(&mirror, &apis, &log, &state, &metrics, &mut written).await;
-            synced.send_modify(|n| *n += 1);
+        if mirror.complete() && node.leading() {
+            reconcile(
+                &mirror,
+                &apis,
+                &node.log,
+                &node.state,
+                &metrics,
+                &mut written,
+            )
+            .await;
+            node.synced.send_modify(|n| *n += 1);
         } else {
             written.clear();
         }
@@ -249,16 +254,14 @@ async fn reconcile(
     let view = state.load();
     let mut submitted = submitted(&objects, &mirror.tokenizers);
     for s in &mut submitted {
-        if let Some(other) =
-            crate::policy_source::foreign_owner(&view, s.kind, &s.name, Owner::Kubernetes)
-        {
+        if let Some(other) = super::foreign_owner(&view, s.kind, &s.name, Owner::Kubernetes) {
             s.object = Err(format!(
                 "{}/{} is owned by {other}: change it there, or delete it there first",
                 s.kind, s.name
             ));
         }
     }
-    let current = crate::policy_source::owned(&view, Owner::Kubernetes);
+    let current = super::owned(&view, Owner::Kubernetes);
     let admission = admit(&submitted, &current);
     metrics
         .refused
@@ -266,7 +269,7 @@ async fn reconcile(
     let (puts, _) = current.diff(&admission.catalog);
     let changed: BTreeSet<Key> = puts.iter().map(|o| (o.kind(), o.name.clone())).collect();
     let mut index = None;
-    let plan = crate::policy_source::plan(&current, &admission.catalog, Owner::Kubernetes);
+    let plan = super::plan(&current, &admission.catalog, Owner::Kubernetes);
     if plan.kept_last > 0 {
         tracing::warn!(
             objects = plan.kept_last,

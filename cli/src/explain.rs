@@ -15,7 +15,7 @@ use kvplane_proto::v1::{ExportStateRequest, RouteRequest};
 use kvplane_state::{Entry, StateMachine};
 use serde::Deserialize;
 
-use crate::route_cmd::{self, RouteArgs};
+use crate::route::{self, RouteArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ExplainArgs {
@@ -75,11 +75,11 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             a.request.is_none(),
             "a request file is for offline explain: give --state and/or --policies"
         );
-        return route_cmd::route(a.route, true).await;
+        return route::route(a.route, true).await;
     }
     let req = match &a.request {
         Some(path) => read_request(path)?,
-        None => route_cmd::request(&a.route)?,
+        None => route::request(&a.route)?,
     };
     let mut sm = match &a.state {
         Some(s) => load_state(s).await?,
@@ -98,12 +98,12 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
         .await
         .map_err(|s| anyhow::anyhow!("{}", s.message()))?
         .into_inner();
-    route_cmd::print_explain(&x, a.route.json)
+    route::print_explain(&x, a.route.json)
 }
 
 /// Replaces the state's policy catalog with the one in `paths`, through `apply`.
 fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()> {
-    let (desired, problems) = crate::policy_cmd::load(paths)?;
+    let (desired, problems) = kvplane_policy::Documents::read(paths)?.check();
     for p in &problems {
         eprintln!("{p}");
     }
@@ -114,7 +114,8 @@ fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()
     );
     // What if these were all the policies: whoever owns what is beside the point here.
     let current = sm.handle().load().catalog.clone();
-    let Some((command, _, _)) = crate::policy_source::change(&current, &desired, None) else {
+    let Some((command, _, _)) = kvplane_state::Command::config_change(&current, &desired, None)
+    else {
         return Ok(());
     };
     // As a leader would propose it, stamped with this clock.

@@ -8,15 +8,14 @@
 //! everything.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use kvplane_sim::workload::{Kind, Spec, WorkItem, generate};
+use kvplane_testkit::process;
 use serde_json::{Value, json};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -52,79 +51,40 @@ pub struct DemoArgs {
 /// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
 struct Procs {
     dir: PathBuf,
-    children: Vec<(String, Child)>,
+    children: Vec<Child>,
 }
 
 impl Procs {
+    /// Starts `program` with its stderr in `<dir>/<name>.log`; returns its ready line.
     fn spawn(
         &mut self,
         name: &str,
         program: &Path,
         args: &[String],
-        ready_prefix: Option<&str>,
+        ready: Option<&str>,
     ) -> anyhow::Result<String> {
-        let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
-        let mut child = Command::new(program)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {}", program.display()))?;
-        let stdout = child.stdout.take().context("no stdout")?;
-        let (tx, rx) = mpsc::channel();
-        let prefix = ready_prefix.map(str::to_owned);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if prefix
-                    .as_ref()
-                    .is_some_and(|p| line.starts_with(p.as_str()))
-                {
-                    let _ = tx.send(line);
-                }
-            }
-        });
-        self.children.push((name.to_owned(), child));
-        match ready_prefix {
-            None => Ok(String::new()),
-            Some(_) => rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
-                anyhow::anyhow!(
-                    "{name} did not start; see {}",
-                    self.dir.join(format!("{name}.log")).display()
-                )
-            }),
-        }
+        let (child, line) = process::start(process::Spec {
+            program,
+            args,
+            env: &[],
+            log: &self.dir.join(format!("{name}.log")),
+            ready,
+        })?;
+        self.children.push(child);
+        Ok(line)
     }
 }
 
 impl Drop for Procs {
     fn drop(&mut self) {
-        for (_, c) in self.children.iter().rev() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for (_, c) in self.children.iter_mut().rev() {
-            while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        process::stop_all(&mut self.children, Duration::from_secs(5));
     }
 }
 
 fn field(line: &str, key: &str) -> anyhow::Result<String> {
-    line.split_whitespace()
-        .find_map(|p| p.strip_prefix(&format!("{key}=")))
+    process::field(line, key)
         .map(str::to_owned)
         .with_context(|| format!("no {key}= in {line:?}"))
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// One request's result, as the client saw it.
@@ -287,9 +247,9 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     if !(speedup > 0.0 && a.rate > 0.0 && requests > 0) {
         bail!("speedup, rate and requests must be positive");
     }
-    let exe = std::env::current_exe()?;
-    let nats =
-        which("nats-server").context("nats-server is not installed (run scripts/install-deps)")?;
+    let exe = process::kvplane_binary();
+    let nats = process::which("nats-server")
+        .context("nats-server is not installed (run scripts/install-deps)")?;
     let dir = std::env::temp_dir().join(format!("kvplane-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let mut procs = Procs {
@@ -298,7 +258,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     };
     println!("kvplane demo: logs in {}", dir.display());
 
-    let nats_port = free_port()?;
+    let nats_port = process::free_port()?;
     procs.spawn(
         "nats",
         &nats,
@@ -314,7 +274,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         None,
     )?;
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
-    wait_tcp(nats_port).await?;
+    process::wait_tcp(nats_port, Duration::from_secs(15)).await?;
     println!("started nats-server (jetstream) on {nats_url}");
 
     // The fleet as a policy: one worker set (the engines' pool), predicted TTFT from their
@@ -332,11 +292,11 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             engine.block_size, engine.prefill_tokens_per_s
         ),
     )?;
-    let cost = crate::bench::routing::engine_cost(&engine);
+    let cost = crate::routing::engine_cost(&engine);
     // Three Raft members; the first initializes the cluster.
     let addrs: Vec<String> = (0..NODES)
-        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-        .collect::<anyhow::Result<_>>()?;
+        .map(|_| process::free_port().map(|p| format!("127.0.0.1:{p}")))
+        .collect::<Result<_, _>>()?;
     let peers = addrs
         .iter()
         .enumerate()
@@ -552,11 +512,11 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     }
 
     // The same workload and engines in virtual time (`kvplane bench routing`'s fleet).
-    let reqs: Vec<crate::bench::routing::workloads::Req> = items
+    let reqs: Vec<crate::routing::workloads::Req> = items
         .iter()
         .map(|i| {
             let body = serde_json::to_vec(&i.chat_body(MODEL)).unwrap_or_default();
-            crate::bench::routing::workloads::Req {
+            crate::routing::workloads::Req {
                 at_ms: i.at_ms,
                 tenant: "demo",
                 tokens: kvplane_tokenize::prompt_from_body(&body)
@@ -566,7 +526,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             }
         })
         .collect();
-    let simulated = crate::bench::routing::virtual_run(&reqs, engine, engines.len(), NODES);
+    let simulated = crate::routing::virtual_run(&reqs, engine, engines.len(), NODES);
     let virtual_p50 = |name: &str| {
         simulated
             .iter()
@@ -638,29 +598,6 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     println!("stopped everything.");
     if rr.failed + kv.failed > 0 {
         bail!("{} requests failed", rr.failed + kv.failed);
-    }
-    Ok(())
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .chain(["/usr/sbin", "/usr/local/sbin"])
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
-async fn wait_tcp(port: u16) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("nothing listens on port {port}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(())
 }

@@ -1,0 +1,16 @@
+//! The operator's subcommands of the `kvplane` binary: clients of a running node's gRPC API
+//! and the offline checks. None of it runs inside a node; the server crate (`node/`) only
+//! offers these as subcommands.
+//!
+//! - [`route`]: `kvplane route` and `kvplane status`.
+//! - [`explain`]: `kvplane explain`, online or offline (a snapshot, a data directory, a live
+//!   node's exported state, a policy directory).
+//! - [`cluster`]: `kvplane cluster status|add|remove`.
+//! - [`config`]: `kvplane config put|delete`.
+//! - [`validate`]: `kvplane validate` and `kvplane crds`.
+
+pub mod cluster;
+pub mod config;
+pub mod explain;
+pub mod route;
+pub mod validate;

@@ -1,0 +1,100 @@
+//! The gRPC port: Router, Admin, the member's Raft service, health and reflection, on one
+//! listener.
+
+use std::sync::Arc;
+
+use kvplane_api::{
+    AdminService, ClusterControl, Consistency, Escrow, IngestStatus, NodeInfo, RouterService,
+    Tokenizers, predict::Predictor,
+};
+use kvplane_proto::v1::admin_server::AdminServer;
+use kvplane_proto::v1::router_server::RouterServer;
+use kvplane_raft::RaftMember;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::metrics::NodeMetrics;
+use crate::config::Config;
+use kvplane_api::predict::RoutedSink;
+
+/// What the routing services share with the node's other components.
+pub(super) struct Shared {
+    pub tokenizers: Arc<Tokenizers>,
+    pub predictor: Arc<Predictor>,
+    pub escrow: Arc<Escrow>,
+    pub routed: RoutedSink,
+}
+
+/// Router and Admin of this member.
+pub(super) fn services(
+    cfg: &Config,
+    member: &Arc<RaftMember>,
+    metrics: &NodeMetrics,
+    shared: Shared,
+) -> (RouterService, AdminService) {
+    let consistency: Arc<dyn Consistency> = member.clone();
+    let router = RouterService::new(member.handle.clone(), cfg.cost, metrics.api.clone())
+        .with_tokenizers(shared.tokenizers)
+        .with_consistency(consistency.clone())
+        .with_quota(shared.escrow.clone())
+        .with_predictor(shared.predictor)
+        .with_routed_sink(shared.routed);
+    let node_info = NodeInfo {
+        node_id: cfg.node_id.clone(),
+        role: {
+            let m = member.clone();
+            Arc::new(move || m.role())
+        },
+        cluster: Some(member.clone() as Arc<dyn ClusterControl>),
+        consistency,
+        ingest: {
+            let m = metrics.ingest.clone();
+            Arc::new(move || IngestStatus {
+                stream_last_sequence: m.stream_end(),
+                rejected: m.rejected(),
+            })
+        },
+    };
+    let admin = AdminService::new(member.handle.clone(), node_info).with_quota(shared.escrow);
+    (router, admin)
+}
+
+/// Serves `listener` until `stop`.
+pub(super) async fn serve(
+    listener: TcpListener,
+    (router, admin): (RouterService, AdminService),
+    member: Arc<RaftMember>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<RouterServer<RouterService>>()
+        .await;
+    let reflection = match tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvplane_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()
+    {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(error = %e, "grpc reflection unavailable");
+            None
+        }
+    };
+    let served = tonic::transport::Server::builder()
+        .layer(crate::telemetry::GrpcTraceLayer)
+        .add_service(RouterServer::new(router))
+        .add_service(AdminServer::new(admin))
+        .add_service(health)
+        .add_optional_service(reflection)
+        .add_service(member.grpc_service())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            async move {
+                let _ = stop.wait_for(|s| *s).await;
+            },
+        )
+        .await;
+    if let Err(e) = served {
+        tracing::warn!(error = %e, "grpc server ended with an error");
+    }
+}

@@ -1,0 +1,108 @@
+//! Ingest while leading: declare the configured pools, then consume the stream from the
+//! recorded position. Consuming stops as soon as leadership is lost; the next leader resumes
+//! from the position in the replicated state, and replayed messages are dropped by `apply`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvplane_ingest::{IngestConfig, IngestMetrics, Ingestor};
+use kvplane_raft::RaftMember;
+use kvplane_state::{Command, Owner, POOL_KIND, PoolConfig, Proposer, StateHandle};
+use tokio::sync::watch;
+
+use crate::config::PoolSection;
+
+/// What the leader's ingest needs.
+pub(super) struct LeadIngest {
+    pub member: Arc<RaftMember>,
+    pub stream: async_nats::jetstream::Context,
+    pub config: IngestConfig,
+    pub metrics: Arc<IngestMetrics>,
+    /// The pools of the node configuration (`[[pools]]`), the node's own.
+    pub pools: Vec<PoolSection>,
+    /// The config sources' passes, when there are sources: a new leader waits for one.
+    pub config_synced: Option<watch::Receiver<u64>>,
+}
+
+impl LeadIngest {
+    /// Ingests during every term this member leads, until `stop`.
+    pub(super) async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        let (log, handle) = (self.member.log.clone(), self.member.handle.clone());
+        loop {
+            if !self.member.wait_leadership(&mut stop).await {
+                return;
+            }
+            // First: a member added while the config sources catch up must find this address.
+            self.member.refresh_own_address().await;
+            // The config sources apply what they have first (at most 10 s): an engine's
+            // messages for a worker set the catalog is about to hold are not dropped as of an
+            // unknown pool.
+            if let Some(rx) = &mut self.config_synced {
+                let seen = *rx.borrow_and_update();
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > seen)).await;
+            }
+            tracing::info!(
+                applied = handle.load().applied_index,
+                "leading: starting ingest"
+            );
+            if let Err(e) = reconcile_pools(&self.pools, &log, &handle).await {
+                tracing::warn!(error = %e, "could not declare the configured pools");
+            }
+            let (term_tx, term_rx) = watch::channel(false);
+            let ingestor = Ingestor::new(
+                self.stream.clone(),
+                self.config.clone(),
+                log.clone(),
+                self.metrics.clone(),
+            );
+            let h = handle.clone();
+            let task = tokio::spawn(async move {
+                if let Err(e) = ingestor
+                    .run(move || h.load().last_stream_seq, term_rx)
+                    .await
+                {
+                    tracing::info!(error = %e, "ingest stopped");
+                }
+            });
+            self.member.wait_lost_leadership(&mut stop).await;
+            let _ = term_tx.send(true);
+            let _ = task.await;
+            tracing::info!("not leading: ingest stopped");
+        }
+    }
+}
+
+/// Declares the pools of the node configuration (creating or updating them; they are the
+/// node's). A pool another source owns is left alone, with a warning. The node never deletes a
+/// pool it no longer declares (members may run different configurations during a rollout):
+/// `Admin.DeleteConfig` with owner `node` does.
+async fn reconcile_pools(
+    pools: &[PoolSection],
+    log: &impl Proposer,
+    handle: &StateHandle,
+) -> Result<(), kvplane_state::ProposeError> {
+    let view = handle.load();
+    for p in pools {
+        let want = PoolConfig {
+            block_size: p.block_size,
+            models: p.models.clone(),
+            lora_adapters: p.lora_adapters.clone(),
+        };
+        let owner = view.owner(POOL_KIND, &p.name);
+        if let Some(other) = owner.filter(|o| *o != Owner::Node) {
+            tracing::warn!(pool = p.name, owner = %other, "a configured pool is owned by another source; left as it is");
+            continue;
+        }
+        if view.pools.get(&p.name).map(|v| &v.config) != Some(&want) || owner.is_none() {
+            log.propose(Command::ConfigPut {
+                owner: Some(Owner::Node),
+                kind: POOL_KIND.into(),
+                name: p.name.clone(),
+                value: want.to_json(),
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}

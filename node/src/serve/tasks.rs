@@ -1,0 +1,50 @@
+//! The node's components as tasks: each runs until the one stop signal, and stopping waits
+//! for all of them.
+
+use std::future::Future;
+
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// The running components of a node, by name.
+pub(super) struct Tasks {
+    stop: watch::Sender<bool>,
+    set: JoinSet<&'static str>,
+}
+
+impl Tasks {
+    pub(super) fn new() -> Self {
+        Self {
+            stop: watch::channel(false).0,
+            set: JoinSet::new(),
+        }
+    }
+
+    /// What a component watches to know when to stop.
+    pub(super) fn stop_signal(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
+    }
+
+    /// Runs `component` (which must end soon after the stop signal) as `name`.
+    pub(super) fn spawn(
+        &mut self,
+        name: &'static str,
+        component: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.set.spawn(async move {
+            component.await;
+            name
+        });
+    }
+
+    /// Signals every component to stop and waits until all have.
+    pub(super) async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        while let Some(done) = self.set.join_next().await {
+            match done {
+                Ok(name) => tracing::debug!(component = name, "stopped"),
+                Err(e) => tracing::error!(error = %e, "a component failed"),
+            }
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! What kvplane's tests and its demo share.
+//!
+//! - [`process`]: starting real processes and reading their ready lines, stopping and
+//!   signalling them; results, not panics (the demo reports what failed).
+//! - [`fleet`]: a test's fleet of real processes - [`Nats`], [`Node`] (`kvplane serve`),
+//!   [`Cluster`], [`Engine`] (`kvplane sim engine` plus `kvplane bridge`), [`gateway`] -
+//!   each on free loopback ports in its own directory, killed when dropped. These panic with
+//!   the process's log on failure: they are for tests.
+//! - [`eventually`]: one way to wait, on a condition polled until it holds.
+//!
+//! The `kvplane` binary is found by [`process::kvplane_binary`].
+
+pub mod eventually;
+pub mod fleet;
+pub mod process;
+
+pub use eventually::{eventually, eventually_sync};
+pub use fleet::{
+    Cluster, Engine, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port, gateway,
+    http_get, kvplane_ok, metric_value, publish, spawn_ready,
+};

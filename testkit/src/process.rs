@@ -1,0 +1,185 @@
+//! Real processes: started with their stderr in a log file, ready when a line of their stdout
+//! starts with a given prefix (kvplane's roles each print one, `kvplane ready grpc=...`),
+//! signalled and stopped by pid.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long a process may take to print its ready line.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot create the log {path}: {source}")]
+    Log {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{program} did not become ready within {timeout:?}; see {log}")]
+    NotReady {
+        program: String,
+        timeout: Duration,
+        log: PathBuf,
+    },
+    #[error("nothing listens on port {port} after {timeout:?}")]
+    NoListener { port: u16, timeout: Duration },
+    #[error("no free port: {0}")]
+    Port(std::io::Error),
+}
+
+/// What to start.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec<'a> {
+    pub program: &'a Path,
+    pub args: &'a [String],
+    pub env: &'a [(String, String)],
+    /// Where its stderr goes (created anew).
+    pub log: &'a Path,
+    /// The start of its ready line; `None`: ready once spawned.
+    pub ready: Option<&'a str>,
+}
+
+/// Starts `spec` and waits for its ready line (returned; empty without a prefix). The process
+/// is killed if it does not become ready.
+pub fn start(spec: Spec<'_>) -> Result<(Child, String), ProcessError> {
+    let log = std::fs::File::create(spec.log).map_err(|source| ProcessError::Log {
+        path: spec.log.to_owned(),
+        source,
+    })?;
+    let program = spec.program.display().to_string();
+    let mut child = Command::new(spec.program)
+        .args(spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|source| ProcessError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    let Some(prefix) = spec.ready else {
+        return Ok((child, String::new()));
+    };
+    let (tx, rx) = mpsc::channel();
+    if let Some(stdout) = child.stdout.take() {
+        let prefix = prefix.to_owned();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with(&prefix) {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+    }
+    match rx.recv_timeout(READY_TIMEOUT) {
+        Ok(line) => Ok((child, line)),
+        Err(_) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(ProcessError::NotReady {
+                program: format!("{program} {}", spec.args.join(" ")),
+                timeout: READY_TIMEOUT,
+                log: spec.log.to_owned(),
+            })
+        }
+    }
+}
+
+/// SIGKILL and reap, if running.
+pub fn kill(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`, `-TERM`...) to `child`; whether it was delivered.
+pub fn signal(child: &Child, signal: &str) -> bool {
+    Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// SIGTERM to every child (last started first), then SIGKILL to those still running after
+/// `grace`, and reap them all.
+pub fn stop_all(children: &mut [Child], grace: Duration) {
+    for c in children.iter().rev() {
+        signal(c, "-TERM");
+    }
+    let deadline = Instant::now() + grace;
+    for c in children.iter_mut().rev() {
+        while Instant::now() < deadline && matches!(c.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// A loopback port nothing listens on now.
+pub fn free_port() -> Result<u16, ProcessError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(ProcessError::Port)
+}
+
+/// Waits until something accepts connections on loopback `port`.
+pub async fn wait_tcp(port: u16, timeout: Duration) -> Result<(), ProcessError> {
+    let deadline = Instant::now() + timeout;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            return Err(ProcessError::NoListener { port, timeout });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// `key=value` from a ready line.
+pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|p| p.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// `name` on `PATH` (or in the sbin directories, where Debian puts `nats-server`).
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .chain(["/usr/sbin", "/usr/local/sbin"])
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+/// The `kvplane` binary: `$KVPLANE_BIN`; else the one nextest names for an integration test
+/// (`$NEXTEST_BIN_EXE_kvplane`); else this process when it is `kvplane` (the demo); else
+/// `kvplane` beside the directory of this test executable (`target/<profile>/deps/..`), where
+/// Cargo builds it before the integration tests of the package that has it.
+pub fn kvplane_binary() -> PathBuf {
+    for var in ["KVPLANE_BIN", "NEXTEST_BIN_EXE_kvplane"] {
+        if let Some(p) = std::env::var_os(var) {
+            return PathBuf::from(p);
+        }
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    if exe.file_stem().is_some_and(|n| n == "kvplane") {
+        return exe;
+    }
+    exe.parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("kvplane"))
+        .unwrap_or_else(|| PathBuf::from("kvplane"))
+}
