@@ -5,7 +5,7 @@
 
 mod harness;
 
-use harness::{Cluster, NodeOptions, chain, prompt, publish};
+use harness::{Cluster, InProcess, Nats, NodeOptions, chain, prompt, publish};
 use kvplane_ingest::{ensure_stream, kv_subject, metrics_subject, worker_subject};
 use kvplane_proto::v1::{RejectCode, RouteRequest, route_response::Decision};
 
@@ -65,7 +65,17 @@ fn request(model: &str, tags: &[&str]) -> RouteRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_follow_the_policies_in_the_replicated_state() {
-    let (cluster, js) = examples_node().await;
+    // No process boundary is needed here: the node runs in this process, over a real NATS and
+    // real redb files.
+    let nats = Nats::start();
+    let root = tempfile::tempdir().unwrap();
+    let opts = NodeOptions {
+        policy_dir: Some(EXAMPLES.into()),
+        ..Default::default()
+    };
+    let node = InProcess::start("kvplane-0", root.path(), &nats.url(), &opts).await;
+    let js = nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
     workers_up(
         &js,
         &[
@@ -77,7 +87,6 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
     .await;
     // a0 caches the whole 48-token prompt: no prefill beats the small model's faster one.
     let last = publish(&js, kv_subject("large-a100", "a0"), chain(&prompt(7), 7)).await;
-    let node = &cluster.nodes[0];
     node.wait_applied_seq(last).await;
     let mut router = node.router().await;
 
@@ -156,6 +165,7 @@ async fn routes_follow_the_policies_in_the_replicated_state() {
             .iter()
             .any(|c| c.filtered_by == "exclude_external")
     );
+    node.stop().await;
 }
 
 fn explain_json(args: &[&str]) -> serde_json::Value {

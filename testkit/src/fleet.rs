@@ -178,7 +178,8 @@ pub struct Node {
 }
 
 impl Node {
-    fn write_config(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> PathBuf {
+    /// Writes `dir/kvplane.toml` for a node named `name` with options `o`; returns its path.
+    pub fn write_config(name: &str, dir: &Path, nats_url: &str, o: &NodeOptions) -> PathBuf {
         let policy = o
             .policy_dir
             .as_ref()

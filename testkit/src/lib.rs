@@ -7,12 +7,16 @@
 //!   each on free loopback ports in its own directory, killed when dropped. These panic with
 //!   the process's log on failure: they are for tests.
 //! - [`eventually`]: one way to wait, on a condition polled until it holds.
+//! - [`state`]: a fleet in a state ([`state::TestFleet`]): policies, workers, metrics and KV
+//!   events applied as a node's log would, and the real routing service over it - for the
+//!   semantics that need no process (policies, quotas, routing) in milliseconds.
 //!
 //! The `kvplane` binary is found by [`process::kvplane_binary`].
 
 pub mod eventually;
 pub mod fleet;
 pub mod process;
+pub mod state;
 
 pub use eventually::{eventually, eventually_sync};
 pub use fleet::{

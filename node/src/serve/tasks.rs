@@ -20,17 +20,16 @@ impl Tasks {
         }
     }
 
-    /// What a component watches to know when to stop.
-    pub(super) fn stop_signal(&self) -> watch::Receiver<bool> {
-        self.stop.subscribe()
-    }
-
-    /// Runs `component` (which must end soon after the stop signal) as `name`.
-    pub(super) fn spawn(
+    /// Runs the component `start` makes of the stop signal (it must end soon after the
+    /// signal) as `name`.
+    pub(super) fn spawn<F>(
         &mut self,
         name: &'static str,
-        component: impl Future<Output = ()> + Send + 'static,
-    ) {
+        start: impl FnOnce(watch::Receiver<bool>) -> F,
+    ) where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let component = start(self.stop.subscribe());
         self.set.spawn(async move {
             component.await;
             name

@@ -5,7 +5,9 @@
 
 pub use kvplane_testkit::*;
 
+mod in_process;
 mod raft;
+pub use in_process::InProcess;
 pub use raft::{
     chain, prompt, publish_chains, routed_worker, started, started_with_limits,
     started_with_limits_and,

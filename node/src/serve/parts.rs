@@ -1,0 +1,93 @@
+//! What a node's components are made of: its Raft member, metrics, NATS connection,
+//! tokenizers and predictor, built once before any component starts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use kvplane_api::Tokenizers;
+use kvplane_api::predict::{Predictor, wall_clock};
+use kvplane_raft::RaftMember;
+use prometheus_client::registry::Registry;
+
+use super::Bound;
+use super::http::Ready;
+use super::metrics::NodeMetrics;
+use crate::config::Config;
+
+pub(super) struct Parts {
+    pub cfg: Config,
+    pub member: Arc<RaftMember>,
+    pub metrics: NodeMetrics,
+    pub nats: async_nats::Client,
+    pub tokenizers: Arc<Tokenizers>,
+    pub predictor: Arc<Predictor>,
+    /// Every component's metrics.
+    pub registry: Arc<Registry>,
+    /// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`.
+    pub kube: Option<(kube::Client, String, Duration)>,
+}
+
+impl Parts {
+    /// Opens the member's log and state (every node is a Raft member: one of its own is a
+    /// one-member cluster), connects to NATS, loads the tokenizers.
+    pub(super) async fn assemble(cfg: Config, bound: Bound) -> anyhow::Result<Self> {
+        let metrics = NodeMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry, cfg.policy_kubernetes.is_some());
+        let kube = kube_source(&cfg).await?;
+        let tokenizers =
+            Arc::new(Tokenizers::with_models(&cfg.tokenizer_dirs()).context("tokenizers")?);
+        tokenizers.register(&mut registry);
+        let predictor = Arc::new(Predictor::new(wall_clock()));
+        predictor.register(&mut registry);
+        let on_applied: kvplane_raft::OnApplied = {
+            let m = metrics.state.clone();
+            Arc::new(move |a| m.observe(a))
+        };
+        let member =
+            Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
+        let nats = async_nats::ConnectOptions::new()
+            .name(format!("kvplane-{}", cfg.node_id))
+            .retry_on_initial_connect()
+            .connect(cfg.nats_url.as_str())
+            .await
+            .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
+        Ok(Self {
+            cfg,
+            member,
+            metrics,
+            nats,
+            tokenizers,
+            predictor,
+            registry: Arc::new(registry),
+            kube,
+        })
+    }
+
+    /// Ready while the member knows a leader and keeps up.
+    pub(super) fn ready(&self) -> Ready {
+        let (m, lag) = (self.member.clone(), self.cfg.raft.ready_max_lag_entries);
+        let lease = Duration::from_millis(self.cfg.raft.election_timeout_max_ms * 2);
+        Arc::new(move || m.readiness(lag, lease))
+    }
+}
+
+/// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`, when set.
+async fn kube_source(cfg: &Config) -> anyhow::Result<Option<(kube::Client, String, Duration)>> {
+    let Some(k) = &cfg.policy_kubernetes else {
+        return Ok(None);
+    };
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| anyhow::anyhow!("policy_kubernetes: no kubernetes client: {e}"))?;
+    let namespace = k
+        .namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    Ok(Some((
+        client,
+        namespace,
+        Duration::from_millis(k.resync_ms),
+    )))
+}
