@@ -37,7 +37,7 @@ fn stamp(dir: &Path) -> Stamp {
 }
 
 /// A directory as last loaded: its files' stamp, and the tokenizer or why it did not load.
-type Entry = (Stamp, Result<Arc<ModelTokenizer>, String>);
+type Entry = (Stamp, Result<Arc<ModelTokenizer>, LoadError>);
 
 #[derive(Debug, Default)]
 struct Loaded {
@@ -111,7 +111,7 @@ impl Tokenizers {
 
     /// Whether the tokenizer in `dir` loads: loaded now if it was never tried or its files
     /// changed since (blocking: call off the request path), else as it last did.
-    pub fn check(&self, dir: &Path) -> Result<(), String> {
+    pub fn check(&self, dir: &Path) -> Result<(), LoadError> {
         let now = stamp(dir);
         if let Some((s, r)) = self.read().dirs.get(dir)
             && *s == now
@@ -126,7 +126,7 @@ impl Tokenizers {
             Err(e) => {
                 tracing::error!(error = %e, "model tokenizer did not load");
                 self.failures.inc();
-                Err(e.to_string())
+                Err(e)
             }
         };
         let answer = result.as_ref().map(drop).map_err(Clone::clone);
@@ -188,7 +188,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvplane-tok-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let t = Tokenizers::default();
-        let missing = t.check(&dir).unwrap_err();
+        let missing = t.check(&dir).unwrap_err().to_string();
         assert!(missing.contains("tokenizer.json"), "{missing}");
         assert_eq!(t.failures.get(), 1);
         assert!(t.check(&dir).is_err());

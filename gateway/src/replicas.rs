@@ -17,6 +17,18 @@ pub struct Replicas {
 }
 
 /// No replica answered.
+/// Why the replicas named cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicasError {
+    #[error("invalid replica url {url:?}: {source}")]
+    Url {
+        url: String,
+        source: tonic::transport::Error,
+    },
+    #[error("at least one kvplane replica is needed")]
+    None,
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("no kvplane replica answered ({tried} tried): {last}")]
 pub struct NoReplica {
@@ -26,19 +38,22 @@ pub struct NoReplica {
 
 impl Replicas {
     /// Lazily connecting clients for `urls` (`http://host:port`).
-    pub fn new(urls: &[String]) -> Result<Self, String> {
+    pub fn new(urls: &[String]) -> Result<Self, ReplicasError> {
         let clients = urls
             .iter()
             .map(|u| {
                 let ep = Endpoint::from_shared(u.clone())
-                    .map_err(|e| format!("invalid replica url {u:?}: {e}"))?
+                    .map_err(|source| ReplicasError::Url {
+                        url: u.clone(),
+                        source,
+                    })?
                     .connect_timeout(std::time::Duration::from_millis(500))
                     .timeout(std::time::Duration::from_secs(2));
                 Ok((u.clone(), RouterClient::new(ep.connect_lazy())))
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, ReplicasError>>()?;
         if clients.is_empty() {
-            return Err("at least one kvplane replica is needed".into());
+            return Err(ReplicasError::None);
         }
         Ok(Self {
             clients,

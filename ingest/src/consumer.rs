@@ -126,11 +126,11 @@ impl<P: Proposer> Ingestor<P> {
                 ..Default::default()
             })
             .await
-            .map_err(|e| IngestError::Consumer(e.to_string()))?;
+            .map_err(|e| IngestError::CreateConsumer(e.into()))?;
         let mut messages = consumer
             .messages()
             .await
-            .map_err(|e| IngestError::Consumer(e.to_string()))?;
+            .map_err(|e| IngestError::Messages(e.into()))?;
         tracing::info!(start_sequence, "ingest consuming");
         let mut expected = start_sequence;
         loop {
@@ -139,9 +139,9 @@ impl<P: Proposer> Ingestor<P> {
                 _ = shutdown.changed() => return Ok(()),
             };
             let Some(first) = first else {
-                return Err(IngestError::Consumer("message stream ended".into()));
+                return Err(IngestError::Ended);
             };
-            let first = first.map_err(|e| IngestError::Consumer(e.to_string()))?;
+            let first = first.map_err(|e| IngestError::Messages(e.into()))?;
             let deadline = Instant::now() + self.cfg.max_batch_delay;
             let mut batch = Batch::default();
             self.add(&mut batch, &first)?;
@@ -151,7 +151,7 @@ impl<P: Proposer> Ingestor<P> {
                     Ok(Some(Err(e))) => {
                         // Propose what we have; the restart resumes after it.
                         self.propose(batch, &mut expected).await?;
-                        return Err(IngestError::Consumer(e.to_string()));
+                        return Err(IngestError::Messages(e.into()));
                     }
                     Ok(None) | Err(_) => break,
                 }
@@ -195,9 +195,7 @@ impl<P: Proposer> Ingestor<P> {
     }
 
     fn add(&self, batch: &mut Batch, msg: &jetstream::Message) -> Result<(), IngestError> {
-        let info = msg
-            .info()
-            .map_err(|e| IngestError::Consumer(format!("message without stream info: {e}")))?;
+        let info = msg.info().map_err(IngestError::NoInfo)?;
         let seq = info.stream_sequence;
         batch.first_seq.get_or_insert(seq);
         batch.last_seq = Some(seq);
@@ -242,7 +240,7 @@ impl<P: Proposer> Ingestor<P> {
                 self.metrics.message("metrics");
                 match serde_json::from_slice::<MetricsMessage>(payload)
                     .map_err(|e| e.to_string())
-                    .and_then(|m| m.check().map(|()| m))
+                    .and_then(|m| m.check().map(|()| m).map_err(|e| e.to_string()))
                 {
                     Ok(m) => IngestPayload::Metrics(WorkerMetrics {
                         running: m.num_requests_running,

@@ -13,13 +13,22 @@ pub enum DecodeError {
     BatchField { field: &'static str, reason: String },
 }
 
+/// A cause from async-nats, whose error types differ by call.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Failures of the NATS side.
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
     #[error("jetstream stream {stream}: {reason}")]
     Stream { stream: String, reason: String },
-    #[error("jetstream consumer: {0}")]
-    Consumer(String),
+    #[error("jetstream consumer: cannot create it: {0}")]
+    CreateConsumer(#[source] BoxError),
+    #[error("jetstream consumer: cannot read messages: {0}")]
+    Messages(#[source] BoxError),
+    #[error("jetstream consumer: the message stream ended")]
+    Ended,
+    #[error("jetstream consumer: a message without stream info: {0}")]
+    NoInfo(#[source] BoxError),
     #[error("proposing to the log failed: {0}")]
     Propose(#[from] kvplane_state::ProposeError),
 }

@@ -24,23 +24,30 @@ pub struct MetricsMessage {
 
 impl MetricsMessage {
     /// Range checks; a message that fails them is rejected.
-    pub fn check(&self) -> Result<(), String> {
-        for (name, v) in [
+    pub fn check(&self) -> Result<(), MetricsError> {
+        for (field, value) in [
             ("kv_cache_usage_perc", self.kv_cache_usage_perc),
             ("prefix_cache_hit_rate", self.prefix_cache_hit_rate),
         ] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(format!("{name} must be within 0..=1, got {v}"));
+            if !(0.0..=1.0).contains(&value) {
+                return Err(MetricsError::NotAFraction { field, value });
             }
         }
         let sum = self.time_to_first_token_seconds_sum;
         if !(sum.is_finite() && sum >= 0.0) {
-            return Err(format!(
-                "time_to_first_token_seconds_sum must be a non-negative number, got {sum}"
-            ));
+            return Err(MetricsError::TtftSum(sum));
         }
         Ok(())
     }
+}
+
+/// Why a metrics message is out of range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MetricsError {
+    #[error("{field} must be within 0..=1, got {value}")]
+    NotAFraction { field: &'static str, value: f64 },
+    #[error("time_to_first_token_seconds_sum must be a non-negative number, got {0}")]
+    TtftSum(f64),
 }
 
 /// A worker announcing itself or leaving.

@@ -253,5 +253,6 @@ async fn a_node_recorded_at_a_wildcard_address_refuses_to_grow() {
         })
         .await
         .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     assert!(err.message().contains("set raft.advertise_addr"), "{err}");
 }

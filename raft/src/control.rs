@@ -27,8 +27,22 @@ impl std::fmt::Debug for dyn Consistency {
 pub enum ClusterError {
     #[error("this node is not the leader{}", .leader.as_ref().map(|l| format!("; the leader is at {l}")).unwrap_or_default())]
     NotLeader { leader: Option<String> },
+    #[error(
+        "this member is recorded at {0}, which other members cannot reach: set raft.advertise_addr first"
+    )]
+    UnreachableSelf(String),
+    #[error("{0} is not an address other members can reach")]
+    UnreachableTarget(String),
     #[error("membership change failed: {0}")]
-    Failed(String),
+    Raft(
+        #[source]
+        Box<
+            openraft::error::RaftError<
+                crate::TypeConfig,
+                openraft::error::ClientWriteError<crate::TypeConfig>,
+            >,
+        >,
+    ),
     #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
     FaultsDisabled,
 }

@@ -429,16 +429,12 @@ impl crate::ClusterControl for RaftMember {
                     .is_ok_and(|a| a.ip().is_unspecified())
             };
             if wildcard(&self.membership.addr) {
-                return Err(crate::ClusterError::Failed(format!(
-                    "this member is recorded at {}, which other members cannot reach: set \
-                     raft.advertise_addr first",
-                    self.membership.addr
-                )));
+                return Err(crate::ClusterError::UnreachableSelf(
+                    self.membership.addr.clone(),
+                ));
             }
             if wildcard(&addr) {
-                return Err(crate::ClusterError::Failed(format!(
-                    "{addr} is not an address other members can reach"
-                )));
+                return Err(crate::ClusterError::UnreachableTarget(addr));
             }
             self.raft
                 .add_learner(id, BasicNode::new(addr.clone()), true)
@@ -523,7 +519,7 @@ fn membership_error(
                 leader: f.leader_node.map(|n| n.addr),
             }
         }
-        other => crate::ClusterError::Failed(other.to_string()),
+        other => crate::ClusterError::Raft(Box::new(other)),
     }
 }
 

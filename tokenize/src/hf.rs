@@ -26,7 +26,7 @@ use serde_json::Value;
 use crate::TokenizeError;
 
 /// Why a model's tokenizer files could not be loaded.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LoadError {
     #[error("{path}: {reason}")]
     File { path: PathBuf, reason: String },
