@@ -56,13 +56,22 @@ struct SnapshotFile {
 }
 
 fn write_durably(dir: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = dir.join(format!("{SNAPSHOT_FILE}.tmp"));
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, dir.join(SNAPSHOT_FILE))?;
+    let tmp = stage(dir, bytes, "tmp")?;
+    commit(dir, &tmp)
+}
+
+/// Writes `bytes` beside the snapshot file, fsynced, under a name ending in `.{tag}`.
+fn stage(dir: &Path, bytes: &[u8], tag: &str) -> io::Result<PathBuf> {
+    let tmp = dir.join(format!("{SNAPSHOT_FILE}.{tag}"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    Ok(tmp)
+}
+
+/// Makes a staged file the snapshot file, durably.
+fn commit(dir: &Path, staged: &Path) -> io::Result<()> {
+    std::fs::rename(staged, dir.join(SNAPSHOT_FILE))?;
     std::fs::File::open(dir)?.sync_all()
 }
 
@@ -167,21 +176,56 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
     type SnapshotData = Vec<u8>;
 
     async fn build_snapshot(&mut self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
-        // Serializing and fsyncing take a while: on a blocking thread, not the runtime's.
-        let mut inner = self.inner.clone().lock_owned().await;
-        blocking(move || {
-            let data = inner.sm.snapshot();
+        // Only the copy is taken under the state's lock (the tree dump waits for the index
+        // writer, so on a blocking thread); encoding, writing and fsyncing it happen without
+        // the lock, while entries keep applying.
+        let inner = self.inner.clone().lock_owned().await;
+        let (captured, meta, dir) = blocking(move || {
             let meta = SnapshotMetaOf::<TypeConfig> {
                 last_log_id: inner.last_applied,
                 last_membership: inner.membership.clone(),
             };
-            inner.keep(meta.clone(), data.clone())?;
-            Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
-                meta,
-                snapshot: data,
-            })
+            Ok((inner.sm.capture(), meta, inner.dir.clone()))
         })
-        .await
+        .await?;
+        let index = captured.applied_index();
+        let (file, staged) = blocking(move || {
+            let file = SnapshotFile {
+                meta,
+                data: captured.encode(),
+            };
+            let staged = match &dir {
+                Some(dir) => {
+                    let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
+                    Some((dir.clone(), stage(dir, &bytes, &format!("{index}.tmp"))?))
+                }
+                None => None,
+            };
+            Ok((file, staged))
+        })
+        .await?;
+        let mut inner = self.inner.clone().lock_owned().await;
+        // A snapshot installed from the leader meanwhile is newer: it stays the current one.
+        let newer = inner
+            .current
+            .as_ref()
+            .is_some_and(|(m, _)| m.last_log_id > file.meta.last_log_id);
+        let file = blocking(move || {
+            match staged {
+                Some((_, tmp)) if newer => std::fs::remove_file(tmp)?,
+                Some((dir, tmp)) => commit(&dir, &tmp)?,
+                None => {}
+            }
+            if !newer {
+                inner.current = Some((file.meta.clone(), file.data.clone()));
+            }
+            Ok(file)
+        })
+        .await?;
+        Ok(SnapshotOf::<TypeConfig, Vec<u8>> {
+            meta: file.meta,
+            snapshot: file.data,
+        })
     }
 }
 

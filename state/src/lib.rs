@@ -34,4 +34,5 @@ pub use log::{ProposeError, Proposer};
 pub use machine::{Applied, DropReason, StateMachine};
 pub use owner::Owner;
 pub use quota::{Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease};
+pub use snapshot::Captured;
 pub use view::{PoolView, StateHandle, View, WorkerView};

@@ -48,9 +48,46 @@ struct RankSnap {
     salts: Vec<(u64, String)>,
 }
 
+/// A state's copy taken for a snapshot: owned, so it is encoded (and written) while the state
+/// applies the next entries.
+pub struct Captured {
+    payload: Payload,
+    trees: Vec<(String, Vec<RouterEvent>)>,
+}
+
+impl Captured {
+    /// The applied index the copy was taken at.
+    pub fn applied_index(&self) -> u64 {
+        self.payload.applied_index
+    }
+
+    /// The snapshot bytes: magic, version, MessagePack payload, checksum.
+    pub fn encode(self) -> Vec<u8> {
+        let mut payload = self.payload;
+        payload.trees = self
+            .trees
+            .into_iter()
+            .map(|(name, events)| (name, rmp_serde::to_vec_named(&events).unwrap_or_default()))
+            .collect();
+        let body = rmp_serde::to_vec(&payload).unwrap_or_default();
+        let mut out = Vec::with_capacity(body.len() + 20);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&body);
+        let sum = xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        out
+    }
+}
+
 impl StateMachine {
     /// Serializes the whole state.
     pub fn snapshot(&self) -> Vec<u8> {
+        self.capture().encode()
+    }
+
+    /// Copies the whole state for [`Captured::encode`].
+    pub fn capture(&self) -> Captured {
         let ranks = self
             .ranks
             .iter()
@@ -68,13 +105,7 @@ impl StateMachine {
         let trees = self
             .pools
             .iter()
-            .map(|(name, p)| {
-                let events = p.index.dump();
-                (
-                    name.clone(),
-                    rmp_serde::to_vec_named(&events).unwrap_or_default(),
-                )
-            })
+            .map(|(name, p)| (name.clone(), p.index.dump()))
             .collect();
         let payload = Payload {
             applied_index: self.applied_index,
@@ -93,7 +124,7 @@ impl StateMachine {
                 .map(|((p, n), w)| (p.clone(), n.clone(), w.clone()))
                 .collect(),
             ranks,
-            trees,
+            trees: Vec::new(),
             dropped: self.dropped.iter().map(|(r, n)| (*r, *n)).collect(),
             quota: (*self.quota).clone(),
             digest: self.digest().0,
@@ -103,14 +134,7 @@ impl StateMachine {
                 .map(|((k, n), o)| (k.clone(), n.clone(), *o))
                 .collect(),
         };
-        let body = rmp_serde::to_vec(&payload).unwrap_or_default();
-        let mut out = Vec::with_capacity(body.len() + 20);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&body);
-        let sum = xxh3_64(&out);
-        out.extend_from_slice(&sum.to_le_bytes());
-        out
+        Captured { payload, trees }
     }
 
     /// Rebuilds a state from [`StateMachine::snapshot`] bytes.
