@@ -285,9 +285,9 @@ impl pb::admin_server::Admin for AdminService {
 fn cluster_status(e: ClusterError) -> Status {
     match e {
         ClusterError::NotLeader { .. } => Status::failed_precondition(e.to_string()),
-        ClusterError::UnreachableSelf(_) | ClusterError::UnreachableTarget(_) => {
-            Status::failed_precondition(e.to_string())
-        }
+        ClusterError::UnreachableSelf(_)
+        | ClusterError::UnreachableTarget(_)
+        | ClusterError::AnotherCluster { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Raft(_) => Status::aborted(e.to_string()),
         ClusterError::FaultsDisabled => Status::failed_precondition(e.to_string()),
     }

@@ -256,3 +256,53 @@ async fn a_node_recorded_at_a_wildcard_address_refuses_to_grow() {
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     assert!(err.message().contains("set raft.advertise_addr"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adding_a_node_that_is_a_cluster_of_its_own_is_refused_and_it_keeps_its_state() {
+    // Two standalone nodes, each a one-member cluster with its own config.
+    let cluster = Cluster::start_with(2, &NodeOptions::default());
+    let (a, b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    for n in [a, b] {
+        harness::eventually("the node ready", Duration::from_secs(20), || async {
+            (n.readyz().await.0 == 200).then_some(())
+        })
+        .await;
+    }
+    b.admin()
+        .await
+        .put_config(put_pool("b-only"))
+        .await
+        .unwrap();
+    let err = a
+        .admin()
+        .await
+        .add_member(kvplane_proto::v1::AddMemberRequest {
+            id: 2,
+            addr: b.grpc.to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    assert!(
+        err.message().contains("already is a cluster of its own"),
+        "{err}"
+    );
+    // Neither side changed: a still alone, b still its own cluster with its pool.
+    let members = a
+        .admin()
+        .await
+        .cluster_status(kvplane_proto::v1::StatusRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(members.into_inner().members.len(), 1);
+    let theirs = b
+        .admin()
+        .await
+        .cluster_status(kvplane_proto::v1::StatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(theirs.members.iter().map(|m| m.id).collect::<Vec<_>>(), [1]);
+    assert_eq!(theirs.leader, 1);
+    assert!(pools(b).await.contains(&"b-only".to_owned()));
+}

@@ -33,6 +33,14 @@ pub enum ClusterError {
     UnreachableSelf(String),
     #[error("{0} is not an address other members can reach")]
     UnreachableTarget(String),
+    #[error(
+        "{addr} already is a cluster of its own ({members} members, applied index {applied_index}): adding it would replace its log and lose its state; start it with an empty data directory to add it"
+    )]
+    AnotherCluster {
+        addr: String,
+        members: usize,
+        applied_index: u64,
+    },
     #[error("membership change failed: {0}")]
     Raft(
         #[source]

@@ -436,6 +436,7 @@ impl crate::ClusterControl for RaftMember {
             if wildcard(&addr) {
                 return Err(crate::ClusterError::UnreachableTarget(addr));
             }
+            self.refuse_another_cluster(&addr).await?;
             self.raft
                 .add_learner(id, BasicNode::new(addr.clone()), true)
                 .await
@@ -506,6 +507,39 @@ impl RaftMember {
         let s = crate::ClusterControl::status(self);
         Err(crate::ClusterError::NotLeader {
             leader: (!s.leader_addr.is_empty()).then_some(s.leader_addr),
+        })
+    }
+}
+
+impl RaftMember {
+    /// Refuses a target that already is a cluster other than this one (a standalone node
+    /// with its own data, say): Raft would replace its log with this cluster's, and what it
+    /// held would be lost without a word. A target that answers nothing, or holds no
+    /// membership yet (a new member waiting to be added), or already counts this member (it is
+    /// being added again) is let through.
+    async fn refuse_another_cluster(&self, addr: &str) -> Result<(), crate::ClusterError> {
+        use kvplane_proto::v1::{StatusRequest, admin_client::AdminClient};
+        let ask = async {
+            let mut c = AdminClient::connect(format!("http://{addr}")).await.ok()?;
+            c.cluster_status(StatusRequest::default())
+                .await
+                .ok()
+                .map(tonic::Response::into_inner)
+        };
+        let Ok(Some(theirs)) = tokio::time::timeout(Duration::from_secs(2), ask).await else {
+            return Ok(());
+        };
+        let counts_me = theirs
+            .members
+            .iter()
+            .any(|m| m.id == self.membership.id && m.addr == self.membership.addr);
+        if theirs.members.is_empty() || counts_me {
+            return Ok(());
+        }
+        Err(crate::ClusterError::AnotherCluster {
+            addr: addr.to_owned(),
+            members: theirs.members.len(),
+            applied_index: theirs.applied_index,
         })
     }
 }
