@@ -23,7 +23,7 @@ pub use consistency::{Consistency, propose_status};
 pub use cost::CostModel;
 pub use metrics::ApiMetrics;
 pub use pipeline::{Decision, Outcome, Prompted, Reject};
-pub use quota::{Escrow, QuotaConfig, Refusal, Reservation};
+pub use quota::{Escrow, QuotaConfig, Refusal, Reservation, wall_ms};
 pub use quota_metrics::QuotaMetrics;
 pub use quota_refill::run_refiller;
 pub use router::RouterService;

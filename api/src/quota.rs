@@ -54,7 +54,8 @@ fn grant_sizes(l: &kvplane_policy::kinds::TenantLimit) -> (u64, u64) {
     )
 }
 
-pub(crate) fn wall_ms() -> u64 {
+/// Milliseconds since the Unix epoch by the wall clock (0 before it).
+pub fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

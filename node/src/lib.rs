@@ -6,6 +6,7 @@ pub mod cli;
 pub mod config;
 mod data_dir_lock;
 mod gateway_cmd;
+mod incarnation;
 mod routed_share;
 pub mod serve;
 pub mod sources;

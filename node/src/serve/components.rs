@@ -111,6 +111,7 @@ pub(super) fn routing(p: &Parts, tasks: &mut Tasks) -> (RouterService, AdminServ
     let (cfg, handle) = (&p.cfg, &p.member.handle);
     let quota = QuotaConfig {
         replica: p.member.membership.id,
+        incarnation: p.incarnation,
         grant_wait: Duration::from_millis(cfg.quota.grant_wait_ms),
         idle_release: Duration::from_millis(cfg.quota.idle_release_ms),
         default_max_output_tokens: cfg.quota.default_max_output_tokens,

@@ -26,6 +26,8 @@ pub(super) struct Parts {
     pub registry: Arc<Registry>,
     /// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`.
     pub kube: Option<(kube::Client, String, Duration)>,
+    /// This process's incarnation in the quota ledger.
+    pub incarnation: u64,
 }
 
 impl Parts {
@@ -47,6 +49,7 @@ impl Parts {
         };
         let member =
             Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
+        let incarnation = crate::incarnation::next(&cfg.data_dir, kvplane_api::wall_ms())?;
         let nats = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
             .retry_on_initial_connect()
@@ -62,6 +65,7 @@ impl Parts {
             predictor,
             registry: Arc::new(registry),
             kube,
+            incarnation,
         })
     }
 
