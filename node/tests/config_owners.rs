@@ -130,10 +130,14 @@ async fn the_directory_and_admin_keep_their_own_objects_and_neither_overwrites_t
     let text = node.metrics().await;
     assert_eq!(metric_value(&text, "kvplane_policy_source_conflicts"), 1.0);
     let status = kvplane_ok(&["status", "--addr", &node.endpoint()]);
-    assert!(
-        status.contains("InferenceProvider/by-admin") && status.contains(" admin"),
-        "{status}"
-    );
+    // `kvplane status` shows each object with its owner, one per line.
+    let row = |object: &str, owner: &str| {
+        status
+            .lines()
+            .any(|l| l.split_whitespace().eq([object, owner]))
+    };
+    assert!(row("InferenceProvider/by-admin", "admin"), "{status}");
+    assert!(row("InferenceWorkerSet/gpu", "directory"), "{status}");
 
     // The directory emptied (a lost mount, say): nothing is deleted...
     std::fs::remove_file(policies.path().join("provider.yaml")).unwrap();

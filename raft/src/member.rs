@@ -495,7 +495,12 @@ impl crate::Consistency for RaftMember {
     }
 
     fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>> {
-        Box::pin(async { Ok(self.state.export().await) })
+        Box::pin(async {
+            self.state
+                .export()
+                .await
+                .map_err(|e| ProposeError::Log(e.to_string()))
+        })
     }
 }
 

@@ -135,9 +135,9 @@ impl ReplicatedState {
     }
 
     /// The whole state as [`StateMachine::snapshot`] bytes, with its applied index.
-    pub async fn export(&self) -> (u64, Vec<u8>) {
+    pub async fn export(&self) -> Result<(u64, Vec<u8>), kvplane_state::SnapshotError> {
         let inner = self.inner.lock().await;
-        (inner.sm.applied_index(), inner.sm.snapshot())
+        Ok((inner.sm.applied_index(), inner.sm.snapshot()?))
     }
 }
 
@@ -185,14 +185,15 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
                 last_log_id: inner.last_applied,
                 last_membership: inner.membership.clone(),
             };
-            Ok((inner.sm.capture(), meta, inner.dir.clone()))
+            let captured = inner.sm.capture().map_err(io::Error::other)?;
+            Ok((captured, meta, inner.dir.clone()))
         })
         .await?;
         let index = captured.applied_index();
         let (file, staged) = blocking(move || {
             let file = SnapshotFile {
                 meta,
-                data: captured.encode(),
+                data: captured.encode().map_err(io::Error::other)?,
             };
             let staged = match &dir {
                 Some(dir) => {

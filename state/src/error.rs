@@ -35,9 +35,13 @@ impl ApplyError {
     }
 }
 
-/// A snapshot that cannot be read back.
+/// A snapshot that cannot be taken or read back.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
+    #[error("the prefix index cannot be dumped: {0}")]
+    Dump(String),
+    #[error("snapshot payload cannot be encoded: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
     #[error("snapshot is not a kvplane snapshot (bad magic)")]
     BadMagic,
     #[error("snapshot format version {0} is not supported")]

@@ -185,8 +185,8 @@ impl PoolIndex {
     }
 
     /// The whole tree as router events, for snapshots.
-    pub(crate) fn dump(&self) -> Vec<RouterEvent> {
-        block_on(self.tree.dump_events()).unwrap_or_default()
+    pub(crate) fn dump(&self) -> Result<Vec<RouterEvent>, crate::SnapshotError> {
+        block_on(self.tree.dump_events()).map_err(|e| crate::SnapshotError::Dump(e.to_string()))
     }
 }
 

@@ -62,32 +62,32 @@ impl Captured {
     }
 
     /// The snapshot bytes: magic, version, MessagePack payload, checksum.
-    pub fn encode(self) -> Vec<u8> {
+    pub fn encode(self) -> Result<Vec<u8>, SnapshotError> {
         let mut payload = self.payload;
         payload.trees = self
             .trees
             .into_iter()
-            .map(|(name, events)| (name, rmp_serde::to_vec_named(&events).unwrap_or_default()))
-            .collect();
-        let body = rmp_serde::to_vec(&payload).unwrap_or_default();
+            .map(|(name, events)| Ok((name, rmp_serde::to_vec_named(&events)?)))
+            .collect::<Result<_, SnapshotError>>()?;
+        let body = rmp_serde::to_vec(&payload)?;
         let mut out = Vec::with_capacity(body.len() + 20);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&body);
         let sum = xxh3_64(&out);
         out.extend_from_slice(&sum.to_le_bytes());
-        out
+        Ok(out)
     }
 }
 
 impl StateMachine {
     /// Serializes the whole state.
-    pub fn snapshot(&self) -> Vec<u8> {
-        self.capture().encode()
+    pub fn snapshot(&self) -> Result<Vec<u8>, SnapshotError> {
+        self.capture()?.encode()
     }
 
     /// Copies the whole state for [`Captured::encode`].
-    pub fn capture(&self) -> Captured {
+    pub fn capture(&self) -> Result<Captured, SnapshotError> {
         let ranks = self
             .ranks
             .iter()
@@ -105,8 +105,8 @@ impl StateMachine {
         let trees = self
             .pools
             .iter()
-            .map(|(name, p)| (name.clone(), p.index.dump()))
-            .collect();
+            .map(|(name, p)| Ok((name.clone(), p.index.dump()?)))
+            .collect::<Result<_, SnapshotError>>()?;
         let payload = Payload {
             applied_index: self.applied_index,
             config_index: self.config_index,
@@ -134,7 +134,7 @@ impl StateMachine {
                 .map(|((k, n), o)| (k.clone(), n.clone(), *o))
                 .collect(),
         };
-        Captured { payload, trees }
+        Ok(Captured { payload, trees })
     }
 
     /// Rebuilds a state from [`StateMachine::snapshot`] bytes.

@@ -398,7 +398,7 @@ proptest! {
         for e in &es[..k] {
             original.apply(e).unwrap();
         }
-        let mut restored = StateMachine::restore(&original.snapshot()).unwrap();
+        let mut restored = StateMachine::restore(&original.snapshot().unwrap()).unwrap();
         prop_assert_eq!(restored.digest(), original.digest());
         prop_assert_eq!(restored.applied_index(), original.applied_index());
         prop_assert_eq!(answers_if_pool(&restored), answers_if_pool(&original));

@@ -106,7 +106,7 @@ fn salted_and_adapter_blocks_match_only_requests_under_the_same() {
     assert_eq!(matched(&r.sm, Some("adapter-b"), None), 0);
 
     // The salt is state: in the digest, and kept by a snapshot.
-    let restored = StateMachine::restore(&r.sm.snapshot()).unwrap();
+    let restored = StateMachine::restore(&r.sm.snapshot().unwrap()).unwrap();
     assert_eq!(restored.digest(), r.sm.digest());
     assert_eq!(matched(&restored, None, Some("alice")), 4);
     let mut unsalted = Run::new();

@@ -149,7 +149,7 @@ fn owners_survive_a_snapshot_and_count_in_the_digest() {
         by_node.digest(),
         "same objects, other owners: another state"
     );
-    let restored = StateMachine::restore(&by_node.snapshot()).unwrap();
+    let restored = StateMachine::restore(&by_node.snapshot().unwrap()).unwrap();
     assert_eq!(restored.digest(), by_node.digest());
     assert_eq!(
         restored.handle().load().owner("pool", "a"),

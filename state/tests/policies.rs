@@ -95,7 +95,7 @@ fn an_inconsistent_change_is_refused_whole_and_changes_nothing() {
 fn the_catalog_survives_a_snapshot() {
     let mut sm = StateMachine::new();
     apply(&mut sm, all_of(&examples()));
-    let restored = StateMachine::restore(&sm.snapshot()).unwrap();
+    let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
     assert_eq!(restored.digest(), sm.digest());
     assert_eq!(*restored.handle().load().catalog, examples());
 }
