@@ -16,19 +16,19 @@ pub struct Replicas {
     preferred: AtomicUsize,
 }
 
-/// No replica answered.
 /// Why the replicas named cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicasError {
-    #[error("invalid replica url {url:?}: {source}")]
+    #[error("invalid replica url {url:?}: {error}")]
     Url {
         url: String,
-        source: tonic::transport::Error,
+        error: tonic::transport::Error,
     },
     #[error("at least one kvplane replica is needed")]
     None,
 }
 
+/// No replica answered.
 #[derive(Debug, thiserror::Error)]
 #[error("no kvplane replica answered ({tried} tried): {last}")]
 pub struct NoReplica {
@@ -43,9 +43,9 @@ impl Replicas {
             .iter()
             .map(|u| {
                 let ep = Endpoint::from_shared(u.clone())
-                    .map_err(|source| ReplicasError::Url {
+                    .map_err(|error| ReplicasError::Url {
                         url: u.clone(),
-                        source,
+                        error,
                     })?
                     .connect_timeout(std::time::Duration::from_millis(500))
                     .timeout(std::time::Duration::from_secs(2));

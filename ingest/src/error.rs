@@ -22,13 +22,13 @@ pub enum IngestError {
     #[error("jetstream stream {stream}: {reason}")]
     Stream { stream: String, reason: String },
     #[error("jetstream consumer: cannot create it: {0}")]
-    CreateConsumer(#[source] BoxError),
+    CreateConsumer(BoxError),
     #[error("jetstream consumer: cannot read messages: {0}")]
-    Messages(#[source] BoxError),
+    Messages(BoxError),
     #[error("jetstream consumer: the message stream ended")]
     Ended,
     #[error("jetstream consumer: a message without stream info: {0}")]
-    NoInfo(#[source] BoxError),
+    NoInfo(BoxError),
     #[error("proposing to the log failed: {0}")]
     Propose(#[from] kvplane_state::ProposeError),
 }

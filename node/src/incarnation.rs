@@ -24,7 +24,13 @@ pub fn next(data_dir: &Path, now_ms: u64) -> Result<u64, IncarnationError> {
         source,
     };
     let last = match std::fs::read_to_string(&path) {
-        Ok(text) => text.trim().parse::<u64>().ok(),
+        Ok(text) => {
+            let last = text.trim().parse::<u64>().ok();
+            if last.is_none() {
+                tracing::warn!(path = %path.display(), "quota incarnation file unreadable; starting from the clock");
+            }
+            last
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(io(e)),
     };

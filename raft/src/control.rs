@@ -43,7 +43,6 @@ pub enum ClusterError {
     },
     #[error("membership change failed: {0}")]
     Raft(
-        #[source]
         Box<
             openraft::error::RaftError<
                 crate::TypeConfig,

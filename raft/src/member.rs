@@ -519,13 +519,19 @@ impl RaftMember {
 impl RaftMember {
     /// Refuses a target that already is a cluster other than this one (a standalone node
     /// with its own data, say): Raft would replace its log with this cluster's, and what it
-    /// held would be lost without a word. A target that answers nothing, or holds no
-    /// membership yet (a new member waiting to be added), or already counts this member (it is
-    /// being added again) is let through.
+    /// held would be lost without a word. Let through: a target that answers nothing within
+    /// 2 s, one that holds no membership yet (a new member waiting to be added), and one whose
+    /// membership shares a member (same id at the same address) with this cluster's (a member
+    /// added again, a learner being promoted, a member back from a scale-down).
     async fn refuse_another_cluster(&self, addr: &str) -> Result<(), crate::ClusterError> {
         use kvplane_proto::v1::{StatusRequest, admin_client::AdminClient};
+        let url = if addr.contains("://") {
+            addr.to_owned()
+        } else {
+            format!("http://{addr}")
+        };
         let ask = async {
-            let mut c = AdminClient::connect(format!("http://{addr}")).await.ok()?;
+            let mut c = AdminClient::connect(url).await.ok()?;
             c.cluster_status(StatusRequest::default())
                 .await
                 .ok()
@@ -534,11 +540,19 @@ impl RaftMember {
         let Ok(Some(theirs)) = tokio::time::timeout(Duration::from_secs(2), ask).await else {
             return Ok(());
         };
-        let counts_me = theirs
+        let ours: std::collections::BTreeSet<(u64, String)> = {
+            let m = self.raft.metrics().borrow_watched().clone();
+            m.membership_config
+                .membership()
+                .nodes()
+                .map(|(id, n)| (*id, n.addr.clone()))
+                .collect()
+        };
+        let shared = theirs
             .members
             .iter()
-            .any(|m| m.id == self.membership.id && m.addr == self.membership.addr);
-        if theirs.members.is_empty() || counts_me {
+            .any(|m| ours.contains(&(m.id, m.addr.clone())));
+        if theirs.members.is_empty() || shared {
             return Ok(());
         }
         Err(crate::ClusterError::AnotherCluster {

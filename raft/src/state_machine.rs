@@ -55,6 +55,10 @@ struct SnapshotFile {
     data: Vec<u8>,
 }
 
+/// The file a snapshot is built into before it replaces the current one (builds run one at a
+/// time; a build cut off by a crash leaves it, and the next open removes it).
+const BUILD_TAG: &str = "build";
+
 fn write_durably(dir: &Path, bytes: &[u8]) -> io::Result<()> {
     let tmp = stage(dir, bytes, "tmp")?;
     commit(dir, &tmp)
@@ -86,6 +90,10 @@ impl ReplicatedState {
     /// The state of a node whose snapshots live in `dir`: starts from the snapshot there, if any.
     pub fn open(dir: &Path) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
+        match std::fs::remove_file(dir.join(format!("{SNAPSHOT_FILE}.{BUILD_TAG}"))) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let (sm, current) = match std::fs::read(dir.join(SNAPSHOT_FILE)) {
             Ok(bytes) => {
                 let file: SnapshotFile = rmp_serde::from_slice(&bytes).map_err(io::Error::other)?;
@@ -175,7 +183,27 @@ impl Inner {
 impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
     type SnapshotData = Vec<u8>;
 
+    /// A build that fails (the index cannot be dumped, the disk refuses the file) keeps the
+    /// current snapshot, logged: an error here would stop Raft on this member, and the log
+    /// it has not compacted is still there.
     async fn build_snapshot(&mut self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
+        match self.try_build().await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                tracing::error!(error = %e, "snapshot not taken; the current one stays");
+                match self.inner.lock().await.current.clone() {
+                    Some((meta, snapshot)) => {
+                        Ok(SnapshotOf::<TypeConfig, Vec<u8>> { meta, snapshot })
+                    }
+                    None => Err(e),
+                }
+            }
+        }
+    }
+}
+
+impl ReplicatedState {
+    async fn try_build(&self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
         // Only the copy is taken under the state's lock (the tree dump waits for the index
         // writer, so on a blocking thread); encoding, writing and fsyncing it happen without
         // the lock, while entries keep applying.
@@ -189,7 +217,6 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
             Ok((captured, meta, inner.dir.clone()))
         })
         .await?;
-        let index = captured.applied_index();
         let (file, staged) = blocking(move || {
             let file = SnapshotFile {
                 meta,
@@ -198,7 +225,7 @@ impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
             let staged = match &dir {
                 Some(dir) => {
                     let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
-                    Some((dir.clone(), stage(dir, &bytes, &format!("{index}.tmp"))?))
+                    Some((dir.clone(), stage(dir, &bytes, BUILD_TAG)?))
                 }
                 None => None,
             };

@@ -11,14 +11,18 @@
 //!   events applied as a node's log would, and the real routing service over it - for the
 //!   semantics that need no process (policies, quotas, routing) in milliseconds.
 //!
-//! The `kvplane` binary is found by [`process::kvplane_binary`].
+//! The `kvplane` binary is found by [`process::kvplane_binary`]. `fleet` and `state` are the
+//! `fleet` feature (on by default, for tests); the demo links only `process` and `eventually`.
 
 pub mod eventually;
+#[cfg(feature = "fleet")]
 pub mod fleet;
 pub mod process;
+#[cfg(feature = "fleet")]
 pub mod state;
 
 pub use eventually::{eventually, eventually_sync};
+#[cfg(feature = "fleet")]
 pub use fleet::{
     Cluster, Engine, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port, gateway,
     http_get, kvplane_ok, metric_value, publish, spawn_ready,

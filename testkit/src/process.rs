@@ -23,6 +23,12 @@ pub enum ProcessError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("{program} exited ({status}) before it was ready; see {log}")]
+    Exited {
+        program: String,
+        status: std::process::ExitStatus,
+        log: PathBuf,
+    },
     #[error("{program} did not become ready within {timeout:?}; see {log}")]
     NotReady {
         program: String,
@@ -79,13 +85,26 @@ pub fn start(spec: Spec<'_>) -> Result<(Child, String), ProcessError> {
             }
         });
     }
+    let program = format!("{program} {}", spec.args.join(" "));
     match rx.recv_timeout(READY_TIMEOUT) {
         Ok(line) => Ok((child, line)),
-        Err(_) => {
+        // Its stdout closed without the line: it exited (or is about to).
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            let status = child.wait().map_err(|source| ProcessError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+            Err(ProcessError::Exited {
+                program,
+                status,
+                log: spec.log.to_owned(),
+            })
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
             let _ = child.kill();
             let _ = child.wait();
             Err(ProcessError::NotReady {
-                program: format!("{program} {}", spec.args.join(" ")),
+                program,
                 timeout: READY_TIMEOUT,
                 log: spec.log.to_owned(),
             })
@@ -164,22 +183,76 @@ pub fn which(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// The `kvplane` binary: `$KVPLANE_BIN`; else the one nextest names for an integration test
-/// (`$NEXTEST_BIN_EXE_kvplane`); else this process when it is `kvplane` (the demo); else
-/// `kvplane` beside the directory of this test executable (`target/<profile>/deps/..`), where
-/// Cargo builds it before the integration tests of the package that has it.
+/// The `kvplane` binary: this process when it is `kvplane` (the demo); else the one nextest
+/// names for the integration tests of the package that has it (`$NEXTEST_BIN_EXE_kvplane`,
+/// the path Cargo's `CARGO_BIN_EXE_kvplane` names); else `$KVPLANE_BIN`; else `kvplane`
+/// beside the directory of this test executable (`target/<profile>/deps/..`), where Cargo
+/// builds it before the integration tests of `node/`, the package that has it.
 pub fn kvplane_binary() -> PathBuf {
-    for var in ["KVPLANE_BIN", "NEXTEST_BIN_EXE_kvplane"] {
-        if let Some(p) = std::env::var_os(var) {
-            return PathBuf::from(p);
-        }
-    }
     let exe = std::env::current_exe().unwrap_or_default();
     if exe.file_stem().is_some_and(|n| n == "kvplane") {
         return exe;
     }
+    for var in ["NEXTEST_BIN_EXE_kvplane", "KVPLANE_BIN"] {
+        if let Some(p) = std::env::var_os(var) {
+            return PathBuf::from(p);
+        }
+    }
     exe.parent()
         .and_then(Path::parent)
-        .map(|d| d.join("kvplane"))
+        .map(|d| d.join(format!("kvplane{}", std::env::consts::EXE_SUFFIX)))
         .unwrap_or_else(|| PathBuf::from("kvplane"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    fn sh(script: &str, log: &Path) -> Result<(Child, String), ProcessError> {
+        start(Spec {
+            program: Path::new("sh"),
+            args: &["-c".to_owned(), script.to_owned()],
+            env: &[],
+            log,
+            ready: Some("ready "),
+        })
+    }
+
+    #[test]
+    fn the_ready_line_is_returned_and_its_fields_read() {
+        let dir = tempfile_dir();
+        let (mut child, line) = sh(
+            "echo starting; echo ready port=7 x=y; sleep 5",
+            &dir.join("a.log"),
+        )
+        .unwrap();
+        assert_eq!(field(&line, "port"), Some("7"));
+        assert_eq!(field(&line, "x"), Some("y"));
+        assert_eq!(field(&line, "por"), None);
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    #[test]
+    fn a_process_that_exits_before_its_ready_line_is_reported_with_its_status() {
+        let dir = tempfile_dir();
+        match sh("echo oops >&2; exit 3", &dir.join("b.log")) {
+            Err(ProcessError::Exited { status, log, .. }) => {
+                assert_eq!(status.code(), Some(3));
+                assert_eq!(std::fs::read_to_string(log).unwrap(), "oops\n");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "kvplane-testkit-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
 }

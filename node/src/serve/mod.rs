@@ -64,17 +64,23 @@ pub async fn run(
     components::ingest(&p, &mut tasks, config_synced);
     let services = components::routing(&p, &mut tasks);
     let member = p.member.clone();
-    tasks.spawn("grpc", |stop| grpc::serve(grpc, services, member, stop));
+    tasks.spawn_critical("grpc", |stop| grpc::serve(grpc, services, member, stop));
     let registry = p.registry.clone();
-    tasks.spawn("http", |stop| http::serve(http, registry, ready, stop));
+    tasks.spawn_critical("http", |stop| http::serve(http, registry, ready, stop));
 
     let applied_index = p.member.handle.load().applied_index;
     tracing::info!(node_id = p.cfg.node_id, grpc = %bound.grpc, http = %bound.http, applied_index, "kvplane node serving");
     on_ready(bound);
-    shutdown.await;
+    let ended = tokio::select! {
+        () = shutdown => None,
+        name = tasks.critical_ended() => Some(name),
+    };
     tracing::info!("shutting down");
     tasks.stop().await;
     p.member.stop(Duration::from_secs(10)).await;
     tracing::info!("stopped");
-    Ok(())
+    match ended {
+        None => Ok(()),
+        Some(name) => anyhow::bail!("the {name} server stopped serving, so the node stopped"),
+    }
 }

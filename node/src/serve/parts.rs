@@ -47,9 +47,9 @@ impl Parts {
             let m = metrics.state.clone();
             Arc::new(move |a| m.observe(a))
         };
+        let incarnation = crate::incarnation::next(&cfg.data_dir, kvplane_api::wall_ms())?;
         let member =
             Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
-        let incarnation = crate::incarnation::next(&cfg.data_dir, kvplane_api::wall_ms())?;
         let nats = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
             .retry_on_initial_connect()

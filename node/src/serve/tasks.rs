@@ -10,6 +10,8 @@ use tokio::task::JoinSet;
 pub(super) struct Tasks {
     stop: watch::Sender<bool>,
     set: JoinSet<&'static str>,
+    /// Those the node is nothing without (its ports): one ending early stops the node.
+    critical: JoinSet<&'static str>,
 }
 
 impl Tasks {
@@ -17,6 +19,31 @@ impl Tasks {
         Self {
             stop: watch::channel(false).0,
             set: JoinSet::new(),
+            critical: JoinSet::new(),
+        }
+    }
+
+    /// As [`Tasks::spawn`], for a component whose end before the stop signal stops the node.
+    pub(super) fn spawn_critical<F>(
+        &mut self,
+        name: &'static str,
+        start: impl FnOnce(watch::Receiver<bool>) -> F,
+    ) where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let component = start(self.stop.subscribe());
+        self.critical.spawn(async move {
+            component.await;
+            name
+        });
+    }
+
+    /// Resolves when a critical component has ended (never, while all run), with its name.
+    pub(super) async fn critical_ended(&mut self) -> &'static str {
+        match self.critical.join_next().await {
+            Some(Ok(name)) => name,
+            Some(Err(_)) => "a critical component",
+            None => std::future::pending().await,
         }
     }
 
@@ -39,10 +66,12 @@ impl Tasks {
     /// Signals every component to stop and waits until all have.
     pub(super) async fn stop(mut self) {
         let _ = self.stop.send(true);
-        while let Some(done) = self.set.join_next().await {
-            match done {
-                Ok(name) => tracing::debug!(component = name, "stopped"),
-                Err(e) => tracing::error!(error = %e, "a component failed"),
+        for set in [&mut self.set, &mut self.critical] {
+            while let Some(done) = set.join_next().await {
+                match done {
+                    Ok(name) => tracing::debug!(component = name, "stopped"),
+                    Err(e) => tracing::error!(error = %e, "a component failed"),
+                }
             }
         }
     }
