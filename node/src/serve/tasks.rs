@@ -31,11 +31,8 @@ impl Tasks {
     ) where
         F: Future<Output = ()> + Send + 'static,
     {
-        let component = start(self.stop.subscribe());
-        self.critical.spawn(async move {
-            component.await;
-            name
-        });
+        self.critical
+            .spawn(named(name, start(self.stop.subscribe())));
     }
 
     /// Resolves when a critical component has ended (never, while all run), with its name.
@@ -56,11 +53,7 @@ impl Tasks {
     ) where
         F: Future<Output = ()> + Send + 'static,
     {
-        let component = start(self.stop.subscribe());
-        self.set.spawn(async move {
-            component.await;
-            name
-        });
+        self.set.spawn(named(name, start(self.stop.subscribe())));
     }
 
     /// Signals every component to stop and waits until all have.
@@ -75,4 +68,10 @@ impl Tasks {
             }
         }
     }
+}
+
+/// `component`, answering its name when it ends.
+async fn named(name: &'static str, component: impl Future<Output = ()>) -> &'static str {
+    component.await;
+    name
 }
