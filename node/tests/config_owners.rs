@@ -85,6 +85,10 @@ async fn the_directory_and_admin_keep_their_own_objects_and_neither_overwrites_t
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
     assert!(err.message().contains("owned by directory"), "{err}");
+    // Counted as a refused write through this replica.
+    let refused = r#"kvplane_raft_propose_failures_total{path="replica_write",reason="refused"} 1"#;
+    let metrics = node.metrics().await;
+    assert!(metrics.lines().any(|l| l == refused), "{metrics}");
     // An object of its own it may write, and the directory's next pass leaves it alone.
     admin
         .put_config(PutConfigRequest {

@@ -413,3 +413,32 @@ async fn readiness_goes_off_on_a_replica_cut_off_from_the_quorum_and_back_when_h
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_names_an_unreachable_nats_and_comes_back_with_it() {
+    let mut cluster = Cluster::start(1);
+    let node = &cluster.nodes[0];
+    eventually("the node ready", Duration::from_secs(20), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
+    let url = cluster.nats.url();
+    cluster.nats.kill();
+    let node = &cluster.nodes[0];
+    let why = eventually("the node not ready", Duration::from_secs(20), || async {
+        let (code, body) = node.readyz().await;
+        (code == 503).then_some(body)
+    })
+    .await;
+    assert!(
+        why.contains(&format!("nats at {url} is unreachable")),
+        "{why}"
+    );
+    assert!(node.log().contains("nats unreachable"), "{}", node.log());
+    cluster.nats.restart();
+    let node = &cluster.nodes[0];
+    eventually("the node ready again", Duration::from_secs(30), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
+}

@@ -32,6 +32,7 @@ pub struct Replica {
     raft: KvRaft,
     network: Network,
     timeout: Duration,
+    failures: crate::ProposeFailures,
 }
 
 impl std::fmt::Debug for Replica {
@@ -51,16 +52,27 @@ enum Attempt<T> {
 
 impl Replica {
     /// `timeout` bounds every write and read barrier, leader changes included.
-    pub fn new(raft: KvRaft, network: Network, timeout: Duration) -> Self {
+    pub fn new(
+        raft: KvRaft,
+        network: Network,
+        timeout: Duration,
+        failures: crate::ProposeFailures,
+    ) -> Self {
         Self {
             raft,
             network,
             timeout,
+            failures,
         }
     }
 
     /// Commits `command` through the leader and waits until this replica applied it.
     pub async fn write(&self, command: Command) -> Result<u64, ProposeError> {
+        let result = self.write_through_leader(command).await;
+        self.failures.count("replica_write", result)
+    }
+
+    async fn write_through_leader(&self, command: Command) -> Result<u64, ProposeError> {
         let result = self
             .with_leader("write", |leader| {
                 let command = command.clone();
@@ -84,6 +96,11 @@ impl Replica {
     /// Resolves with an index once this replica has applied everything committed before the
     /// call (the leader confirmed its leadership with a quorum).
     pub async fn read_barrier(&self) -> Result<u64, ProposeError> {
+        let result = self.barrier().await;
+        self.failures.count("read_barrier", result)
+    }
+
+    async fn barrier(&self) -> Result<u64, ProposeError> {
         self.with_leader("linearizable read", |leader| async move {
             match leader {
                 None => match self

@@ -225,16 +225,16 @@ impl RaftGauges {
         self.ready.set(i64::from(ready));
     }
 
-    /// Samples `member` every second until `stop`.
+    /// Samples `member` every second until `stop` (`ready`: whether `/readyz` says ready).
     pub async fn run(
         self: Arc<Self>,
         member: Arc<RaftMember>,
         snapshot: PathBuf,
-        ready: Arc<dyn Fn() -> Result<(), NotReady> + Send + Sync>,
+        ready: Arc<dyn Fn() -> bool + Send + Sync>,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         loop {
-            self.sample(&member, &snapshot, ready().is_ok());
+            self.sample(&member, &snapshot, ready());
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 _ = stop.changed() => return,

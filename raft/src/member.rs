@@ -24,6 +24,7 @@ use crate::section::{Membership, RaftSection};
 #[derive(Clone)]
 pub struct RaftLog {
     raft: KvRaft,
+    failures: crate::ProposeFailures,
 }
 
 impl std::fmt::Debug for RaftLog {
@@ -34,6 +35,13 @@ impl std::fmt::Debug for RaftLog {
 
 impl Proposer for RaftLog {
     async fn propose(&self, command: Command) -> Result<u64, ProposeError> {
+        let result = self.propose_here(command).await;
+        self.failures.count("log", result)
+    }
+}
+
+impl RaftLog {
+    async fn propose_here(&self, command: Command) -> Result<u64, ProposeError> {
         let span = tracing::debug_span!(
             "raft.propose",
             command = command.kind(),
@@ -81,6 +89,8 @@ pub struct RaftMember {
     replica: Replica,
     faults: Option<Faults>,
     pub(crate) contact: LeaderContact,
+    /// Failed writes and read barriers through this member, for `/metrics`.
+    pub failures: crate::ProposeFailures,
 }
 
 impl RaftMember {
@@ -157,13 +167,19 @@ impl RaftMember {
         if only_voter && raft.trigger().elect(false).await.is_err() {
             tracing::warn!(id, "could not start an election");
         }
+        let failures = crate::ProposeFailures::default();
         Ok(Self {
-            log: RaftLog { raft: raft.clone() },
+            log: RaftLog {
+                raft: raft.clone(),
+                failures: failures.clone(),
+            },
             replica: Replica::new(
                 raft.clone(),
                 network,
                 Duration::from_millis(r.forward_timeout_ms),
+                failures.clone(),
             ),
+            failures,
             raft,
             handle,
             membership,

@@ -27,6 +27,19 @@ pub enum ProposeError {
     Log(String),
 }
 
+impl ProposeError {
+    /// Its metric label.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::NotLeader { .. } => "not_leader",
+            Self::Closed => "closed",
+            Self::Unavailable(_) => "unavailable",
+            Self::Refused { .. } => "refused",
+            Self::Log(_) => "log",
+        }
+    }
+}
+
 /// Appends commands to the replicated log.
 pub trait Proposer: Send + Sync + 'static {
     /// Resolves with the entry's index once it is committed and applied locally.

@@ -8,9 +8,9 @@ use kvplane_ingest::IngestConfig;
 use tokio::sync::watch;
 
 use super::grpc;
-use super::http::Ready;
 use super::ingest::LeadIngest;
 use super::parts::Parts;
+use super::ready::Ready;
 use super::tasks::Tasks;
 use crate::sources;
 
@@ -22,6 +22,7 @@ pub(super) async fn member(p: &Parts, tasks: &mut Tasks, ready: Ready) {
         .join(kvplane_raft::STATE_DIR)
         .join(kvplane_raft::SNAPSHOT_FILE);
     let (gauges, member) = (p.metrics.raft.clone(), p.member.clone());
+    let ready = Arc::new(move || ready().is_ok());
     tasks.spawn("raft gauges", |stop| {
         gauges.run(member, snapshot_file, ready, stop)
     });

@@ -9,8 +9,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// Why this node is not ready to serve, if it is not.
-pub(super) type Ready = Arc<dyn Fn() -> Result<(), kvplane_raft::NotReady> + Send + Sync>;
+use super::ready::Ready;
 
 /// Serves `listener` until `stop`.
 pub(super) async fn serve(

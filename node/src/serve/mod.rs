@@ -14,6 +14,7 @@ mod http;
 mod ingest;
 mod metrics;
 mod parts;
+mod ready;
 mod tasks;
 
 use std::future::Future;

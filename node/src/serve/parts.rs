@@ -11,8 +11,8 @@ use kvplane_raft::RaftMember;
 use prometheus_client::registry::Registry;
 
 use super::Bound;
-use super::http::Ready;
 use super::metrics::NodeMetrics;
+use super::ready::{Ready, readiness};
 use crate::config::Config;
 
 pub(super) struct Parts {
@@ -50,9 +50,24 @@ impl Parts {
         let incarnation = crate::incarnation::next(&cfg.data_dir, kvplane_api::wall_ms())?;
         let member =
             Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
+        member.failures.register(&mut registry);
+        let url = cfg.nats_url.clone();
         let nats = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
             .retry_on_initial_connect()
+            // async-nats names no server in its own messages: these name the URL.
+            .event_callback(move |event| {
+                let url = url.clone();
+                async move {
+                    match event {
+                        async_nats::Event::Connected => tracing::info!(%url, "nats connected"),
+                        async_nats::Event::Disconnected => {
+                            tracing::warn!(%url, "nats unreachable; not ready until it is back");
+                        }
+                        other => tracing::warn!(%url, event = %other, "nats"),
+                    }
+                }
+            })
             .connect(cfg.nats_url.as_str())
             .await
             .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
@@ -69,11 +84,16 @@ impl Parts {
         })
     }
 
-    /// Ready while the member knows a leader and keeps up.
+    /// Ready while the member knows a leader and keeps up, and NATS is reachable.
     pub(super) fn ready(&self) -> Ready {
-        let (m, lag) = (self.member.clone(), self.cfg.raft.ready_max_lag_entries);
+        let lag = self.cfg.raft.ready_max_lag_entries;
         let lease = Duration::from_millis(self.cfg.raft.election_timeout_max_ms * 2);
-        Arc::new(move || m.readiness(lag, lease))
+        readiness(
+            self.member.clone(),
+            (lag, lease),
+            self.nats.clone(),
+            self.cfg.nats_url.clone(),
+        )
     }
 }
 

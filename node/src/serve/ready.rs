@@ -1,0 +1,45 @@
+//! `/readyz`: ready while the member is (a leader known and heard from, this replica keeping
+//! up) and NATS is reachable (the leader's ingest and the replicas' decision gossip ride it: a
+//! node cut off from it routes on a state that no longer follows the engines).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::connection::State;
+use kvplane_raft::RaftMember;
+
+/// Why this node is not ready to serve.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum NotReady {
+    #[error("{0}")]
+    Raft(kvplane_raft::NotReady),
+    #[error("nats at {url} is unreachable ({state})")]
+    Nats { url: String, state: &'static str },
+}
+
+/// Why this node is not ready, if it is not.
+pub(super) type Ready = Arc<dyn Fn() -> Result<(), NotReady> + Send + Sync>;
+
+/// The node's readiness: the member's (`max_lag` entries behind at most, a leader heard from
+/// within `lease`), then NATS's.
+pub(super) fn readiness(
+    member: Arc<RaftMember>,
+    (max_lag, lease): (u64, Duration),
+    nats: async_nats::Client,
+    url: String,
+) -> Ready {
+    Arc::new(move || {
+        member.readiness(max_lag, lease).map_err(NotReady::Raft)?;
+        match nats.connection_state() {
+            State::Connected => Ok(()),
+            State::Pending => Err(NotReady::Nats {
+                url: url.clone(),
+                state: "connecting",
+            }),
+            State::Disconnected => Err(NotReady::Nats {
+                url: url.clone(),
+                state: "disconnected",
+            }),
+        }
+    })
+}
