@@ -10,14 +10,8 @@ use tonic::transport::Channel;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
-    /// Any member's gRPC address.
-    #[arg(
-        long,
-        env = "KVPLANE_ADDR",
-        default_value = "http://127.0.0.1:7070",
-        global = true
-    )]
-    pub addr: String,
+    #[command(flatten)]
+    pub node: crate::NodeAddr,
     #[command(subcommand)]
     pub command: ClusterCmd,
 }
@@ -88,12 +82,12 @@ fn print(s: &ClusterStatusResponse) {
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     let status = match a.command {
-        ClusterCmd::Status => connect(&a.addr)
+        ClusterCmd::Status => connect(&a.node.addr)
             .await?
             .cluster_status(StatusRequest::default())
             .await?
             .into_inner(),
-        ClusterCmd::Add { id, member_addr } => leader(&a.addr)
+        ClusterCmd::Add { id, member_addr } => leader(&a.node.addr)
             .await?
             .add_member(AddMemberRequest {
                 id,
@@ -101,7 +95,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             })
             .await?
             .into_inner(),
-        ClusterCmd::Remove { id } => leader(&a.addr)
+        ClusterCmd::Remove { id } => leader(&a.node.addr)
             .await?
             .remove_member(RemoveMemberRequest { id })
             .await?

@@ -7,14 +7,8 @@ use kvplane_proto::v1::{DeleteConfigRequest, PutConfigRequest};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConfigArgs {
-    /// Any member's gRPC address (a follower forwards the write to the leader).
-    #[arg(
-        long,
-        env = "KVPLANE_ADDR",
-        default_value = "http://127.0.0.1:7070",
-        global = true
-    )]
-    pub addr: String,
+    #[command(flatten)]
+    pub node: crate::NodeAddr,
     #[command(subcommand)]
     pub command: ConfigCmd,
 }
@@ -46,7 +40,7 @@ pub enum ConfigCmd {
 }
 
 pub async fn run(a: ConfigArgs) -> anyhow::Result<()> {
-    let mut c = crate::cluster::connect(&a.addr).await?;
+    let mut c = crate::cluster::connect(&a.node.addr).await?;
     let written = match a.command {
         ConfigCmd::Put { kind, name, file } => {
             let value = if file == "-" {

@@ -14,3 +14,16 @@ pub mod config;
 pub mod explain;
 pub mod route;
 pub mod validate;
+
+/// The node a subcommand talks to.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeAddr {
+    /// Any member's gRPC address (a follower forwards writes to the leader).
+    #[arg(
+        long,
+        env = "KVPLANE_ADDR",
+        default_value = "http://127.0.0.1:7070",
+        global = true
+    )]
+    pub addr: String,
+}

@@ -143,9 +143,18 @@ impl ReplicatedState {
     }
 
     /// The whole state as [`StateMachine::snapshot`] bytes, with its applied index.
+    /// The copy is taken under the state's lock and encoded without it, both on a blocking
+    /// thread (the tree dump waits for the index writer).
     pub async fn export(&self) -> Result<(u64, Vec<u8>), kvplane_state::SnapshotError> {
-        let inner = self.inner.lock().await;
-        Ok((inner.sm.applied_index(), inner.sm.snapshot()?))
+        let inner = self.inner.clone().lock_owned().await;
+        let captured = tokio::task::spawn_blocking(move || inner.sm.capture())
+            .await
+            .map_err(|e| kvplane_state::SnapshotError::Task(e.to_string()))??;
+        let index = captured.applied_index();
+        let bytes = tokio::task::spawn_blocking(move || captured.encode())
+            .await
+            .map_err(|e| kvplane_state::SnapshotError::Task(e.to_string()))??;
+        Ok((index, bytes))
     }
 }
 

@@ -40,6 +40,8 @@ impl ApplyError {
 pub enum SnapshotError {
     #[error("the prefix index cannot be dumped: {0}")]
     Dump(String),
+    #[error("the snapshot's task failed: {0}")]
+    Task(String),
     #[error("snapshot payload cannot be encoded: {0}")]
     Encode(#[from] rmp_serde::encode::Error),
     #[error("snapshot is not a kvplane snapshot (bad magic)")]
