@@ -4,7 +4,6 @@
 //! look older than its predecessor and get no grants): the last incarnation is kept in
 //! `DATA_DIR/incarnation`, and a new one is later than both it and the clock.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -36,14 +35,7 @@ pub fn next(data_dir: &Path, now_ms: u64) -> Result<u64, IncarnationError> {
     };
     let next = last.map_or(now_ms, |l| now_ms.max(l.saturating_add(1)));
     std::fs::create_dir_all(data_dir).map_err(io)?;
-    let tmp = data_dir.join("incarnation.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    writeln!(f, "{next}").map_err(io)?;
-    f.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, &path).map_err(io)?;
-    std::fs::File::open(data_dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io)?;
+    kvplane_raft::durable::replace(&path, format!("{next}\n").as_bytes()).map_err(io)?;
     Ok(next)
 }
 

@@ -10,7 +10,7 @@
 //!   one is in a cluster, ordinal 0 joins it instead. So a lost volume on pod 0 never starts a
 //!   second cluster beside the running one.
 
-use std::io::{self, Write};
+use std::io;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,14 +33,7 @@ pub fn persistent_id(dir: &Path, ordinal: u64, had_log: bool) -> io::Result<u64>
             } else {
                 micros_now() * 1000 + ordinal % 1000 + 1
             };
-            let tmp = dir.join(format!("{ID_FILE}.tmp"));
-            {
-                let mut f = std::fs::File::create(&tmp)?;
-                writeln!(f, "{id}")?;
-                f.sync_all()?;
-            }
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(dir)?.sync_all()?;
+            crate::durable::replace(&path, format!("{id}\n").as_bytes())?;
             Ok(id)
         }
         Err(e) => Err(e),

@@ -21,6 +21,7 @@
 //!   the rest through [`Consistency`], [`ClusterControl`] and `kvplane_state::Proposer`.
 
 mod control;
+pub mod durable;
 mod faults;
 mod forward;
 mod health;

@@ -8,7 +8,7 @@
 //! directory fsynced), so a node that restarts after its log was compacted starts from it and
 //! replays only the log after it.
 
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -19,7 +19,7 @@ use openraft::storage::{EntryResponder, RaftStateMachine};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
 use tokio::sync::Mutex;
 
-use crate::{ApplyResult, TypeConfig};
+use crate::{ApplyResult, TypeConfig, durable};
 
 struct Inner {
     dir: Option<PathBuf>,
@@ -58,26 +58,6 @@ struct SnapshotFile {
 /// The file a snapshot is built into before it replaces the current one (builds run one at a
 /// time; a build cut off by a crash leaves it, and the next open removes it).
 const BUILD_TAG: &str = "build";
-
-fn write_durably(dir: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = stage(dir, bytes, "tmp")?;
-    commit(dir, &tmp)
-}
-
-/// Writes `bytes` beside the snapshot file, fsynced, under a name ending in `.{tag}`.
-fn stage(dir: &Path, bytes: &[u8], tag: &str) -> io::Result<PathBuf> {
-    let tmp = dir.join(format!("{SNAPSHOT_FILE}.{tag}"));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    Ok(tmp)
-}
-
-/// Makes a staged file the snapshot file, durably.
-fn commit(dir: &Path, staged: &Path) -> io::Result<()> {
-    std::fs::rename(staged, dir.join(SNAPSHOT_FILE))?;
-    std::fs::File::open(dir)?.sync_all()
-}
 
 type Current = Option<(SnapshotMetaOf<TypeConfig>, Vec<u8>)>;
 
@@ -180,7 +160,7 @@ impl Inner {
         if let Some(dir) = &self.dir {
             let file = SnapshotFile { meta, data };
             let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
-            write_durably(dir, &bytes)?;
+            durable::replace(&dir.join(SNAPSHOT_FILE), &bytes)?;
             self.current = Some((file.meta, file.data));
         } else {
             self.current = Some((meta, data));
@@ -234,7 +214,10 @@ impl ReplicatedState {
             let staged = match &dir {
                 Some(dir) => {
                     let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
-                    Some((dir.clone(), stage(dir, &bytes, BUILD_TAG)?))
+                    Some((
+                        dir.clone(),
+                        durable::stage(&dir.join(SNAPSHOT_FILE), &bytes, BUILD_TAG)?,
+                    ))
                 }
                 None => None,
             };
@@ -250,7 +233,7 @@ impl ReplicatedState {
         let file = blocking(move || {
             match staged {
                 Some((_, tmp)) if newer => std::fs::remove_file(tmp)?,
-                Some((dir, tmp)) => commit(&dir, &tmp)?,
+                Some((dir, tmp)) => durable::commit(&tmp, &dir.join(SNAPSHOT_FILE))?,
                 None => {}
             }
             if !newer {

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 pub type Synced = Arc<watch::Sender<u64>>;
 
 /// What a config source needs of its node.
+#[derive(Clone)]
 pub struct Context<P> {
     /// Where its changes are proposed.
     pub log: P,
@@ -27,18 +28,6 @@ pub struct Context<P> {
     pub synced: Synced,
     /// The tokenizers a worker set's `spec.tokenizer` must load with.
     pub tokenizers: Arc<kvplane_api::Tokenizers>,
-}
-
-impl<P: Clone> Clone for Context<P> {
-    fn clone(&self) -> Self {
-        Self {
-            log: self.log.clone(),
-            state: self.state.clone(),
-            leading: self.leading.clone(),
-            synced: self.synced.clone(),
-            tokenizers: self.tokenizers.clone(),
-        }
-    }
 }
 
 impl<P: Proposer> Context<P> {
