@@ -434,11 +434,25 @@ async fn readiness_names_an_unreachable_nats_and_comes_back_with_it() {
         why.contains(&format!("nats at {url} is unreachable")),
         "{why}"
     );
-    assert!(node.log().contains("nats unreachable"), "{}", node.log());
+    let log = node.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("nats unreachable") && l.contains(&url)),
+        "{log}"
+    );
+    let connected = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("nats connected") && l.contains(&url))
+            .count()
+    };
+    let before = connected(&log);
     cluster.nats.restart();
     let node = &cluster.nodes[0];
     eventually("the node ready again", Duration::from_secs(30), || async {
         (node.readyz().await.0 == 200).then_some(())
     })
     .await;
+    // The reconnect is logged with the URL too.
+    let log = node.log();
+    assert!(connected(&log) > before, "{log}");
 }

@@ -6,7 +6,7 @@
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use kvplane_proto::v1::admin_client::AdminClient;
@@ -39,6 +39,7 @@ pub struct Nats {
     child: Option<Child>,
     pub port: u16,
     dir: TempDir,
+    starts: u32,
 }
 
 impl Nats {
@@ -49,31 +50,33 @@ impl Nats {
             child: None,
             port,
             dir,
+            starts: 0,
         };
         n.spawn();
         n
     }
 
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("nats.log"))
-            .unwrap();
-        let child = Command::new("nats-server")
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(self.dir.path().join("store"))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
+        self.starts += 1;
+        let program = process::which("nats-server")
             .expect("nats-server must be installed (apt-get install -y nats-server)");
+        let args = [
+            "-js".to_owned(),
+            "-a".to_owned(),
+            "127.0.0.1".to_owned(),
+            "-p".to_owned(),
+            self.port.to_string(),
+            "-sd".to_owned(),
+            self.dir.path().join("store").display().to_string(),
+        ];
+        let (child, _) = process::start(Spec {
+            program: &program,
+            args: &args,
+            env: &[],
+            log: &self.dir.path().join(format!("nats.{}.log", self.starts)),
+            ready: None,
+        })
+        .unwrap();
         let deadline = Instant::now() + Duration::from_secs(15);
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             assert!(

@@ -64,7 +64,12 @@ pub fn start(spec: Spec<'_>) -> Result<(Child, String), ProcessError> {
     let mut child = Command::new(spec.program)
         .args(spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .stdout(Stdio::piped())
+        // Read only for the ready line: an undrained pipe would stall the process once full.
+        .stdout(if spec.ready.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stderr(log)
         .spawn()
         .map_err(|source| ProcessError::Spawn {
