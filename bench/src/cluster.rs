@@ -186,20 +186,28 @@ struct Member {
 }
 
 impl Member {
-    async fn start(cfg: MemberConfig) -> anyhow::Result<Self> {
+    /// Starts on `listener`, held since its port was picked so that no other process can take
+    /// the port in between.
+    async fn start(cfg: MemberConfig, listener: std::net::TcpListener) -> anyhow::Result<Self> {
         let mut m = Self {
             cfg,
             raft: None,
             server: None,
         };
-        m.up().await?;
+        listener.set_nonblocking(true)?;
+        m.serve(TcpListener::from_std(listener)?).await?;
         Ok(m)
     }
 
+    /// Starts again on the member's address after a stop.
     async fn up(&mut self) -> anyhow::Result<()> {
         let listener = TcpListener::bind(&self.cfg.grpc_listen)
             .await
             .with_context(|| format!("cannot listen on {}", self.cfg.grpc_listen))?;
+        self.serve(listener).await
+    }
+
+    async fn serve(&mut self, listener: TcpListener) -> anyhow::Result<()> {
         let member = RaftMember::start(
             &self.cfg.raft,
             &self.cfg.data_dir,
@@ -369,14 +377,16 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
 
     // Three members on loopback.
     let election = [500, 1000];
+    let mut listeners = Vec::new();
     let mut addrs = Vec::new();
     for _ in 0..3 {
         let l = std::net::TcpListener::bind("127.0.0.1:0")?;
         addrs.push(l.local_addr()?);
+        listeners.push(l);
     }
     let mut members = Vec::new();
-    for i in 0..3 {
-        members.push(Member::start(member_config(&dir, i, &addrs, election)?).await?);
+    for (i, l) in listeners.into_iter().enumerate() {
+        members.push(Member::start(member_config(&dir, i, &addrs, election)?, l).await?);
     }
     let leader = wait_leader(&members, Duration::from_secs(20)).await?;
     let raft = members[leader].raft().context("leader is up")?.clone();

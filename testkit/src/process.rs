@@ -149,8 +149,31 @@ pub fn stop_all(children: &mut [Child], grace: Duration) {
     }
 }
 
-/// A loopback port nothing listens on now.
+/// A loopback port nothing listens on now, for a process to listen on soon.
+///
+/// Ports come from below the kernel's ephemeral range, where no `bind(0)` and no outgoing
+/// connection's source port lands, walked from an offset of this process's id so that test
+/// processes running side by side try different ports; the kernel's own choice is the fallback
+/// when that range is too small.
 pub fn free_port() -> Result<u16, ProcessError> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 10_000;
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_low > LOW + 1_000 {
+        let span = ephemeral_low - LOW;
+        let base = std::process::id().wrapping_mul(2_654_435_761) % span;
+        for _ in 0..span {
+            let step = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = LOW + (base + step.wrapping_mul(7_919)) % span;
+            if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return Ok(port as u16);
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
