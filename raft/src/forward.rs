@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use kvplane_proto::v1::RaftPayload;
-use kvplane_state::{Command, ProposeError};
+use kvplane_state::{Command, LogFailure, ProposeError, Unavailable};
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, LinearizableReadError, RaftError};
 use serde::{Deserialize, Serialize};
@@ -112,7 +112,9 @@ impl Replica {
                     Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(_))) => {
                         Ok(Attempt::Retry("leadership moved".into()))
                     }
-                    Err(e) => Err(ProposeError::Unavailable(e.to_string())),
+                    Err(e) => Err(ProposeError::Unavailable(Unavailable::NotConfirmed(
+                        std::sync::Arc::new(e),
+                    ))),
                 },
                 Some((id, addr)) => {
                     let reply: ReadIndexReply = match self.call(id, &addr, Rpc::ReadIndex).await {
@@ -124,7 +126,12 @@ impl Replica {
                         Err(ForwardError::NotLeader { .. }) => {
                             Ok(Attempt::Retry(format!("node {id} no longer leads")))
                         }
-                        Err(ForwardError::Failed(e)) => Err(ProposeError::Unavailable(e)),
+                        Err(ForwardError::Failed(message)) => {
+                            Err(ProposeError::Unavailable(Unavailable::LeaderNotConfirmed {
+                                leader: id,
+                                message,
+                            }))
+                        }
                     }
                 }
             }
@@ -135,7 +142,11 @@ impl Replica {
     /// Runs `attempt` against the current leader (`None` when this node leads), retrying while
     /// no leader is known or the leader moved, until the timeout; then waits until this
     /// replica's applied index reaches the result's.
-    async fn with_leader<T, F, Fut>(&self, what: &str, mut attempt: F) -> Result<T, ProposeError>
+    async fn with_leader<T, F, Fut>(
+        &self,
+        what: &'static str,
+        mut attempt: F,
+    ) -> Result<T, ProposeError>
     where
         T: Indexed,
         F: FnMut(Option<(u64, String)>) -> Fut,
@@ -171,27 +182,30 @@ impl Replica {
                         .applied_index_at_least(Some(t.index()), what)
                         .await
                         .map_err(|e| {
-                            ProposeError::Unavailable(format!(
-                                "{what} committed at index {} but this replica did not apply it in time: {e}",
-                                t.index()
-                            ))
+                            ProposeError::Unavailable(Unavailable::NotApplied {
+                                what,
+                                index: t.index(),
+                                cause: std::sync::Arc::new(e),
+                            })
                         })?;
                     return Ok(t);
                 }
                 Ok(Ok(Attempt::Retry(reason))) => why = reason,
                 Ok(Err(e)) => return Err(e),
                 Err(_) => {
-                    return Err(ProposeError::Unavailable(format!(
-                        "{what} did not complete within {:?} ({why}); its outcome is unknown",
-                        self.timeout
-                    )));
+                    return Err(ProposeError::Unavailable(Unavailable::OutcomeUnknown {
+                        what,
+                        timeout: self.timeout,
+                        why,
+                    }));
                 }
             }
             if Instant::now() >= deadline {
-                return Err(ProposeError::Unavailable(format!(
-                    "{what} found no reachable leader within {:?}: {why}",
-                    self.timeout
-                )));
+                return Err(ProposeError::Unavailable(Unavailable::NoLeader {
+                    what,
+                    timeout: self.timeout,
+                    why,
+                }));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -203,7 +217,7 @@ impl Replica {
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_))) => {
                 Ok(Attempt::Retry("leadership moved".into()))
             }
-            Err(e) => Err(ProposeError::Log(e.to_string())),
+            Err(e) => Err(ProposeError::Log(LogFailure::Local(std::sync::Arc::new(e)))),
         }
     }
 
@@ -222,7 +236,10 @@ impl Replica {
             Err(ForwardError::NotLeader { .. }) => {
                 Ok(Attempt::Retry(format!("node {id} no longer leads")))
             }
-            Err(ForwardError::Failed(e)) => Err(ProposeError::Log(e)),
+            Err(ForwardError::Failed(message)) => Err(ProposeError::Log(LogFailure::Leader {
+                leader: id,
+                message,
+            })),
         }
     }
 

@@ -68,7 +68,9 @@ impl RaftLog {
                     leader: f.leader_node.map(|n| n.addr),
                 })
             }
-            Err(e) => Err(ProposeError::Log(e.to_string())),
+            Err(e) => Err(ProposeError::Log(kvplane_state::LogFailure::Local(
+                std::sync::Arc::new(e),
+            ))),
         }
     }
 }
@@ -512,10 +514,9 @@ impl crate::Consistency for RaftMember {
 
     fn export_state(&self) -> BoxFuture<'_, Result<(u64, Vec<u8>), ProposeError>> {
         Box::pin(async {
-            self.state
-                .export()
-                .await
-                .map_err(|e| ProposeError::Log(e.to_string()))
+            self.state.export().await.map_err(|e| {
+                ProposeError::Log(kvplane_state::LogFailure::Export(std::sync::Arc::new(e)))
+            })
         })
     }
 }

@@ -6,6 +6,13 @@
 //! writer queue to drain at the end of every entry ([`PoolIndex::flush`]), so the published
 //! applied index never runs ahead of the tree. With one writer thread, events apply in
 //! log order on every replica.
+//!
+//! The tree is live, not a snapshot: a reader holding the View of index N may see effects of
+//! entry N+1 (or later) when apply writes them during its lookup. Route never waits for
+//! ingest, and two copies of the tree would double its memory, so instead of hiding that the
+//! index says how far it may be ahead: every write first raises [`PoolIndex::through`] to the
+//! entry's index, and a reader that loads it after its lookups has an upper bound on what it
+//! saw (the View's applied index is the lower one: entries up to it are all in).
 
 use std::collections::BTreeMap;
 
@@ -45,6 +52,8 @@ impl Overlap {
 pub struct PoolIndex {
     tree: ThreadPoolIndexer<ConcurrentRadixTreeCompressed>,
     block_size: u32,
+    /// The highest entry index whose effects may be in the tree.
+    through: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for PoolIndex {
@@ -60,7 +69,20 @@ impl PoolIndex {
         Self {
             tree: ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, block_size),
             block_size,
+            through: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// The highest entry index whose effects may be in the tree now. Loaded after a lookup, it
+    /// bounds what that lookup saw from above.
+    pub fn through(&self) -> u64 {
+        self.through.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks that entry `index` is about to write to the tree; called before its first write.
+    pub(crate) fn entering(&self, index: u64) {
+        self.through
+            .fetch_max(index, std::sync::atomic::Ordering::AcqRel);
     }
 
     pub fn block_size(&self) -> u32 {

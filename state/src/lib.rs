@@ -30,7 +30,7 @@ pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;
 pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
-pub use log::{ProposeError, Proposer};
+pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};
 pub use machine::{Applied, DropReason, StateMachine};
 pub use owner::Owner;
 pub use quota::{Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease};

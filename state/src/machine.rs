@@ -291,6 +291,7 @@ impl StateMachine {
                     .range((wid, 0)..=(wid, u32::MAX))
                     .map(|(&(_, r), _)| r)
                     .collect();
+                index.entering(entry.index);
                 for rank in ranks {
                     let eid = self.event_id();
                     self.clear_rank(&index, wid, rank, eid);
@@ -306,6 +307,7 @@ impl StateMachine {
                 worker.metrics_at_ms = entry.timestamp_ms;
             }
             IngestPayload::Kv(batch) => {
+                index.entering(entry.index);
                 touched.insert(item.pool.clone());
                 for ev in &batch.events {
                     self.apply_kv(&index, wid, batch.dp_rank, ev, out);

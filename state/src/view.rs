@@ -77,6 +77,16 @@ impl View {
     pub fn workers(&self) -> impl Iterator<Item = &WorkerView> {
         self.pools.values().flat_map(|p| p.workers.iter())
     }
+
+    /// The highest entry index whose effects a prefix lookup made so far through this View may
+    /// have seen: `applied_index` while apply has not written past it, more once it has (the
+    /// trees are live; see [`crate::PoolIndex::through`]). Load it after the lookups.
+    pub fn index_through(&self) -> u64 {
+        self.pools
+            .values()
+            .map(|p| p.index.through())
+            .fold(self.applied_index, u64::max)
+    }
 }
 
 /// Shared, lock-free access to the latest [`View`].

@@ -594,3 +594,50 @@ fn a_removed_shared_block_credits_no_one_with_a_longer_prefix() {
     }
     assert_eq!(named_answers(&sm), model.answers());
 }
+
+/// The prefix trees are live: a View held while later entries apply sees their blocks in its
+/// lookups, and says so - its `index_through` rises past its `applied_index` to the entry that
+/// wrote; a fresh View of a quiet state is exact.
+#[test]
+fn a_view_held_across_later_entries_reports_how_far_its_lookups_may_see() {
+    let first = Op::Store {
+        w: 0,
+        c: 0,
+        start: 0,
+        len: 2,
+        tier: Tier::Gpu,
+    };
+    let es = entries(&[first], &[true], 1);
+    let mut sm = run(&es);
+    let held = sm.handle().load();
+    assert_eq!(held.index_through(), held.applied_index);
+    let more = Op::Store {
+        w: 1,
+        c: 3,
+        start: 0,
+        len: 3,
+        tier: Tier::Gpu,
+    };
+    let index = held.applied_index + 5;
+    sm.apply(&Entry {
+        index,
+        timestamp_ms: 0,
+        command: Command::Ingest(IngestBatch {
+            first_seq: 50,
+            last_seq: 50,
+            items: vec![item(50, &more)],
+        }),
+    })
+    .unwrap();
+    let pool = held.pools.values().next().unwrap();
+    let seen = pool.index.overlaps(&chain_tokens(3), None);
+    assert_eq!(
+        seen.best_blocks(),
+        3,
+        "the held View's tree is the live one"
+    );
+    assert_eq!(held.index_through(), index);
+    let fresh = sm.handle().load();
+    assert_eq!(fresh.applied_index, index);
+    assert_eq!(fresh.index_through(), index);
+}

@@ -41,6 +41,8 @@ fn rewrite_body(body: &[u8], model: &str) -> Option<Vec<u8>> {
 pub(crate) fn response(d: &Decision, body: &[u8], reservations: &[Reservation]) -> RouteResponse {
     let mut out = RouteResponse {
         applied_index: d.view.applied_index,
+        // Loaded after every lookup of the decision: an upper bound on what they saw.
+        index_through: d.view.index_through(),
         prompt_tokens: d.prompted.prompt_tokens(),
         ..Default::default()
     };
