@@ -828,6 +828,8 @@ mod tests {
             command: Command::Quota(b),
         })
         .unwrap();
+        // The ledger's part of the digest is kept, not recomputed, per entry.
+        assert_eq!(sm.handle().load().digest, sm.digest());
     }
 
     fn try_spend(sm: &StateMachine, e: &Escrow, tokens: u64) -> bool {

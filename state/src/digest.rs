@@ -1,10 +1,12 @@
 //! The state digest: a stable 128-bit hash of everything a routing decision depends on.
 //!
-//! Blocks are hashed incrementally as a multiset hash: each `(worker, rank, block, refcounts)`
-//! fact contributes `xxh3_128` of its fixed-width encoding, and contributions are added with
-//! wrapping arithmetic, so adding and removing facts is O(1) and order does not matter. The rest
-//! of the state (pools, workers, metrics, stream position) is small and hashed in `BTreeMap`
-//! order when the digest is read. Log positions (entry indexes, proposer timestamps) are
+//! Blocks are hashed incrementally as a multiset hash: each `(worker, rank, engine hash,
+//! sequence hash, tiers)` fact contributes `xxh3_128` of its fixed-width encoding, and
+//! contributions are added with wrapping arithmetic, so adding and removing facts is O(1) and
+//! order does not matter. The prefix index is a function of these facts (each GPU fact puts its
+//! rank under its sequence hash), so the digest covers what lookups answer. Workers are a
+//! multiset hash too, kept as apply changes them; the config and the quota ledger are hashed
+//! when an entry changes them. Log positions (entry indexes, proposer timestamps) are
 //! deliberately left out: a node that rebuilds its state by replaying the same stream in
 //! different batches arrives at the same digest.
 
@@ -23,14 +25,13 @@ impl fmt::Display for Digest {
 }
 
 /// The contribution of one block fact to the block multiset hash.
-pub(crate) fn block_fact(worker: u64, dp_rank: u32, hash: u64, refs: &[u16; 4]) -> u128 {
-    let mut buf = [0u8; 28];
+pub(crate) fn block_fact(worker: u64, dp_rank: u32, hash: u64, held: crate::blocks::Held) -> u128 {
+    let mut buf = [0u8; 29];
     buf[0..8].copy_from_slice(&worker.to_le_bytes());
     buf[8..12].copy_from_slice(&dp_rank.to_le_bytes());
     buf[12..20].copy_from_slice(&hash.to_le_bytes());
-    for (i, r) in refs.iter().enumerate() {
-        buf[20 + 2 * i..22 + 2 * i].copy_from_slice(&r.to_le_bytes());
-    }
+    buf[20..28].copy_from_slice(&held.seq.to_le_bytes());
+    buf[28] = held.tiers;
     xxh3_128(&buf)
 }
 

@@ -38,8 +38,6 @@ impl ApplyError {
 /// A snapshot that cannot be taken or read back.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("the prefix index cannot be dumped: {0}")]
-    Dump(String),
     #[error("the snapshot's task failed: {0}")]
     Task(String),
     #[error("snapshot payload cannot be encoded: {0}")]
@@ -54,6 +52,6 @@ pub enum SnapshotError {
     Decode(String),
     #[error("snapshot restored to digest {got}, but it recorded {want}")]
     DigestMismatch { want: String, got: String },
-    #[error("prefix index rejected a snapshot event: {0}")]
-    Index(String),
+    #[error("snapshot holds blocks of worker {worker} rank {dp_rank}, which is in no pool")]
+    OrphanBlocks { worker: u64, dp_rank: u32 },
 }

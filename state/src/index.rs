@@ -1,28 +1,35 @@
-//! One pool's prefix index: dynamo-kv-router's `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>`.
+//! One pool's prefix index: for every cached block, the worker ranks that hold it, keyed by
+//! the block's *sequence hash* - the hash of its tokens chained over every block before it
+//! (dynamo-kv-router's `compute_block_hash_for_seq` and `compute_next_seq_hash`).
 //!
-//! Why this index (see README, "Prefix index"): the concurrent radix tree answers
-//! `find_matches` on the caller's thread while its single writer thread applies events, so
-//! Route never waits for ingest. The state machine is its only writer and waits for the
-//! writer queue to drain at the end of every entry ([`PoolIndex::flush`]), so the published
-//! applied index never runs ahead of the tree. With one writer thread, events apply in
-//! log order on every replica.
+//! Why not the engines' own block hashes, and why not dynamo-kv-router's radix tree (see
+//! DEVELOPERS.md and README, "Prefix index"): engines that hash with different seeds give the same content
+//! different hashes, and the tree (1.6.1) resolves a parent by its engine hash wherever it
+//! first saw it, so after one engine evicts, the other's blocks stay matched; and its compressed
+//! walk credits a worker with blocks below a shared block another worker removed. Keyed by
+//! sequence hash, a worker matches `k` blocks exactly when it holds the first `k` blocks of the
+//! prompt: the same content on two engines is one key, and a removal takes away exactly the
+//! block removed. The engines' hashes stay in [`crate::blocks::RankBlocks`], mapped to the
+//! sequence hashes, for parents and removals.
 //!
-//! The tree is live, not a snapshot: a reader holding the View of index N may see effects of
-//! entry N+1 (or later) when apply writes them during its lookup. Route never waits for
-//! ingest, and two copies of the tree would double its memory, so instead of hiding that the
-//! index says how far it may be ahead: every write first raises [`PoolIndex::through`] to the
-//! entry's index, and a reader that loads it after its lookups has an upper bound on what it
-//! saw (the View's applied index is the lower one: entries up to it are all in).
+//! The index is read on the callers' threads while apply writes it (a sharded map, `dashmap`:
+//! a lookup holds one shard's read lock for one block at a time), so Route never waits for
+//! ingest. (`scc::HashIndex`, whose reads take no lock, looked blocks up no faster here and
+//! took about twice the memory per block.) It is live, not a
+//! snapshot: a reader holding the View of index N may see effects of entry N+1 when apply writes
+//! them during its lookup. Instead of hiding that, every write first raises
+//! [`PoolIndex::through`] to the entry's index, and a reader that loads it after its lookups has
+//! an upper bound on what it saw (the View's applied index is the lower one).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use dynamo_kv_router::indexer::KvIndexerInterface;
+use dashmap::DashMap;
 use dynamo_kv_router::protocols::{
-    BlockHashOptions, ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
-    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
-    compute_block_hash_for_seq,
+    BlockHashOptions, LocalBlockHash, compute_block_hash_for_seq, compute_next_seq_hash,
 };
-use dynamo_kv_router::{ConcurrentRadixTreeCompressed, SyncIndexer, ThreadPoolIndexer};
+use rustc_hash::FxBuildHasher;
+use smallvec::SmallVec;
 
 /// How many prompt blocks each worker rank already holds, consecutively from block 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -49,17 +56,36 @@ impl Overlap {
     }
 }
 
+/// Bits of a holder id that carry the dp rank (the worker id takes the rest).
+const RANK_BITS: u32 = 24;
+
+/// The largest dp rank a holder id can carry.
+pub(crate) const MAX_DP_RANK: u32 = (1 << RANK_BITS) - 1;
+
+/// A worker rank as one sortable id: the worker id above the rank.
+fn holder(worker: u64, dp_rank: u32) -> u64 {
+    (worker << RANK_BITS) | u64::from(dp_rank & MAX_DP_RANK)
+}
+
+fn unpack(h: u64) -> (u64, u32) {
+    (h >> RANK_BITS, (h & u64::from(MAX_DP_RANK)) as u32)
+}
+
+/// The holders of one block, sorted (most blocks have one or two).
+type Holders = SmallVec<[u64; 2]>;
+
 pub struct PoolIndex {
-    tree: ThreadPoolIndexer<ConcurrentRadixTreeCompressed>,
     block_size: u32,
-    /// The highest entry index whose effects may be in the tree.
-    through: std::sync::atomic::AtomicU64,
+    holders: DashMap<u64, Holders, FxBuildHasher>,
+    /// The highest entry index whose effects may be in the index.
+    through: AtomicU64,
 }
 
 impl std::fmt::Debug for PoolIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PoolIndex")
             .field("block_size", &self.block_size)
+            .field("blocks", &self.holders.len())
             .finish_non_exhaustive()
     }
 }
@@ -67,54 +93,35 @@ impl std::fmt::Debug for PoolIndex {
 impl PoolIndex {
     pub fn new(block_size: u32) -> Self {
         Self {
-            tree: ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 1, block_size),
             block_size,
-            through: std::sync::atomic::AtomicU64::new(0),
+            holders: DashMap::with_hasher(FxBuildHasher),
+            through: AtomicU64::new(0),
         }
-    }
-
-    /// The highest entry index whose effects may be in the tree now. Loaded after a lookup, it
-    /// bounds what that lookup saw from above.
-    pub fn through(&self) -> u64 {
-        self.through.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Marks that entry `index` is about to write to the tree; called before its first write.
-    pub(crate) fn entering(&self, index: u64) {
-        self.through
-            .fetch_max(index, std::sync::atomic::Ordering::AcqRel);
     }
 
     pub fn block_size(&self) -> u32 {
         self.block_size
     }
 
-    /// Hashes a prompt the way the index keys blocks (xxh3 over each full block's tokens,
-    /// with the LoRA adapter mixed into the seed).
+    /// The highest entry index whose effects may be in the index now. Loaded after a lookup,
+    /// it bounds what that lookup saw from above.
+    pub fn through(&self) -> u64 {
+        self.through.load(Ordering::Acquire)
+    }
+
+    /// Marks that entry `index` is about to write; called before its first write.
+    pub(crate) fn entering(&self, index: u64) {
+        self.through.fetch_max(index, Ordering::AcqRel);
+    }
+
+    /// Hashes a prompt's blocks the way engines' events are keyed (xxh3 over each full block's
+    /// tokens, with the LoRA adapter mixed into the seed).
     pub fn hash_tokens(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<LocalBlockHash> {
-        compute_block_hash_for_seq(
-            tokens,
-            self.block_size,
-            BlockHashOptions {
-                lora_name,
-                ..Default::default()
-            },
-        )
+        self.hash_tokens_keyed(tokens, lora_name, None)
     }
 
-    /// Prompt blocks cached per worker rank. Safe to call while the writer applies events.
-    /// [`PoolIndex::overlaps`] of a request under a LoRA adapter and a cache salt (vLLM's
-    /// `cache_salt`, mixed into every block's hash as the engines' chained hashes carry it).
-    pub fn overlaps_keyed(
-        &self,
-        tokens: &[u32],
-        lora_name: Option<&str>,
-        cache_salt: Option<&str>,
-    ) -> Overlap {
-        self.overlaps_hashed(&self.hash_tokens_keyed(tokens, lora_name, cache_salt))
-    }
-
-    /// Block hashes under a LoRA adapter and a cache salt.
+    /// Block hashes under a LoRA adapter and a cache salt (vLLM's `cache_salt`, mixed into
+    /// every block's hash as the engines' chained hashes carry it).
     pub fn hash_tokens_keyed(
         &self,
         tokens: &[u32],
@@ -132,90 +139,109 @@ impl PoolIndex {
         )
     }
 
-    pub fn overlaps(&self, tokens: &[u32], lora_name: Option<&str>) -> Overlap {
-        let hashes = self.hash_tokens(tokens, lora_name);
-        self.overlaps_hashed(&hashes)
+    /// [`PoolIndex::overlaps_hashed`] of a request under a LoRA adapter and a cache salt.
+    pub fn overlaps_keyed(
+        &self,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Overlap {
+        self.overlaps_hashed(&self.hash_tokens_keyed(tokens, lora_name, cache_salt))
     }
 
-    /// As [`Self::overlaps`], for a prompt already hashed.
+    pub fn overlaps(&self, tokens: &[u32], lora_name: Option<&str>) -> Overlap {
+        self.overlaps_hashed(&self.hash_tokens(tokens, lora_name))
+    }
+
+    /// Prompt blocks held per worker rank, consecutively from the first, for a prompt already
+    /// hashed. Safe to call while apply writes.
     pub fn overlaps_hashed(&self, hashes: &[LocalBlockHash]) -> Overlap {
-        let scores = self.tree.backend().find_matches(hashes, false);
+        // The ranks holding every block so far (sorted), and how many blocks that is; a rank
+        // leaves with the count it reached.
+        let mut active: Vec<u64> = Vec::new();
+        let mut ended: Vec<(u64, u32)> = Vec::new();
+        let mut depth = 0u32;
+        let mut seq = None;
+        for (i, &local) in hashes.iter().enumerate() {
+            let s = chain(seq, local);
+            seq = Some(s);
+            let Some(here) = self.holders.get(&s) else {
+                break;
+            };
+            if i == 0 {
+                active.extend_from_slice(&here);
+            } else {
+                keep_common(&mut active, &here, |h| ended.push((h, depth)));
+            }
+            drop(here);
+            if active.is_empty() {
+                break;
+            }
+            depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        }
+        ended.extend(active.into_iter().map(|h| (h, depth)));
         Overlap {
             prompt_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
-            matched: scores
-                .scores
-                .into_iter()
-                .map(|(w, s)| ((w.worker_id, w.dp_rank), s))
-                .collect(),
+            matched: ended.into_iter().map(|(h, n)| (unpack(h), n)).collect(),
         }
     }
 
-    pub(crate) fn store(
-        &self,
-        worker: u64,
-        dp_rank: u32,
-        event_id: u64,
-        parent: Option<u64>,
-        blocks: Vec<(u64, LocalBlockHash)>,
-    ) {
-        let data = KvCacheEventData::Stored(KvCacheStoreData {
-            parent_hash: parent.map(ExternalSequenceBlockHash),
-            start_position: None,
-            blocks: blocks
-                .into_iter()
-                .map(|(h, local)| KvCacheStoredBlockData {
-                    block_hash: ExternalSequenceBlockHash(h),
-                    tokens_hash: local,
-                    mm_extra_info: None,
-                })
-                .collect(),
-        });
-        self.send(worker, dp_rank, event_id, data);
+    /// Adds `dp_rank` of `worker` as a holder of the block with sequence hash `seq`.
+    pub(crate) fn add(&self, seq: u64, worker: u64, dp_rank: u32) {
+        let h = holder(worker, dp_rank);
+        let mut e = self.holders.entry(seq).or_default();
+        if let Err(at) = e.binary_search(&h) {
+            e.insert(at, h);
+        }
     }
 
-    pub(crate) fn remove(&self, worker: u64, dp_rank: u32, event_id: u64, hashes: Vec<u64>) {
-        let data = KvCacheEventData::Removed(KvCacheRemoveData {
-            block_hashes: hashes.into_iter().map(ExternalSequenceBlockHash).collect(),
-        });
-        self.send(worker, dp_rank, event_id, data);
+    /// Takes `dp_rank` of `worker` off the holders of `seq`.
+    pub(crate) fn remove(&self, seq: u64, worker: u64, dp_rank: u32) {
+        let h = holder(worker, dp_rank);
+        let empty = match self.holders.get_mut(&seq) {
+            Some(mut e) => {
+                if let Ok(at) = e.binary_search(&h) {
+                    e.remove(at);
+                }
+                e.is_empty()
+            }
+            None => false,
+        };
+        if empty {
+            self.holders.remove_if(&seq, |_, e| e.is_empty());
+        }
     }
 
-    pub(crate) fn clear(&self, worker: u64, dp_rank: u32, event_id: u64) {
-        self.send(worker, dp_rank, event_id, KvCacheEventData::Cleared);
+    /// Blocks with at least one holder.
+    pub fn len(&self) -> usize {
+        self.holders.len()
     }
 
-    fn send(&self, worker: u64, dp_rank: u32, event_id: u64, data: KvCacheEventData) {
-        let event = RouterEvent::new(
-            worker,
-            KvCacheEvent {
-                event_id,
-                data,
-                dp_rank,
-            },
-        );
-        self.apply_router_event(event);
-    }
-
-    pub(crate) fn apply_router_event(&self, event: RouterEvent) {
-        // The queue only fails once the indexer has shut down, which happens on drop.
-        let _ = self.tree.enqueue_event(event);
-    }
-
-    /// Waits until every event queued so far is visible to readers.
-    pub fn flush(&self) {
-        block_on(self.tree.flush());
-    }
-
-    /// The whole tree as router events, for snapshots.
-    pub(crate) fn dump(&self) -> Result<Vec<RouterEvent>, crate::SnapshotError> {
-        block_on(self.tree.dump_events()).map_err(|e| crate::SnapshotError::Dump(e.to_string()))
+    pub fn is_empty(&self) -> bool {
+        self.holders.is_empty()
     }
 }
 
-/// Waits for the indexer from synchronous code. The indexer answers through tokio channels,
-/// which charge the caller's cooperative budget: when `apply` runs inside a tokio task (Raft's
-/// state-machine task), an exhausted budget would make every poll return pending and this
-/// wait spin forever. Unconstrained, the wait never touches the budget.
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    futures::executor::block_on(tokio::task::unconstrained(f))
+/// The sequence hash of a block: its own hash for the first block, chained over its parent's
+/// sequence hash after.
+pub(crate) fn chain(parent: Option<u64>, local: LocalBlockHash) -> u64 {
+    match parent {
+        None => local.0,
+        Some(p) => compute_next_seq_hash(p, local),
+    }
+}
+
+/// Keeps in `active` what sorted `here` also holds (both sorted); hands each other one to `left`.
+fn keep_common(active: &mut Vec<u64>, here: &[u64], mut left: impl FnMut(u64)) {
+    let mut j = 0;
+    active.retain(|&x| {
+        while j < here.len() && here[j] < x {
+            j += 1;
+        }
+        let kept = j < here.len() && here[j] == x;
+        if !kept {
+            left(x);
+        }
+        kept
+    });
 }

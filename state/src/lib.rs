@@ -7,7 +7,7 @@
 //!
 //! Readers never block the applier: after each entry the machine publishes an immutable
 //! [`View`] (workers, metrics, pool configs) through a [`StateHandle`], and the prefix index
-//! (dynamo-kv-router's concurrent radix tree) is read concurrently with its writer.
+//! (sequence hash to holder ranks, in a concurrent map) is read concurrently with apply.
 
 mod blocks;
 mod command;

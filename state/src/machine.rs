@@ -9,6 +9,7 @@ use crate::Owner;
 use crate::blocks::{Change, RankBlocks};
 use crate::config::{POOL_KIND, PoolConfig, worker_set_pool};
 use crate::digest::{Digest, Hasher};
+use crate::index::MAX_DP_RANK;
 use crate::view::{PoolView, StateHandle, View, WorkerView};
 use crate::{
     ApplyError, Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload,
@@ -86,7 +87,6 @@ pub struct StateMachine {
     pub(crate) config_index: u64,
     pub(crate) last_seq: u64,
     pub(crate) next_worker_id: u64,
-    pub(crate) next_event_id: u64,
     pub(crate) config: BTreeMap<(String, String), Vec<u8>>,
     /// Who wrote each object of `config` (objects from before owners have none).
     pub(crate) owners: Arc<BTreeMap<(String, String), Owner>>,
@@ -102,7 +102,42 @@ pub struct StateMachine {
     pub(crate) catalog: Arc<Catalog>,
     /// Tenant limits' escrow.
     pub(crate) quota: Arc<crate::Ledger>,
+    /// The digest's parts, kept up to date as apply changes what they cover (see
+    /// [`StateMachine::digest`], which recomputes them).
+    pub(crate) parts: DigestParts,
+    /// What changed since the last publish (not state: never hashed or snapshotted).
+    pub(crate) dirty: Dirty,
     pub(crate) handle: StateHandle,
+}
+
+/// The digest's parts other than the blocks' (which live in `blocks_digest`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DigestParts {
+    pub(crate) config: u128,
+    /// Wrapping sum of [`worker_fact`]s.
+    pub(crate) workers: u128,
+    pub(crate) quota: u128,
+}
+
+/// Pools whose published view is out of date.
+#[derive(Debug, Default)]
+pub(crate) struct Dirty {
+    pub(crate) all: bool,
+    pub(crate) pools: BTreeSet<String>,
+}
+
+/// The contribution of one worker to the digest's worker part.
+pub(crate) fn worker_fact(pool: &str, name: &str, w: &Worker) -> u128 {
+    let mut h = Hasher::new();
+    h.str(pool).str(name).u64(w.id).u64(u64::from(w.up));
+    h.str(w.address.as_deref().unwrap_or(""));
+    h.u64(u64::from(w.metrics.running))
+        .u64(u64::from(w.metrics.waiting))
+        .f64(w.metrics.kv_cache_usage)
+        .f64(w.metrics.prefix_cache_hit_rate)
+        .f64(w.metrics.ttft_sum_s)
+        .u64(w.metrics.ttft_count);
+    h.finish().0
 }
 
 impl Default for StateMachine {
@@ -118,7 +153,6 @@ impl StateMachine {
             config_index: 0,
             last_seq: 0,
             next_worker_id: 1,
-            next_event_id: 0,
             config: BTreeMap::new(),
             owners: Arc::default(),
             pools: BTreeMap::new(),
@@ -129,8 +163,12 @@ impl StateMachine {
             dropped: BTreeMap::new(),
             catalog: Arc::default(),
             quota: Arc::default(),
+            parts: DigestParts::default(),
+            dirty: Dirty::default(),
             handle: StateHandle::new(View::empty()),
         };
+        let mut sm = sm;
+        sm.parts = sm.computed_parts();
         sm.publish();
         sm
     }
@@ -144,6 +182,7 @@ impl StateMachine {
     /// serving the readers of the state it replaces).
     pub fn with_handle(mut self, handle: StateHandle) -> Self {
         self.handle = handle;
+        self.dirty.all = true;
         self.publish();
         self
     }
@@ -175,10 +214,9 @@ impl StateMachine {
             index: entry.index,
             ..Applied::default()
         };
-        let mut touched = BTreeSet::new();
         match &entry.command {
             Command::Noop => {}
-            Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out, &mut touched),
+            Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out),
             Command::ConfigPut {
                 kind,
                 name,
@@ -210,52 +248,63 @@ impl StateMachine {
                 let catalog = self.catalog.clone();
                 out.quota =
                     Some(Arc::make_mut(&mut self.quota).apply(batch, entry.timestamp_ms, &catalog));
+                self.parts.quota = quota_part(&self.quota);
             }
         }
         for (reason, n) in &out.dropped {
             *self.dropped.entry(*reason).or_default() += n;
-        }
-        for pool in touched {
-            if let Some(p) = self.pools.get(&pool) {
-                p.index.flush();
-            }
         }
         self.applied_index = entry.index;
         self.publish();
         Ok(out)
     }
 
-    fn apply_ingest(
-        &mut self,
-        entry: &Entry,
-        batch: &IngestBatch,
-        out: &mut Applied,
-        touched: &mut BTreeSet<String>,
-    ) {
+    fn apply_ingest(&mut self, entry: &Entry, batch: &IngestBatch, out: &mut Applied) {
         for item in &batch.items {
             if item.seq <= self.last_seq {
                 *out.dropped.entry(DropReason::Duplicate).or_default() += 1;
                 continue;
             }
-            self.apply_item(entry, item, out, touched);
+            self.apply_item(entry, item, out);
         }
         self.last_seq = self.last_seq.max(batch.last_seq);
     }
 
-    fn apply_item(
-        &mut self,
-        entry: &Entry,
-        item: &IngestItem,
-        out: &mut Applied,
-        touched: &mut BTreeSet<String>,
-    ) {
+    /// Applies one stream message to its worker, keeping the digest's worker part and the
+    /// pool's published view up to date.
+    fn apply_item(&mut self, entry: &Entry, item: &IngestItem, out: &mut Applied) {
         let Some(pool) = self.pools.get(&item.pool) else {
             *out.dropped.entry(DropReason::UnknownPool).or_default() += 1;
             return;
         };
         let index = pool.index.clone();
         let key = (item.pool.clone(), item.worker.clone());
-        if !self.workers.contains_key(&key) {
+        let fact = |sm: &Self| {
+            sm.workers
+                .get(&key)
+                .map_or(0, |w| worker_fact(&key.0, &key.1, w))
+        };
+        let before = fact(self);
+        self.apply_to_worker(entry, item, &index, &key, out);
+        self.parts.workers = self
+            .parts
+            .workers
+            .wrapping_sub(before)
+            .wrapping_add(fact(self));
+        if !self.dirty.pools.contains(&item.pool) {
+            self.dirty.pools.insert(item.pool.clone());
+        }
+    }
+
+    fn apply_to_worker(
+        &mut self,
+        entry: &Entry,
+        item: &IngestItem,
+        index: &Arc<PoolIndex>,
+        key: &(String, String),
+        out: &mut Applied,
+    ) {
+        if !self.workers.contains_key(key) {
             if matches!(item.payload, IngestPayload::Worker { up: false, .. }) {
                 return;
             }
@@ -273,7 +322,7 @@ impl StateMachine {
                 },
             );
         }
-        let Some(worker) = self.workers.get_mut(&key) else {
+        let Some(worker) = self.workers.get_mut(key) else {
             return;
         };
         let wid = worker.id;
@@ -293,10 +342,8 @@ impl StateMachine {
                     .collect();
                 index.entering(entry.index);
                 for rank in ranks {
-                    let eid = self.event_id();
-                    self.clear_rank(&index, wid, rank, eid);
+                    self.clear_rank(index, wid, rank);
                 }
-                touched.insert(item.pool.clone());
             }
             _ if !worker.up => {
                 *out.dropped.entry(DropReason::WorkerDown).or_default() += 1;
@@ -308,23 +355,20 @@ impl StateMachine {
             }
             IngestPayload::Kv(batch) => {
                 index.entering(entry.index);
-                touched.insert(item.pool.clone());
                 for ev in &batch.events {
-                    self.apply_kv(&index, wid, batch.dp_rank, ev, out);
+                    self.apply_kv(index, wid, batch.dp_rank, ev, out);
                 }
             }
         }
-    }
-
-    fn event_id(&mut self) -> u64 {
-        self.next_event_id += 1;
-        self.next_event_id
     }
 
     fn apply_kv(&mut self, index: &PoolIndex, wid: u64, dp: u32, ev: &KvEvent, out: &mut Applied) {
         let drop = |out: &mut Applied, r: DropReason| {
             *out.dropped.entry(r).or_default() += 1;
         };
+        if dp > MAX_DP_RANK {
+            return drop(out, DropReason::MalformedEvent);
+        }
         match ev {
             KvEvent::Stored {
                 block_hashes,
@@ -335,105 +379,99 @@ impl StateMachine {
                 cache_salt,
                 tier,
             } => {
+                if *tier != Tier::Gpu {
+                    // Lower tiers are kept, never indexed: their events may be placeholders
+                    // without tokens.
+                    let rank = self.ranks.entry((wid, dp)).or_default();
+                    for &h in block_hashes {
+                        let a = rank.store(wid, dp, h, *tier, 0);
+                        self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+                    }
+                    out.kv_events += 1;
+                    return;
+                }
                 if *block_size != index.block_size() {
                     return drop(out, DropReason::BlockSizeMismatch);
                 }
                 if token_ids.len() != block_hashes.len() * (*block_size as usize) {
                     return drop(out, DropReason::MalformedEvent);
                 }
-                if *tier != Tier::Gpu {
-                    let rank = self.ranks.entry((wid, dp)).or_default();
-                    for &h in block_hashes {
-                        let (_, d, _) = rank.adjust(wid, dp, h, *tier, true);
-                        self.blocks_digest = self.blocks_digest.wrapping_add(d);
-                    }
-                    out.kv_events += 1;
-                    return;
-                }
-                if let Some(p) = parent_hash {
-                    let held = self
-                        .ranks
-                        .get(&(wid, dp))
-                        .is_some_and(|r| r.refs(*p)[Tier::Gpu.slot()] > 0);
-                    if !held {
-                        return drop(out, DropReason::ParentMissing);
-                    }
-                }
                 let rank = self.ranks.entry((wid, dp)).or_default();
+                let parent_seq = match parent_hash {
+                    Some(p) => match rank.gpu_seq(*p) {
+                        Some(s) => Some(s),
+                        None => return drop(out, DropReason::ParentMissing),
+                    },
+                    None => None,
+                };
                 // A salted chain's continuation is hashed under its parent's salt.
-                let salt: Option<std::sync::Arc<str>> = match (cache_salt, parent_hash) {
+                let salt: Option<Arc<str>> = match (cache_salt, parent_hash) {
                     (Some(s), _) => Some(s.as_str().into()),
                     (None, Some(p)) => rank.salt(*p),
                     (None, None) => None,
                 };
                 let locals =
                     index.hash_tokens_keyed(token_ids, lora_name.as_deref(), salt.as_deref());
-                let mut runs: Vec<(Option<u64>, Vec<_>)> = Vec::new();
-                let mut run_parent = *parent_hash;
-                let mut run = Vec::new();
+                let mut seq = parent_seq;
                 for (&h, &local) in block_hashes.iter().zip(locals.iter()) {
-                    let (change, d, g) = rank.adjust(wid, dp, h, Tier::Gpu, true);
-                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
-                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(g as i64);
-                    if let Some(s) = &salt {
-                        let d = rank.set_salt(wid, dp, h, s.clone());
+                    let s = crate::index::chain(seq, local);
+                    seq = Some(s);
+                    let a = rank.store(wid, dp, h, Tier::Gpu, s);
+                    self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
+                    if let Some(salt) = &salt {
+                        let d = rank.set_salt(wid, dp, h, salt.clone());
                         self.blocks_digest = self.blocks_digest.wrapping_add(d);
                     }
-                    if change == Change::Appeared {
-                        run.push((h, local));
-                    } else {
-                        if !run.is_empty() {
-                            runs.push((run_parent, std::mem::take(&mut run)));
+                    match a.change {
+                        Change::Appeared => index.add(s, wid, dp),
+                        Change::Moved { from } => {
+                            index.remove(from, wid, dp);
+                            index.add(s, wid, dp);
                         }
-                        run_parent = Some(h);
+                        _ => {}
                     }
-                }
-                if !run.is_empty() {
-                    runs.push((run_parent, run));
-                }
-                for (parent, blocks) in runs {
-                    let eid = self.event_id();
-                    index.store(wid, dp, eid, parent, blocks);
                 }
                 out.kv_events += 1;
             }
             KvEvent::Removed { block_hashes, tier } => {
                 let rank = self.ranks.entry((wid, dp)).or_default();
-                let mut gone = Vec::new();
                 let mut unknown = 0;
                 for &h in block_hashes {
-                    let (change, d, g) = rank.adjust(wid, dp, h, *tier, false);
-                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
-                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(g as i64);
-                    match change {
+                    let a = rank.remove(wid, dp, h, *tier);
+                    self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
+                    match a.change {
                         Change::Unknown => unknown += 1,
-                        Change::Disappeared if *tier == Tier::Gpu => gone.push(h),
+                        Change::Disappeared { seq } if *tier == Tier::Gpu => {
+                            index.remove(seq, wid, dp);
+                        }
                         _ => {}
                     }
+                }
+                if rank.blocks.is_empty() && rank.salts.is_empty() {
+                    self.ranks.remove(&(wid, dp));
                 }
                 if unknown > 0 {
                     *out.dropped.entry(DropReason::RemoveUnknown).or_default() += unknown;
                 }
-                if !gone.is_empty() {
-                    let eid = self.event_id();
-                    index.remove(wid, dp, eid, gone);
-                }
                 out.kv_events += 1;
             }
             KvEvent::Cleared => {
-                let eid = self.event_id();
-                self.clear_rank(index, wid, dp, eid);
+                self.clear_rank(index, wid, dp);
                 out.kv_events += 1;
             }
         }
     }
 
-    fn clear_rank(&mut self, index: &PoolIndex, wid: u64, dp: u32, event_id: u64) {
+    fn clear_rank(&mut self, index: &PoolIndex, wid: u64, dp: u32) {
         if let Some(rank) = self.ranks.remove(&(wid, dp)) {
             self.blocks_digest = self.blocks_digest.wrapping_sub(rank.digest);
             self.indexed_blocks = self.indexed_blocks.saturating_sub(rank.gpu_blocks);
+            for b in rank.blocks.values().filter(|b| b.has(Tier::Gpu)) {
+                index.remove(b.seq, wid, dp);
+            }
         }
-        index.clear(wid, dp, event_id);
     }
 
     /// Applies puts and deletes together after checking that `owner` may write every object
@@ -563,6 +601,8 @@ impl StateMachine {
         }
         self.catalog = Arc::new(catalog);
         self.config_index = index;
+        self.parts.config = self.config_part();
+        self.dirty.all = true;
         Ok(())
     }
 
@@ -605,7 +645,14 @@ impl StateMachine {
         if kind == POOL_KIND || kind == Kind::WorkerSet.as_str() {
             self.drop_pool_blocks(name);
             self.pools.remove(name);
-            self.workers.retain(|(pool, _), _| pool != name);
+            let parts = &mut self.parts;
+            self.workers.retain(|(pool, n), w| {
+                let keep = pool != name;
+                if !keep {
+                    parts.workers = parts.workers.wrapping_sub(worker_fact(pool, n, w));
+                }
+                keep
+            });
         }
     }
 
@@ -632,41 +679,66 @@ impl StateMachine {
         }
     }
 
-    /// The digest of the whole state (see [`crate::digest`] for what it covers).
+    /// The digest of the whole state (see [`crate::digest`] for what it covers), computed
+    /// from scratch: the reference the digest apply keeps up to date must equal.
     pub fn digest(&self) -> Digest {
+        self.digest_of(self.computed_parts())
+    }
+
+    /// The digest from the parts apply keeps up to date (what readers see in the View).
+    pub(crate) fn kept_digest(&self) -> Digest {
+        self.digest_of(self.parts)
+    }
+
+    fn digest_of(&self, parts: DigestParts) -> Digest {
         let mut h = Hasher::new();
         h.u128(self.blocks_digest)
             .u64(self.last_seq)
-            .u64(self.next_worker_id);
+            .u64(self.next_worker_id)
+            .u128(parts.config)
+            .u128(parts.workers)
+            .u128(parts.quota);
+        h.finish()
+    }
+
+    pub(crate) fn computed_parts(&self) -> DigestParts {
+        DigestParts {
+            config: self.config_part(),
+            workers: self.workers.iter().fold(0u128, |sum, ((p, n), w)| {
+                sum.wrapping_add(worker_fact(p, n, w))
+            }),
+            quota: quota_part(&self.quota),
+        }
+    }
+
+    /// Every config object with its owner, in key order.
+    fn config_part(&self) -> u128 {
+        let mut h = Hasher::new();
         h.u64(self.config.len() as u64);
         // Owners are keyed as `config` is (a subset of its keys): walked beside it, in order.
         let mut owners = self.owners.iter().peekable();
         for (key, value) in &self.config {
             h.str(&key.0).str(&key.1).bytes(value);
-            // An object from before owners hashes as it did then.
             if let Some((_, o)) = owners.next_if(|(k, _)| *k == key) {
                 h.str(o.as_str());
             }
         }
-        h.u64(self.workers.len() as u64);
-        for ((pool, name), w) in &self.workers {
-            h.str(pool).str(name).u64(w.id).u64(u64::from(w.up));
-            h.str(w.address.as_deref().unwrap_or(""));
-            h.u64(u64::from(w.metrics.running))
-                .u64(u64::from(w.metrics.waiting))
-                .f64(w.metrics.kv_cache_usage)
-                .f64(w.metrics.prefix_cache_hit_rate)
-                .f64(w.metrics.ttft_sum_s)
-                .u64(w.metrics.ttft_count);
-        }
-        self.quota.hash(&mut h);
-        h.finish()
+        h.finish().0
     }
 
-    /// Publishes the current state to readers.
-    pub(crate) fn publish(&self) {
+    /// Publishes the current state to readers. Pools nothing changed keep their published view.
+    pub(crate) fn publish(&mut self) {
+        let dirty = std::mem::take(&mut self.dirty);
+        let previous = self.handle.load();
         let mut pools = BTreeMap::new();
         for (name, pool) in &self.pools {
+            if !dirty.all
+                && !dirty.pools.contains(name)
+                && let Some(v) = previous.pools.get(name)
+            {
+                pools.insert(name.clone(), v.clone());
+                continue;
+            }
             let workers = self
                 .workers
                 .range((name.clone(), String::new())..)
@@ -689,19 +761,19 @@ impl StateMachine {
                 .collect();
             pools.insert(
                 name.clone(),
-                PoolView {
+                Arc::new(PoolView {
                     name: name.clone(),
                     config: pool.config.clone(),
                     index: pool.index.clone(),
                     workers,
-                },
+                }),
             );
         }
         self.handle.store(View {
             applied_index: self.applied_index,
             config_index: self.config_index,
             last_stream_seq: self.last_seq,
-            digest: self.digest(),
+            digest: self.kept_digest(),
             indexed_blocks: self.indexed_blocks,
             pools,
             dropped: self.dropped.iter().map(|(r, n)| (r.as_str(), *n)).collect(),
@@ -710,4 +782,11 @@ impl StateMachine {
             quota: self.quota.clone(),
         });
     }
+}
+
+/// The ledger's part of the digest.
+fn quota_part(quota: &crate::Ledger) -> u128 {
+    let mut h = Hasher::new();
+    quota.hash(&mut h);
+    h.finish().0
 }

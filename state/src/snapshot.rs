@@ -1,25 +1,25 @@
 //! Snapshot out, restore in.
 //!
 //! Layout: `b"KVPSNAP\0"`, a little-endian u32 format version, the MessagePack payload, and a
-//! little-endian xxh3-64 checksum of everything before it. The payload holds the reference
-//! counts (sorted, so equal states give equal bytes), the workers, the config, each pool's
-//! prefix tree as dynamo-kv-router events, the quota ledger and the config objects' owners. A restored state is checked against the digest the
+//! little-endian xxh3-64 checksum of everything before it. The payload holds every rank's
+//! blocks with their tiers and sequence hashes (sorted, so equal states give equal bytes), the
+//! workers, the config, the quota ledger and the config objects' owners; the prefix indexes are
+//! rebuilt from the ranks' GPU blocks. A restored state is checked against the digest the
 //! snapshot recorded.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use dynamo_kv_router::protocols::RouterEvent;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::blocks::{RankBlocks, Refs};
+use crate::blocks::{Held, RankBlocks};
 use crate::config::{POOL_KIND, PoolConfig};
 use crate::machine::{DropReason, Pool, Worker};
 use crate::{PoolIndex, SnapshotError, StateMachine};
 
 const MAGIC: &[u8; 8] = b"KVPSNAP\0";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 
 #[derive(Serialize, Deserialize)]
 struct Payload {
@@ -27,11 +27,9 @@ struct Payload {
     config_index: u64,
     last_seq: u64,
     next_worker_id: u64,
-    next_event_id: u64,
     config: Vec<(String, String, Vec<u8>)>,
     workers: Vec<(String, String, Worker)>,
     ranks: Vec<RankSnap>,
-    trees: Vec<(String, Vec<u8>)>,
     dropped: Vec<(DropReason, u64)>,
     quota: crate::Ledger,
     digest: u128,
@@ -44,7 +42,7 @@ struct Payload {
 struct RankSnap {
     worker: u64,
     dp_rank: u32,
-    blocks: Vec<(u64, Refs)>,
+    blocks: Vec<(u64, Held)>,
     salts: Vec<(u64, String)>,
 }
 
@@ -52,7 +50,6 @@ struct RankSnap {
 /// applies the next entries.
 pub struct Captured {
     payload: Payload,
-    trees: Vec<(String, Vec<RouterEvent>)>,
 }
 
 impl Captured {
@@ -63,13 +60,7 @@ impl Captured {
 
     /// The snapshot bytes: magic, version, MessagePack payload, checksum.
     pub fn encode(self) -> Result<Vec<u8>, SnapshotError> {
-        let mut payload = self.payload;
-        payload.trees = self
-            .trees
-            .into_iter()
-            .map(|(name, events)| Ok((name, rmp_serde::to_vec_named(&events)?)))
-            .collect::<Result<_, SnapshotError>>()?;
-        let body = rmp_serde::to_vec(&payload)?;
+        let body = rmp_serde::to_vec(&self.payload)?;
         let mut out = Vec::with_capacity(body.len() + 20);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
@@ -92,7 +83,7 @@ impl StateMachine {
             .ranks
             .iter()
             .map(|(&(worker, dp_rank), r)| {
-                let mut blocks: Vec<(u64, Refs)> = r.blocks.iter().map(|(h, v)| (*h, *v)).collect();
+                let mut blocks: Vec<(u64, Held)> = r.blocks.iter().map(|(h, v)| (*h, *v)).collect();
                 blocks.sort_unstable_by_key(|(h, _)| *h);
                 RankSnap {
                     worker,
@@ -102,17 +93,11 @@ impl StateMachine {
                 }
             })
             .collect();
-        let trees = self
-            .pools
-            .iter()
-            .map(|(name, p)| Ok((name.clone(), p.index.dump()?)))
-            .collect::<Result<_, SnapshotError>>()?;
         let payload = Payload {
             applied_index: self.applied_index,
             config_index: self.config_index,
             last_seq: self.last_seq,
             next_worker_id: self.next_worker_id,
-            next_event_id: self.next_event_id,
             config: self
                 .config
                 .iter()
@@ -124,7 +109,6 @@ impl StateMachine {
                 .map(|((p, n), w)| (p.clone(), n.clone(), w.clone()))
                 .collect(),
             ranks,
-            trees: Vec::new(),
             dropped: self.dropped.iter().map(|(r, n)| (*r, *n)).collect(),
             quota: (*self.quota).clone(),
             digest: self.digest().0,
@@ -134,7 +118,7 @@ impl StateMachine {
                 .map(|((k, n), o)| (k.clone(), n.clone(), *o))
                 .collect(),
         };
-        Ok(Captured { payload, trees })
+        Ok(Captured { payload })
     }
 
     /// Rebuilds a state from [`StateMachine::snapshot`] bytes.
@@ -163,8 +147,6 @@ impl StateMachine {
         sm.config_index = p.config_index;
         sm.last_seq = p.last_seq;
         sm.next_worker_id = p.next_worker_id;
-        sm.next_event_id = p.next_event_id;
-        let mut trees: BTreeMap<String, Vec<u8>> = p.trees.into_iter().collect();
         let mut catalog = kvplane_policy::Catalog::default();
         for (kind, name, value) in p.config {
             let policy_kind = kvplane_policy::Kind::parse(&kind);
@@ -183,20 +165,11 @@ impl StateMachine {
                 pool = Some(cfg);
             }
             if let Some(cfg) = pool {
-                let index = PoolIndex::new(cfg.block_size);
-                if let Some(tree) = trees.remove(&name) {
-                    let events: Vec<RouterEvent> = rmp_serde::from_slice(&tree)
-                        .map_err(|e| SnapshotError::Index(e.to_string()))?;
-                    for ev in events {
-                        index.apply_router_event(ev);
-                    }
-                    index.flush();
-                }
                 sm.pools.insert(
                     name.clone(),
                     Pool {
+                        index: Arc::new(PoolIndex::new(cfg.block_size)),
                         config: cfg,
-                        index: Arc::new(index),
                     },
                 );
             }
@@ -208,13 +181,13 @@ impl StateMachine {
         for r in p.ranks {
             let mut rank = RankBlocks::default();
             rank.blocks.reserve(r.blocks.len());
-            for (h, refs) in r.blocks {
-                let fact = crate::digest::block_fact(r.worker, r.dp_rank, h, &refs);
+            for (h, held) in r.blocks {
+                let fact = crate::digest::block_fact(r.worker, r.dp_rank, h, held);
                 rank.digest = rank.digest.wrapping_add(fact);
-                if refs[0] > 0 {
+                if held.has(crate::Tier::Gpu) {
                     rank.gpu_blocks += 1;
                 }
-                rank.blocks.insert(h, refs);
+                rank.blocks.insert(h, held);
             }
             for (h, salt) in r.salts {
                 rank.set_salt(r.worker, r.dp_rank, h, salt.into());
@@ -223,8 +196,26 @@ impl StateMachine {
             sm.indexed_blocks += rank.gpu_blocks;
             sm.ranks.insert((r.worker, r.dp_rank), rank);
         }
+        // The prefix indexes: every GPU block under its sequence hash, in its worker's pool.
+        let pool_of: BTreeMap<u64, &str> = sm
+            .workers
+            .iter()
+            .map(|((p, _), w)| (w.id, p.as_str()))
+            .collect();
+        for (&(worker, dp_rank), rank) in &sm.ranks {
+            let index = pool_of
+                .get(&worker)
+                .and_then(|p| sm.pools.get(*p))
+                .map(|p| &p.index)
+                .ok_or(SnapshotError::OrphanBlocks { worker, dp_rank })?;
+            for b in rank.blocks.values().filter(|b| b.has(crate::Tier::Gpu)) {
+                index.add(b.seq, worker, dp_rank);
+            }
+        }
         sm.dropped = p.dropped.into_iter().collect();
         sm.quota = Arc::new(p.quota);
+        sm.parts = sm.computed_parts();
+        sm.dirty.all = true;
         let got = sm.digest();
         if got.0 != p.digest {
             return Err(SnapshotError::DigestMismatch {

@@ -17,7 +17,8 @@ pub struct View {
     pub last_stream_seq: u64,
     pub digest: Digest,
     pub indexed_blocks: u64,
-    pub pools: BTreeMap<String, PoolView>,
+    /// Shared with earlier Views while nothing in the pool changed.
+    pub pools: BTreeMap<String, Arc<PoolView>>,
     pub dropped: BTreeMap<&'static str, u64>,
     /// The policy objects (always consistent); `config_index` is their generation.
     pub catalog: Arc<kvplane_policy::Catalog>,

@@ -7,15 +7,19 @@
 
 use kvplane_state::{ApplyError, Command, ConfigKey, ConfigObject, Entry, Owner, StateMachine};
 
+/// Applies `command` and checks the digest readers see against the recomputed one.
 fn apply(sm: &mut StateMachine, command: Command) -> Option<ApplyError> {
     let index = sm.applied_index() + 1;
-    sm.apply(&Entry {
-        index,
-        timestamp_ms: 0,
-        command,
-    })
-    .unwrap()
-    .rejected
+    let rejected = sm
+        .apply(&Entry {
+            index,
+            timestamp_ms: 0,
+            command,
+        })
+        .unwrap()
+        .rejected;
+    assert_eq!(sm.handle().load().digest, sm.digest());
+    rejected
 }
 
 fn pool(name: &str, block_size: u32) -> ConfigObject {
@@ -159,4 +163,41 @@ fn owners_survive_a_snapshot_and_count_in_the_digest() {
     let mut legacy = StateMachine::new();
     apply(&mut legacy, put(pool("a", 16), None));
     assert_ne!(legacy.digest(), by_node.digest());
+}
+
+/// Deleting a pool takes its workers with it: the digest readers see drops them as the
+/// recomputed one does (checked by `apply` after each step).
+#[test]
+fn deleting_a_pool_with_workers_drops_them_from_the_digest() {
+    let mut sm = StateMachine::new();
+    apply(&mut sm, put(pool("a", 4), Some(Owner::Admin)));
+    apply(&mut sm, put(pool("b", 4), Some(Owner::Admin)));
+    let items = ["a", "b"]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| kvplane_state::IngestItem {
+            seq: i as u64 + 1,
+            pool: (*p).into(),
+            worker: "w".into(),
+            payload: kvplane_state::IngestPayload::Worker {
+                up: true,
+                address: Some("10.0.0.1:8000".into()),
+            },
+        })
+        .collect();
+    apply(
+        &mut sm,
+        Command::Ingest(kvplane_state::IngestBatch {
+            first_seq: 1,
+            last_seq: 2,
+            items,
+        }),
+    );
+    assert_eq!(sm.handle().load().workers().count(), 2);
+    assert_eq!(apply(&mut sm, delete("a", Some(Owner::Admin))), None);
+    let view = sm.handle().load();
+    assert_eq!(
+        view.workers().map(|w| w.pool.as_str()).collect::<Vec<_>>(),
+        ["b"]
+    );
 }

@@ -14,16 +14,21 @@ fn examples() -> Catalog {
     catalog
 }
 
+/// Applies `command`; the digest readers see is checked against the one recomputed from the
+/// whole state after every change.
 fn apply(sm: &mut StateMachine, command: Command) -> Option<String> {
     let index = sm.applied_index() + 1;
-    sm.apply(&Entry {
-        index,
-        timestamp_ms: 0,
-        command,
-    })
-    .unwrap()
-    .rejected
-    .map(|e| e.to_string())
+    let rejected = sm
+        .apply(&Entry {
+            index,
+            timestamp_ms: 0,
+            command,
+        })
+        .unwrap()
+        .rejected
+        .map(|e| e.to_string());
+    assert_eq!(sm.handle().load().digest, sm.digest());
+    rejected
 }
 
 fn all_of(c: &Catalog) -> Command {
