@@ -66,6 +66,7 @@ pub struct BridgeMetrics {
     pub publish_retries: Counter,
     pub engine_restarts: Counter,
     pub scrapes_failed: Counter,
+    pub malformed_frames: Counter,
     pub pending: Gauge,
     pub last_seq: Gauge,
 }
@@ -106,6 +107,11 @@ impl BridgeMetrics {
             "kvplane_bridge_scrapes_failed",
             "Engine metrics scrapes that failed",
             self.scrapes_failed.clone(),
+        );
+        r.register(
+            "kvplane_bridge_malformed_frames",
+            "ZMQ messages from the engine that were not [topic, seq, payload], skipped",
+            self.malformed_frames.clone(),
         );
         r.register(
             "kvplane_bridge_pending_batches",
@@ -398,6 +404,7 @@ async fn zmq_loop(
                 frames.get(1).and_then(|s| parse_seq(s)),
                 frames.get(2).cloned(),
             ) else {
+                metrics.malformed_frames.inc();
                 tracing::warn!(
                     frames = frames.len(),
                     "zmq message is not [topic, seq, payload]; skipped"

@@ -2,8 +2,9 @@
 //!
 //! A batch is msgpack `[ts, events, data_parallel_rank]` (or a map with those keys). Events are
 //! maps with a `"type"` key (vLLM >= 0.24) or positional arrays whose first element is the type
-//! name (vLLM <= 0.22). Hashes are u64, negative i64 (reinterpreted bit for bit) or 32-byte
-//! digests (reduced to their low 64 bits, big-endian, as vLLM does for its integer form).
+//! name (vLLM <= 0.22). Hashes are u64, negative i64 (reinterpreted bit for bit) or byte
+//! digests of 8 bytes or more - 32 for sha256, 16 for xxhash's 128-bit form - reduced to their
+//! low 64 bits, big-endian, as vLLM does for its integer form.
 //! Unknown fields are ignored; unknown event types and malformed events are skipped and
 //! reported, never fatal to the rest of the batch.
 
@@ -188,11 +189,12 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
             .ok_or_else(|| malformed("token_ids", "must be u32 integers"))?,
         _ => return Err(malformed("token_ids", "must be an array")),
     };
+    // Offload tiers' stores may be placeholders: block size 0 and no tokens (never indexed).
     let block_size = f
         .get("block_size")
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok())
-        .filter(|n| *n > 0)
+        .filter(|n| *n > 0 || tier != Tier::Gpu)
         .ok_or_else(|| malformed("block_size", "must be a positive integer"))?;
     let lora_name = match f.present("lora_name") {
         None => None,
@@ -264,7 +266,7 @@ fn hashes(v: Option<&Value>, field: &'static str) -> Result<Vec<u64>, SkippedEve
             .iter()
             .map(hash)
             .collect::<Option<Vec<u64>>>()
-            .ok_or_else(|| malformed(field, "every hash must be an integer or 32 bytes")),
+            .ok_or_else(|| malformed(field, "every hash must be an integer or 8 bytes or more")),
         _ => Err(malformed(field, "must be an array")),
     }
 }
@@ -273,8 +275,8 @@ fn hashes(v: Option<&Value>, field: &'static str) -> Result<Vec<u64>, SkippedEve
 pub fn hash(v: &Value) -> Option<u64> {
     match v {
         Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|n| n as u64)),
-        Value::Binary(b) if b.len() == 32 => {
-            let low: [u8; 8] = b[24..32].try_into().ok()?;
+        Value::Binary(b) if b.len() >= 8 => {
+            let low: [u8; 8] = b[b.len() - 8..].try_into().ok()?;
             Some(u64::from_be_bytes(low))
         }
         _ => None,

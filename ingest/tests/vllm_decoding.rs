@@ -69,22 +69,27 @@ fn negative_i64_hashes_are_reinterpreted_bit_for_bit() {
     );
 }
 
+/// sha256 digests are 32 bytes, xxhash's 128-bit form 16 (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 #[test]
-fn thirty_two_byte_hashes_reduce_to_their_low_64_bits_big_endian() {
-    let mut digest = vec![0u8; 32];
-    digest[24..].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
-    let ev = Value::Map(vec![
-        (s("type"), s("BlockRemoved")),
-        (s("block_hashes"), Value::Array(vec![Value::Binary(digest)])),
-    ]);
-    let d = decode_batch(&batch(vec![ev])).unwrap();
-    assert_eq!(
-        d.batch.events,
-        vec![KvEvent::Removed {
-            block_hashes: vec![0x0102_0304_0506_0708],
-            tier: Tier::Gpu
-        }]
-    );
+fn byte_hashes_of_32_and_16_bytes_reduce_to_their_low_64_bits_big_endian() {
+    for len in [32usize, 16] {
+        let mut digest = vec![0xaau8; len];
+        digest[len - 8..].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+        let ev = Value::Map(vec![
+            (s("type"), s("BlockRemoved")),
+            (s("block_hashes"), Value::Array(vec![Value::Binary(digest)])),
+        ]);
+        let d = decode_batch(&batch(vec![ev])).unwrap();
+        assert!(d.skipped.is_empty(), "{len} bytes: {:?}", d.skipped);
+        assert_eq!(
+            d.batch.events,
+            vec![KvEvent::Removed {
+                block_hashes: vec![0x0102_0304_0506_0708],
+                tier: Tier::Gpu
+            }],
+            "{len} bytes"
+        );
+    }
 }
 
 #[test]
@@ -263,4 +268,31 @@ fn the_cache_salt_comes_from_the_first_blocks_extra_keys_after_the_lora_key() {
         decode_batch(&encode_batch(0.0, &b)).unwrap().batch.events,
         vec![ev]
     );
+}
+
+/// vLLM's CPU offload stores may be placeholders: block size 0 and no tokens. They decode into
+/// their tier; on the GPU tier the same shape is malformed.
+#[test]
+fn offload_placeholders_without_tokens_decode_and_gpu_ones_do_not() {
+    let placeholder = |medium: &str| {
+        Value::Map(vec![
+            (s("type"), s("BlockStored")),
+            (s("block_hashes"), Value::Array(vec![Value::from(7u64)])),
+            (s("parent_block_hash"), Value::Nil),
+            (s("token_ids"), Value::Array(vec![])),
+            (s("block_size"), Value::from(0)),
+            (s("medium"), s(medium)),
+        ])
+    };
+    let d = decode_batch(&batch(vec![placeholder("CPU")])).unwrap();
+    assert!(d.skipped.is_empty(), "{:?}", d.skipped);
+    match &d.batch.events[0] {
+        KvEvent::Stored {
+            tier, block_size, ..
+        } => assert_eq!((*tier, *block_size), (Tier::Cpu, 0)),
+        other => panic!("{other:?}"),
+    }
+    let d = decode_batch(&batch(vec![placeholder("GPU")])).unwrap();
+    assert!(d.batch.events.is_empty());
+    assert_eq!(d.skipped[0].reason(), "malformed_event");
 }

@@ -268,8 +268,8 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
         while let Some(item) = entries.next().await {
             batch.push(item?);
         }
-        // Applying flushes the prefix index's writer and republishes the view: on a blocking
-        // thread, so the runtime (Raft's own tasks, the API) never waits for it.
+        // Applying writes the prefix index and republishes the view: on a blocking thread, so
+        // the runtime (Raft's own tasks, the API) never waits for it.
         let mut inner = self.inner.clone().lock_owned().await;
         let on_applied = self.on_applied.clone();
         let answered = blocking(move || {

@@ -45,6 +45,11 @@ pub(crate) struct RankBlocks {
     pub(crate) gpu_blocks: u64,
     /// The cache salt of salted blocks (a continuation of their chain is hashed under it).
     pub(crate) salts: BTreeMap<u64, Arc<str>>,
+    /// Sequence hashes this rank holds on the GPU tier under more than one engine hash (vLLM's
+    /// hash also covers multimodal keys the sequence hash does not), with how many more: the
+    /// rank stays a holder in the index until the last of them leaves. Derived from `blocks`
+    /// (rebuilt on restore), so neither hashed nor snapshotted.
+    pub(crate) extra_holds: FxHashMap<u64, u32>,
 }
 
 /// The contribution of a block's salt to the digest.
@@ -108,6 +113,42 @@ impl RankBlocks {
         }
         self.digest = self.digest.wrapping_add(d);
         d
+    }
+
+    /// Holds `seq` in `index` for this rank, once however many engine hashes carry it.
+    pub(crate) fn hold(&mut self, index: &crate::PoolIndex, seq: u64, worker: u64, dp_rank: u32) {
+        if !index.add(seq, worker, dp_rank) {
+            *self.extra_holds.entry(seq).or_default() += 1;
+        }
+    }
+
+    /// Lets go of one hold of `seq`; the rank leaves the index's holders with the last one.
+    pub(crate) fn release(
+        &mut self,
+        index: &crate::PoolIndex,
+        seq: u64,
+        worker: u64,
+        dp_rank: u32,
+    ) {
+        match self.extra_holds.get_mut(&seq) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.extra_holds.remove(&seq);
+            }
+            None => index.remove(seq, worker, dp_rank),
+        }
+    }
+
+    /// Forgets a block's salt; returns the digest delta.
+    pub(crate) fn clear_salt(&mut self, worker: u64, dp_rank: u32, hash: u64) -> u128 {
+        match self.salts.remove(&hash) {
+            Some(old) => {
+                let d = 0u128.wrapping_sub(salt_fact(worker, dp_rank, hash, &old));
+                self.digest = self.digest.wrapping_add(d);
+                d
+            }
+            None => 0,
+        }
     }
 
     /// Puts `hash` in `tier` (with its sequence hash `seq` on the GPU tier).

@@ -64,6 +64,8 @@ pub(crate) const MAX_DP_RANK: u32 = (1 << RANK_BITS) - 1;
 
 /// A worker rank as one sortable id: the worker id above the rank.
 fn holder(worker: u64, dp_rank: u32) -> u64 {
+    // Worker ids count up from 1, one per worker ever seen: far below 2^40.
+    debug_assert!(worker < 1 << (64 - RANK_BITS));
     (worker << RANK_BITS) | u64::from(dp_rank & MAX_DP_RANK)
 }
 
@@ -187,11 +189,16 @@ impl PoolIndex {
     }
 
     /// Adds `dp_rank` of `worker` as a holder of the block with sequence hash `seq`.
-    pub(crate) fn add(&self, seq: u64, worker: u64, dp_rank: u32) {
+    /// Returns whether it was not one already.
+    pub(crate) fn add(&self, seq: u64, worker: u64, dp_rank: u32) -> bool {
         let h = holder(worker, dp_rank);
         let mut e = self.holders.entry(seq).or_default();
-        if let Err(at) = e.binary_search(&h) {
-            e.insert(at, h);
+        match e.binary_search(&h) {
+            Ok(_) => false,
+            Err(at) => {
+                e.insert(at, h);
+                true
+            }
         }
     }
 

@@ -396,14 +396,18 @@ impl StateMachine {
                 if token_ids.len() != block_hashes.len() * (*block_size as usize) {
                     return drop(out, DropReason::MalformedEvent);
                 }
-                let rank = self.ranks.entry((wid, dp)).or_default();
                 let parent_seq = match parent_hash {
-                    Some(p) => match rank.gpu_seq(*p) {
+                    Some(p) => match self.ranks.get(&(wid, dp)).and_then(|r| r.gpu_seq(*p)) {
                         Some(s) => Some(s),
                         None => return drop(out, DropReason::ParentMissing),
                     },
                     None => None,
                 };
+                if block_hashes.is_empty() {
+                    out.kv_events += 1;
+                    return;
+                }
+                let rank = self.ranks.entry((wid, dp)).or_default();
                 // A salted chain's continuation is hashed under its parent's salt.
                 let salt: Option<Arc<str>> = match (cache_salt, parent_hash) {
                     (Some(s), _) => Some(s.as_str().into()),
@@ -419,15 +423,17 @@ impl StateMachine {
                     let a = rank.store(wid, dp, h, Tier::Gpu, s);
                     self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
                     self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
-                    if let Some(salt) = &salt {
-                        let d = rank.set_salt(wid, dp, h, salt.clone());
-                        self.blocks_digest = self.blocks_digest.wrapping_add(d);
-                    }
+                    // The block's salt is this store's: a re-store without one clears it.
+                    let d = match &salt {
+                        Some(salt) => rank.set_salt(wid, dp, h, salt.clone()),
+                        None => rank.clear_salt(wid, dp, h),
+                    };
+                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
                     match a.change {
-                        Change::Appeared => index.add(s, wid, dp),
+                        Change::Appeared => rank.hold(index, s, wid, dp),
                         Change::Moved { from } => {
-                            index.remove(from, wid, dp);
-                            index.add(s, wid, dp);
+                            rank.release(index, from, wid, dp);
+                            rank.hold(index, s, wid, dp);
                         }
                         _ => {}
                     }
@@ -444,7 +450,7 @@ impl StateMachine {
                     match a.change {
                         Change::Unknown => unknown += 1,
                         Change::Disappeared { seq } if *tier == Tier::Gpu => {
-                            index.remove(seq, wid, dp);
+                            rank.release(index, seq, wid, dp);
                         }
                         _ => {}
                     }

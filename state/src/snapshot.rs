@@ -202,14 +202,20 @@ impl StateMachine {
             .iter()
             .map(|((p, _), w)| (w.id, p.as_str()))
             .collect();
-        for (&(worker, dp_rank), rank) in &sm.ranks {
+        for (&(worker, dp_rank), rank) in &mut sm.ranks {
             let index = pool_of
                 .get(&worker)
                 .and_then(|p| sm.pools.get(*p))
-                .map(|p| &p.index)
+                .map(|p| p.index.clone())
                 .ok_or(SnapshotError::OrphanBlocks { worker, dp_rank })?;
-            for b in rank.blocks.values().filter(|b| b.has(crate::Tier::Gpu)) {
-                index.add(b.seq, worker, dp_rank);
+            let seqs: Vec<u64> = rank
+                .blocks
+                .values()
+                .filter(|b| b.has(crate::Tier::Gpu))
+                .map(|b| b.seq)
+                .collect();
+            for seq in seqs {
+                rank.hold(&index, seq, worker, dp_rank);
             }
         }
         sm.dropped = p.dropped.into_iter().collect();

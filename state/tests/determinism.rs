@@ -1,8 +1,8 @@
 //! The state machine is deterministic: the same stream gives the same digest and the same
 //! answers, however it is cut into entries, and a snapshot restores both exactly. Its answers
-//! are those of a reference model written here - a plain map per worker from block hash to
-//! reference count, with vLLM's rules for parents, removals, clears and workers going down -
-//! after every entry of random event streams.
+//! are those of a reference model written here - a plain set per worker of the blocks it
+//! holds, with vLLM's rules for parents, removals, clears and workers going down - after every
+//! entry of random event streams in which every engine hashes with a seed of its own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -239,7 +239,7 @@ fn run(entries: &[Entry]) -> StateMachine {
 }
 
 /// What the prefix index should answer, kept the plainest way: per worker, the GPU blocks it
-/// holds with their reference counts.
+/// holds.
 #[derive(Debug, Default)]
 struct Model {
     /// By worker: up, and the GPU block hashes it holds (a repeated store is idempotent).
@@ -480,7 +480,7 @@ fn out_of_order_entries_are_refused() {
 }
 
 /// Raft applies entries inside a tokio task. Hundreds of entries in one task poll used to
-/// exhaust tokio's cooperative budget inside the index flush and spin forever.
+/// exhaust tokio's cooperative budget inside the old index's flush and spin forever.
 #[test]
 fn applying_many_entries_inside_one_async_task_completes() {
     let (tx, rx) = std::sync::mpsc::channel();
@@ -675,4 +675,60 @@ fn a_cpu_placeholder_store_without_tokens_leaves_the_gpu_index_alone() {
     assert!(view.dropped.is_empty(), "{:?}", view.dropped);
     assert_eq!(answers(&sm), before);
     assert_eq!(view.digest, sm.digest());
+}
+
+/// vLLM's block hash also covers multimodal keys, so one rank can hold the same tokens under
+/// two engine hashes: it stays matched until the last of them is removed, and a state restored
+/// from a snapshot answers as the live one does.
+#[test]
+fn a_rank_holding_one_content_under_two_engine_hashes_keeps_it_until_both_leave() {
+    let stored = |hashes: Vec<u64>| KvEvent::Stored {
+        block_hashes: hashes,
+        parent_hash: None,
+        token_ids: chain_tokens(3)[..2 * BS as usize].to_vec(),
+        block_size: BS,
+        lora_name: None,
+        cache_salt: None,
+        tier: Tier::Gpu,
+    };
+    let removed = |hashes: Vec<u64>| KvEvent::Removed {
+        block_hashes: hashes,
+        tier: Tier::Gpu,
+    };
+    let mut sm = run(&entries(&[Op::Clear { w: 0 }], &[true], 1));
+    let mut seq = 100;
+    let mut send = |sm: &mut StateMachine, ev: KvEvent| {
+        seq += 1;
+        let index = sm.applied_index() + 1;
+        sm.apply(&Entry {
+            index,
+            timestamp_ms: 0,
+            command: Command::Ingest(IngestBatch {
+                first_seq: seq,
+                last_seq: seq,
+                items: vec![IngestItem {
+                    seq,
+                    pool: "p".into(),
+                    worker: "w0".into(),
+                    payload: IngestPayload::Kv(KvBatch {
+                        dp_rank: 0,
+                        events: vec![ev],
+                    }),
+                }],
+            }),
+        })
+        .unwrap();
+    };
+    send(&mut sm, stored(vec![11, 12]));
+    send(&mut sm, stored(vec![21, 22]));
+    let matched = |sm: &StateMachine| answers(sm)[3].values().copied().max().unwrap_or(0);
+    assert_eq!(matched(&sm), 2);
+    send(&mut sm, removed(vec![12]));
+    assert_eq!(matched(&sm), 2, "the second copy still holds block 1");
+    let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
+    assert_eq!(answers(&restored), answers(&sm));
+    send(&mut sm, removed(vec![22]));
+    assert_eq!(matched(&sm), 1);
+    let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
+    assert_eq!(answers(&restored), answers(&sm));
 }

@@ -164,13 +164,16 @@ pub fn free_port() -> Result<u16, ProcessError> {
         .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
         .unwrap_or(32_768);
     if ephemeral_low > LOW + 1_000 {
-        let span = ephemeral_low - LOW;
-        let base = std::process::id().wrapping_mul(2_654_435_761) % span;
+        let span = u64::from(ephemeral_low - LOW);
+        let base = u64::from(std::process::id()).wrapping_mul(2_654_435_761) % span;
         for _ in 0..span {
-            let step = NEXT.fetch_add(1, Ordering::Relaxed);
-            let port = LOW + (base + step.wrapping_mul(7_919)) % span;
-            if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
-                return Ok(port as u16);
+            let step = u64::from(NEXT.fetch_add(1, Ordering::Relaxed));
+            let port = u64::from(LOW) + (base + step * 7_919) % span;
+            let Ok(port) = u16::try_from(port) else {
+                continue;
+            };
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
             }
         }
     }
