@@ -652,25 +652,7 @@ fn a_cpu_placeholder_store_without_tokens_leaves_the_gpu_index_alone() {
         cache_salt: None,
         tier: Tier::Cpu,
     };
-    let index = sm.applied_index() + 1;
-    sm.apply(&Entry {
-        index,
-        timestamp_ms: 0,
-        command: Command::Ingest(IngestBatch {
-            first_seq: 90,
-            last_seq: 90,
-            items: vec![IngestItem {
-                seq: 90,
-                pool: "p".into(),
-                worker: "w0".into(),
-                payload: IngestPayload::Kv(KvBatch {
-                    dp_rank: 0,
-                    events: vec![placeholder],
-                }),
-            }],
-        }),
-    })
-    .unwrap();
+    send_kv(&mut sm, 90, placeholder);
     let view = sm.handle().load();
     assert!(view.dropped.is_empty(), "{:?}", view.dropped);
     assert_eq!(answers(&sm), before);
@@ -699,25 +681,7 @@ fn a_rank_holding_one_content_under_two_engine_hashes_keeps_it_until_both_leave(
     let mut seq = 100;
     let mut send = |sm: &mut StateMachine, ev: KvEvent| {
         seq += 1;
-        let index = sm.applied_index() + 1;
-        sm.apply(&Entry {
-            index,
-            timestamp_ms: 0,
-            command: Command::Ingest(IngestBatch {
-                first_seq: seq,
-                last_seq: seq,
-                items: vec![IngestItem {
-                    seq,
-                    pool: "p".into(),
-                    worker: "w0".into(),
-                    payload: IngestPayload::Kv(KvBatch {
-                        dp_rank: 0,
-                        events: vec![ev],
-                    }),
-                }],
-            }),
-        })
-        .unwrap();
+        send_kv(sm, seq, ev);
     };
     send(&mut sm, stored(vec![11, 12]));
     send(&mut sm, stored(vec![21, 22]));
@@ -731,4 +695,27 @@ fn a_rank_holding_one_content_under_two_engine_hashes_keeps_it_until_both_leave(
     assert_eq!(matched(&sm), 1);
     let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
     assert_eq!(answers(&restored), answers(&sm));
+}
+
+/// Applies stream message `seq`: one KV event of w0's rank 0, in an entry of its own.
+fn send_kv(sm: &mut StateMachine, seq: u64, ev: KvEvent) {
+    let index = sm.applied_index() + 1;
+    sm.apply(&Entry {
+        index,
+        timestamp_ms: 0,
+        command: Command::Ingest(IngestBatch {
+            first_seq: seq,
+            last_seq: seq,
+            items: vec![IngestItem {
+                seq,
+                pool: "p".into(),
+                worker: "w0".into(),
+                payload: IngestPayload::Kv(KvBatch {
+                    dp_rank: 0,
+                    events: vec![ev],
+                }),
+            }],
+        }),
+    })
+    .unwrap();
 }
