@@ -350,6 +350,67 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
     );
 }
 
+/// Replicas tell each other what they routed outside the durable stream: a thousand routed
+/// requests add no stream message and no log entry on either replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_requests_add_no_stream_message_and_no_log_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        2,
+        &NodeOptions {
+            policy_dir: Some(dir.path().to_owned()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let last = workers_up(&js, &[("gpu", "w0"), ("gpu", "w1")]).await;
+    for n in &cluster.nodes {
+        n.wait_applied_seq(last).await;
+    }
+    let messages = |js: async_nats::jetstream::Context| async move {
+        js.get_stream("KVPLANE")
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages
+    };
+    let stream_before = messages(js.clone()).await;
+    let mut applied_before = Vec::new();
+    for n in &cluster.nodes {
+        applied_before.push(n.status().await.applied_index);
+    }
+    let mut routers = Vec::new();
+    for n in &cluster.nodes {
+        routers.push(n.router().await);
+    }
+    for i in 0..1_000 {
+        let r = routers[i % 2]
+            .route(RouteRequest {
+                request_id: format!("r-{i}"),
+                model: "m".into(),
+                token_ids: (0..64).collect(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
+    }
+    assert_eq!(messages(js.clone()).await, stream_before);
+    for (n, before) in cluster.nodes.iter().zip(applied_before) {
+        assert_eq!(n.status().await.applied_index, before);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pii_from_a_header_or_the_tagger_stays_local_through_the_gateway() {
     let (cluster, js) = examples_node().await;
