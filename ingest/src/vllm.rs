@@ -81,8 +81,12 @@ pub fn decode_batch(payload: &[u8]) -> Result<Decoded, DecodeError> {
     let mut skipped = Vec::new();
     for ev in raw_events {
         match decode_event(ev) {
-            Ok(Some(e)) => out.push(e),
-            Ok(None) => skipped.push(SkippedEvent::NonPrimaryGroup),
+            Ok(e @ KvEvent::OtherGroup { .. }) => {
+                // Its blocks are skipped; the state learns the group is not a prefix cache.
+                out.push(e);
+                skipped.push(SkippedEvent::NonPrimaryGroup);
+            }
+            Ok(e) => out.push(e),
             Err(s) => skipped.push(s),
         }
     }
@@ -142,7 +146,7 @@ const REMOVED_ORDER: &[&str] = &[
     "ownership",
 ];
 
-fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
+fn decode_event(ev: &Value) -> Result<KvEvent, SkippedEvent> {
     let (ty, map, positional) = match ev {
         Value::Map(_) => (
             map_get(ev, "type").and_then(Value::as_str),
@@ -161,7 +165,7 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
     let order = match ty {
         "BlockStored" => STORED_ORDER,
         "BlockRemoved" => REMOVED_ORDER,
-        "AllBlocksCleared" => return Ok(Some(KvEvent::Cleared)),
+        "AllBlocksCleared" => return Ok(KvEvent::Cleared),
         other => return Err(SkippedEvent::UnknownType(other.to_owned())),
     };
     let f = Fields {
@@ -169,13 +173,29 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
         positional,
         order,
     };
+    // vLLM names the KV-cache group only when it is not 0.
+    let group = match f.present("group_idx") {
+        None => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|g| u32::try_from(g).ok())
+            .ok_or_else(|| malformed("group_idx", "must be a non-negative integer or nil"))?,
+    };
     if !primary_group(&f) {
-        return Ok(None);
+        return Ok(KvEvent::OtherGroup { group });
     }
     let tier = tier(&f)?;
     let block_hashes = hashes(f.get("block_hashes"), "block_hashes")?;
     if ty == "BlockRemoved" {
-        return Ok(Some(KvEvent::Removed { block_hashes, tier }));
+        return Ok(if group == 0 {
+            KvEvent::Removed { block_hashes, tier }
+        } else {
+            KvEvent::RemovedFromGroup {
+                block_hashes,
+                tier,
+                group,
+            }
+        });
     }
     let parent_hash = match f.present("parent_block_hash") {
         None => None,
@@ -202,7 +222,7 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
         Some(_) => return Err(malformed("lora_name", "must be a string or nil")),
     };
     let cache_salt = cache_salt(f.present("extra_keys"), lora_name.as_deref());
-    Ok(Some(KvEvent::Stored {
+    Ok(KvEvent::Stored {
         block_hashes,
         parent_hash,
         token_ids,
@@ -210,7 +230,7 @@ fn decode_event(ev: &Value) -> Result<Option<KvEvent>, SkippedEvent> {
         lora_name,
         cache_salt,
         tier,
-    }))
+    })
 }
 
 /// The request's `cache_salt`, from the extra keys of the event's first block: vLLM puts the
@@ -388,6 +408,32 @@ fn encode_event(ev: &KvEvent) -> Value {
             }
             Value::Map(m)
         }
+        KvEvent::RemovedFromGroup {
+            block_hashes,
+            tier,
+            group,
+        } => {
+            let mut m = vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), hashes(block_hashes)),
+                (s("medium"), medium(*tier)),
+                (s("group_idx"), Value::from(*group)),
+            ];
+            if *tier == Tier::Remote {
+                m.push((s("locality"), s("REMOTE")));
+            }
+            Value::Map(m)
+        }
+        // What vLLM sends for a sliding-window group's store, reduced to what decodes.
+        KvEvent::OtherGroup { group } => Value::Map(vec![
+            (s("type"), s("BlockStored")),
+            (s("block_hashes"), Value::Array(Vec::new())),
+            (s("parent_block_hash"), Value::Nil),
+            (s("token_ids"), Value::Array(Vec::new())),
+            (s("block_size"), Value::from(1)),
+            (s("group_idx"), Value::from(*group)),
+            (s("kv_cache_spec_kind"), s("sliding_window")),
+        ]),
         KvEvent::Cleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
     }
 }

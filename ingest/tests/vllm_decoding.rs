@@ -126,10 +126,46 @@ fn media_and_locality_map_to_tiers() {
 
 #[test]
 fn sliding_window_groups_are_skipped_not_indexed() {
-    let ev = stored_map(vec![(s("kv_cache_spec_kind"), s("sliding_window"))]);
+    let ev = stored_map(vec![
+        (s("group_idx"), Value::from(1)),
+        (s("kv_cache_spec_kind"), s("sliding_window")),
+    ]);
     let d = decode_batch(&batch(vec![ev])).unwrap();
-    assert!(d.batch.events.is_empty());
+    // Only the group is kept, so that the state ignores that group's removals.
+    assert_eq!(d.batch.events, vec![KvEvent::OtherGroup { group: 1 }]);
     assert_eq!(d.skipped, vec![SkippedEvent::NonPrimaryGroup]);
+}
+
+/// vLLM names the KV-cache group of a removal only when it is not 0.
+#[test]
+fn removals_name_their_group_when_it_is_not_the_first() {
+    let removed = |extra: Vec<(Value, Value)>| {
+        let mut m = vec![
+            (s("type"), s("BlockRemoved")),
+            (s("block_hashes"), Value::Array(vec![Value::from(7u64)])),
+        ];
+        m.extend(extra);
+        Value::Map(m)
+    };
+    let d = decode_batch(&batch(vec![
+        removed(vec![]),
+        removed(vec![(s("group_idx"), Value::from(2))]),
+    ]))
+    .unwrap();
+    assert_eq!(
+        d.batch.events,
+        vec![
+            KvEvent::Removed {
+                block_hashes: vec![7],
+                tier: Tier::Gpu
+            },
+            KvEvent::RemovedFromGroup {
+                block_hashes: vec![7],
+                tier: Tier::Gpu,
+                group: 2
+            },
+        ]
+    );
 }
 
 #[test]

@@ -50,6 +50,19 @@ pub(crate) struct RankBlocks {
     /// rank stays a holder in the index until the last of them leaves. Derived from `blocks`
     /// (rebuilt on restore), so neither hashed nor snapshotted.
     pub(crate) extra_holds: FxHashMap<u64, u32>,
+    /// KV-cache groups (vLLM's `group_idx`) the engine said are not full attention: removals
+    /// from them do not touch this rank's blocks.
+    pub(crate) other_groups: std::collections::BTreeSet<u32>,
+}
+
+/// The contribution of a non-prefix-cache group to the digest.
+pub(crate) fn group_fact(worker: u64, dp_rank: u32, group: u32) -> u128 {
+    let mut h = crate::digest::Hasher::new();
+    h.str("group")
+        .u64(worker)
+        .u64(u64::from(dp_rank))
+        .u64(u64::from(group));
+    h.finish().0
 }
 
 /// The contribution of a block's salt to the digest.
@@ -137,6 +150,16 @@ impl RankBlocks {
             }
             None => index.remove(seq, worker, dp_rank),
         }
+    }
+
+    /// Records that `group` is not a prefix cache; returns the digest delta.
+    pub(crate) fn other_group(&mut self, worker: u64, dp_rank: u32, group: u32) -> u128 {
+        if !self.other_groups.insert(group) {
+            return 0;
+        }
+        let d = group_fact(worker, dp_rank, group);
+        self.digest = self.digest.wrapping_add(d);
+        d
     }
 
     /// Forgets a block's salt; returns the digest delta.

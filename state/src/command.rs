@@ -187,6 +187,20 @@ pub enum KvEvent {
         block_hashes: Vec<u64>,
         tier: Tier,
     },
+    /// A removal from KV-cache group `group` (vLLM's `group_idx`, named only when not 0):
+    /// ignored when the rank said that group is not a prefix cache, a [`KvEvent::Removed`]
+    /// otherwise.
+    RemovedFromGroup {
+        block_hashes: Vec<u64>,
+        tier: Tier,
+        group: u32,
+    },
+    /// The engine stored blocks of KV-cache group `group`, which is not full attention
+    /// (sliding window, mamba...): those blocks are not indexed, and the rank's removals from
+    /// that group are ignored from now on.
+    OtherGroup {
+        group: u32,
+    },
     /// Every block of this worker rank is gone.
     Cleared,
 }

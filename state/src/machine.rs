@@ -34,6 +34,8 @@ pub enum DropReason {
     RemoveUnknown,
     /// A stream message at or below the recorded stream position (already applied).
     Duplicate,
+    /// A removal from a KV-cache group that is not a prefix cache (hybrid models).
+    NonPrimaryGroup,
 }
 
 impl DropReason {
@@ -46,6 +48,7 @@ impl DropReason {
             Self::ParentMissing => "parent_missing",
             Self::RemoveUnknown => "remove_unknown",
             Self::Duplicate => "duplicate",
+            Self::NonPrimaryGroup => "non_primary_group",
         }
     }
 }
@@ -440,6 +443,38 @@ impl StateMachine {
                 }
                 out.kv_events += 1;
             }
+            KvEvent::OtherGroup { group } => {
+                let rank = self.ranks.entry((wid, dp)).or_default();
+                let d = rank.other_group(wid, dp, *group);
+                self.blocks_digest = self.blocks_digest.wrapping_add(d);
+                out.kv_events += 1;
+            }
+            KvEvent::RemovedFromGroup {
+                block_hashes,
+                tier,
+                group,
+            } => {
+                if self
+                    .ranks
+                    .get(&(wid, dp))
+                    .is_some_and(|r| r.other_groups.contains(group))
+                {
+                    return drop(out, DropReason::NonPrimaryGroup);
+                }
+                let removed = KvEvent::Removed {
+                    block_hashes: block_hashes.clone(),
+                    tier: *tier,
+                };
+                self.apply_kv(index, wid, dp, &removed, out);
+            }
+            KvEvent::Removed { .. }
+                if self
+                    .ranks
+                    .get(&(wid, dp))
+                    .is_some_and(|r| r.other_groups.contains(&0)) =>
+            {
+                drop(out, DropReason::NonPrimaryGroup);
+            }
             KvEvent::Removed { block_hashes, tier } => {
                 let rank = self.ranks.entry((wid, dp)).or_default();
                 let mut unknown = 0;
@@ -455,7 +490,7 @@ impl StateMachine {
                         _ => {}
                     }
                 }
-                if rank.blocks.is_empty() && rank.salts.is_empty() {
+                if rank.blocks.is_empty() && rank.salts.is_empty() && rank.other_groups.is_empty() {
                     self.ranks.remove(&(wid, dp));
                 }
                 if unknown > 0 {

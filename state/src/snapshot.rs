@@ -44,6 +44,8 @@ struct RankSnap {
     dp_rank: u32,
     blocks: Vec<(u64, Held)>,
     salts: Vec<(u64, String)>,
+    #[serde(default)]
+    other_groups: Vec<u32>,
 }
 
 /// A state's copy taken for a snapshot: owned, so it is encoded (and written) while the state
@@ -90,6 +92,7 @@ impl StateMachine {
                     dp_rank,
                     blocks,
                     salts: r.salts.iter().map(|(h, s)| (*h, s.to_string())).collect(),
+                    other_groups: r.other_groups.iter().copied().collect(),
                 }
             })
             .collect();
@@ -191,6 +194,9 @@ impl StateMachine {
             }
             for (h, salt) in r.salts {
                 rank.set_salt(r.worker, r.dp_rank, h, salt.into());
+            }
+            for g in r.other_groups {
+                rank.other_group(r.worker, r.dp_rank, g);
             }
             sm.blocks_digest = sm.blocks_digest.wrapping_add(rank.digest);
             sm.indexed_blocks += rank.gpu_blocks;

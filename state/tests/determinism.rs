@@ -719,3 +719,52 @@ fn send_kv(sm: &mut StateMachine, seq: u64, ev: KvEvent) {
     })
     .unwrap();
 }
+
+/// A hybrid model stores the same blocks in its full-attention group and in a sliding-window
+/// group, and the sliding window drops them soon: its removals (vLLM's `group_idx` 1) leave the
+/// full-attention blocks matched; a removal from the main group still takes them out.
+#[test]
+fn a_sliding_window_groups_removals_leave_the_full_attention_blocks_matched() {
+    let store = Op::Store {
+        w: 0,
+        c: 3,
+        start: 0,
+        len: 8,
+        tier: Tier::Gpu,
+    };
+    let mut sm = run(&entries(&[store], &[true], 1));
+    let matched = |sm: &StateMachine| answers(sm)[3].values().copied().max().unwrap_or(0);
+    assert_eq!(matched(&sm), 8);
+    let hashes = chain_hashes(0, 3);
+    send_kv(&mut sm, 50, KvEvent::OtherGroup { group: 1 });
+    send_kv(
+        &mut sm,
+        51,
+        KvEvent::RemovedFromGroup {
+            block_hashes: hashes.clone(),
+            tier: Tier::Gpu,
+            group: 1,
+        },
+    );
+    assert_eq!(
+        matched(&sm),
+        8,
+        "the sliding window's removals touched group 0"
+    );
+    assert_eq!(
+        sm.handle().load().dropped.get("non_primary_group"),
+        Some(&1)
+    );
+    let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
+    assert_eq!(restored.digest(), sm.digest());
+    send_kv(
+        &mut sm,
+        52,
+        KvEvent::Removed {
+            block_hashes: hashes[4..].to_vec(),
+            tier: Tier::Gpu,
+        },
+    );
+    assert_eq!(matched(&sm), 4);
+    assert_eq!(sm.handle().load().digest, sm.digest());
+}
