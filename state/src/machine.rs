@@ -461,11 +461,7 @@ impl StateMachine {
                 {
                     return drop(out, DropReason::NonPrimaryGroup);
                 }
-                let removed = KvEvent::Removed {
-                    block_hashes: block_hashes.clone(),
-                    tier: *tier,
-                };
-                self.apply_kv(index, wid, dp, &removed, out);
+                self.remove_blocks(index, (wid, dp), block_hashes, *tier, out);
             }
             KvEvent::Removed { .. }
                 if self
@@ -476,33 +472,45 @@ impl StateMachine {
                 drop(out, DropReason::NonPrimaryGroup);
             }
             KvEvent::Removed { block_hashes, tier } => {
-                let rank = self.ranks.entry((wid, dp)).or_default();
-                let mut unknown = 0;
-                for &h in block_hashes {
-                    let a = rank.remove(wid, dp, h, *tier);
-                    self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
-                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
-                    match a.change {
-                        Change::Unknown => unknown += 1,
-                        Change::Disappeared { seq } if *tier == Tier::Gpu => {
-                            rank.release(index, seq, wid, dp);
-                        }
-                        _ => {}
-                    }
-                }
-                if rank.blocks.is_empty() && rank.salts.is_empty() && rank.other_groups.is_empty() {
-                    self.ranks.remove(&(wid, dp));
-                }
-                if unknown > 0 {
-                    *out.dropped.entry(DropReason::RemoveUnknown).or_default() += unknown;
-                }
-                out.kv_events += 1;
+                self.remove_blocks(index, (wid, dp), block_hashes, *tier, out);
             }
             KvEvent::Cleared => {
                 self.clear_rank(index, wid, dp);
                 out.kv_events += 1;
             }
         }
+    }
+
+    /// Takes `hashes` out of `tier` for one rank (a removal from the rank's main group).
+    fn remove_blocks(
+        &mut self,
+        index: &PoolIndex,
+        (wid, dp): (u64, u32),
+        hashes: &[u64],
+        tier: Tier,
+        out: &mut Applied,
+    ) {
+        let rank = self.ranks.entry((wid, dp)).or_default();
+        let mut unknown = 0;
+        for &h in hashes {
+            let a = rank.remove(wid, dp, h, tier);
+            self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+            self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
+            match a.change {
+                Change::Unknown => unknown += 1,
+                Change::Disappeared { seq } if tier == Tier::Gpu => {
+                    rank.release(index, seq, wid, dp);
+                }
+                _ => {}
+            }
+        }
+        if rank.blocks.is_empty() && rank.salts.is_empty() && rank.other_groups.is_empty() {
+            self.ranks.remove(&(wid, dp));
+        }
+        if unknown > 0 {
+            *out.dropped.entry(DropReason::RemoveUnknown).or_default() += unknown;
+        }
+        out.kv_events += 1;
     }
 
     fn clear_rank(&mut self, index: &PoolIndex, wid: u64, dp: u32) {

@@ -768,3 +768,39 @@ fn a_sliding_window_groups_removals_leave_the_full_attention_blocks_matched() {
     assert_eq!(matched(&sm), 4);
     assert_eq!(sm.handle().load().digest, sm.digest());
 }
+
+/// The other way round: the sliding window is group 0 (vLLM leaves its `group_idx` out) and full
+/// attention group 1; removals from group 1 take blocks out, removals from group 0 do not.
+#[test]
+fn when_the_sliding_window_is_group_0_removals_from_group_1_still_apply() {
+    let store = Op::Store {
+        w: 0,
+        c: 3,
+        start: 0,
+        len: 8,
+        tier: Tier::Gpu,
+    };
+    let mut sm = run(&entries(&[store], &[true], 1));
+    let matched = |sm: &StateMachine| answers(sm)[3].values().copied().max().unwrap_or(0);
+    let hashes = chain_hashes(0, 3);
+    send_kv(&mut sm, 50, KvEvent::OtherGroup { group: 0 });
+    send_kv(
+        &mut sm,
+        51,
+        KvEvent::Removed {
+            block_hashes: hashes.clone(),
+            tier: Tier::Gpu,
+        },
+    );
+    assert_eq!(matched(&sm), 8);
+    send_kv(
+        &mut sm,
+        52,
+        KvEvent::RemovedFromGroup {
+            block_hashes: hashes[6..].to_vec(),
+            tier: Tier::Gpu,
+            group: 1,
+        },
+    );
+    assert_eq!(matched(&sm), 6);
+}
