@@ -25,6 +25,32 @@ async fn workers_up(js: &async_nats::jetstream::Context, workers: &[(&str, &str)
     last
 }
 
+/// Two replicas under one policy directory holding worker set `gpu` (model `m`), its workers
+/// `w0` and `w1` up on both; the directory lives as long as the returned guard.
+async fn two_replicas_of_one_worker_set()
+-> (Cluster, async_nats::jetstream::Context, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        2,
+        &NodeOptions {
+            policy_dir: Some(dir.path().to_owned()),
+            ..Default::default()
+        },
+    );
+    let js = cluster.nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let last = workers_up(&js, &[("gpu", "w0"), ("gpu", "w1")]).await;
+    for n in &cluster.nodes {
+        n.wait_applied_seq(last).await;
+    }
+    (cluster, js, dir)
+}
+
 /// One node under `examples/policies`, and the stream.
 async fn examples_node() -> (Cluster, async_nats::jetstream::Context) {
     let cluster = Cluster::start_with(
@@ -280,25 +306,7 @@ async fn offline_explain_decides_from_a_live_node_or_its_data_dir_with_other_pol
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_count_each_others_routed_requests_in_the_queue() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("fleet.yaml"),
-        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n",
-    )
-    .unwrap();
-    let cluster = Cluster::start_with(
-        2,
-        &NodeOptions {
-            policy_dir: Some(dir.path().to_owned()),
-            ..Default::default()
-        },
-    );
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    let last = workers_up(&js, &[("gpu", "w0"), ("gpu", "w1")]).await;
-    for n in &cluster.nodes {
-        n.wait_applied_seq(last).await;
-    }
+    let (cluster, _js, _dir) = two_replicas_of_one_worker_set().await;
     // A long prompt: its first token is due seconds after it is routed.
     let long = RouteRequest {
         request_id: "long-1".into(),
@@ -354,25 +362,7 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
 /// requests add no stream message and no log entry on either replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_requests_add_no_stream_message_and_no_log_entry() {
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("fleet.yaml"),
-        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: m, blockSize: 16}\n",
-    )
-    .unwrap();
-    let cluster = Cluster::start_with(
-        2,
-        &NodeOptions {
-            policy_dir: Some(dir.path().to_owned()),
-            ..Default::default()
-        },
-    );
-    let js = cluster.nats.jetstream().await;
-    ensure_stream(&js, "KVPLANE").await.unwrap();
-    let last = workers_up(&js, &[("gpu", "w0"), ("gpu", "w1")]).await;
-    for n in &cluster.nodes {
-        n.wait_applied_seq(last).await;
-    }
+    let (cluster, js, _dir) = two_replicas_of_one_worker_set().await;
     let messages = |js: async_nats::jetstream::Context| async move {
         js.get_stream("KVPLANE")
             .await

@@ -725,14 +725,7 @@ fn send_kv(sm: &mut StateMachine, seq: u64, ev: KvEvent) {
 /// full-attention blocks matched; a removal from the main group still takes them out.
 #[test]
 fn a_sliding_window_groups_removals_leave_the_full_attention_blocks_matched() {
-    let store = Op::Store {
-        w: 0,
-        c: 3,
-        start: 0,
-        len: 8,
-        tier: Tier::Gpu,
-    };
-    let mut sm = run(&entries(&[store], &[true], 1));
+    let mut sm = w0_holding_chain_3();
     let matched = |sm: &StateMachine| answers(sm)[3].values().copied().max().unwrap_or(0);
     assert_eq!(matched(&sm), 8);
     let hashes = chain_hashes(0, 3);
@@ -773,14 +766,7 @@ fn a_sliding_window_groups_removals_leave_the_full_attention_blocks_matched() {
 /// attention group 1; removals from group 1 take blocks out, removals from group 0 do not.
 #[test]
 fn when_the_sliding_window_is_group_0_removals_from_group_1_still_apply() {
-    let store = Op::Store {
-        w: 0,
-        c: 3,
-        start: 0,
-        len: 8,
-        tier: Tier::Gpu,
-    };
-    let mut sm = run(&entries(&[store], &[true], 1));
+    let mut sm = w0_holding_chain_3();
     let matched = |sm: &StateMachine| answers(sm)[3].values().copied().max().unwrap_or(0);
     let hashes = chain_hashes(0, 3);
     send_kv(&mut sm, 50, KvEvent::OtherGroup { group: 0 });
@@ -803,4 +789,16 @@ fn when_the_sliding_window_is_group_0_removals_from_group_1_still_apply() {
         },
     );
     assert_eq!(matched(&sm), 6);
+}
+
+/// A state in which w0 holds all 8 blocks of chain 3.
+fn w0_holding_chain_3() -> StateMachine {
+    let store = Op::Store {
+        w: 0,
+        c: 3,
+        start: 0,
+        len: 8,
+        tier: Tier::Gpu,
+    };
+    run(&entries(&[store], &[true], 1))
 }
