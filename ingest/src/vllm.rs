@@ -346,6 +346,25 @@ pub fn encode_batch(ts: f64, batch: &KvBatch) -> Vec<u8> {
     out
 }
 
+/// A `BlockRemoved` as vLLM sends it: `group_idx` only when it is not 0.
+fn removed(block_hashes: &[u64], tier: Tier, group: u32) -> Value {
+    let mut m = vec![
+        (Value::from("type"), Value::from("BlockRemoved")),
+        (
+            Value::from("block_hashes"),
+            Value::Array(block_hashes.iter().map(|x| Value::from(*x)).collect()),
+        ),
+        (Value::from("medium"), medium(tier)),
+    ];
+    if group != 0 {
+        m.push((Value::from("group_idx"), Value::from(group)));
+    }
+    if tier == Tier::Remote {
+        m.push((Value::from("locality"), Value::from("REMOTE")));
+    }
+    Value::Map(m)
+}
+
 fn medium(tier: Tier) -> Value {
     match tier {
         Tier::Gpu | Tier::Remote => Value::from("GPU"),
@@ -397,33 +416,12 @@ fn encode_event(ev: &KvEvent) -> Value {
             }
             Value::Map(m)
         }
-        KvEvent::Removed { block_hashes, tier } => {
-            let mut m = vec![
-                (s("type"), s("BlockRemoved")),
-                (s("block_hashes"), hashes(block_hashes)),
-                (s("medium"), medium(*tier)),
-            ];
-            if *tier == Tier::Remote {
-                m.push((s("locality"), s("REMOTE")));
-            }
-            Value::Map(m)
-        }
+        KvEvent::Removed { block_hashes, tier } => removed(block_hashes, *tier, 0),
         KvEvent::RemovedFromGroup {
             block_hashes,
             tier,
             group,
-        } => {
-            let mut m = vec![
-                (s("type"), s("BlockRemoved")),
-                (s("block_hashes"), hashes(block_hashes)),
-                (s("medium"), medium(*tier)),
-                (s("group_idx"), Value::from(*group)),
-            ];
-            if *tier == Tier::Remote {
-                m.push((s("locality"), s("REMOTE")));
-            }
-            Value::Map(m)
-        }
+        } => removed(block_hashes, *tier, *group),
         // What vLLM sends for a sliding-window group's store, reduced to what decodes.
         KvEvent::OtherGroup { group } => Value::Map(vec![
             (s("type"), s("BlockStored")),

@@ -449,30 +449,15 @@ impl StateMachine {
                 self.blocks_digest = self.blocks_digest.wrapping_add(d);
                 out.kv_events += 1;
             }
+            KvEvent::Removed { block_hashes, tier } => {
+                self.remove_from_group(index, (wid, dp), block_hashes, *tier, 0, out);
+            }
             KvEvent::RemovedFromGroup {
                 block_hashes,
                 tier,
                 group,
             } => {
-                if self
-                    .ranks
-                    .get(&(wid, dp))
-                    .is_some_and(|r| r.other_groups.contains(group))
-                {
-                    return drop(out, DropReason::NonPrimaryGroup);
-                }
-                self.remove_blocks(index, (wid, dp), block_hashes, *tier, out);
-            }
-            KvEvent::Removed { .. }
-                if self
-                    .ranks
-                    .get(&(wid, dp))
-                    .is_some_and(|r| r.other_groups.contains(&0)) =>
-            {
-                drop(out, DropReason::NonPrimaryGroup);
-            }
-            KvEvent::Removed { block_hashes, tier } => {
-                self.remove_blocks(index, (wid, dp), block_hashes, *tier, out);
+                self.remove_from_group(index, (wid, dp), block_hashes, *tier, *group, out);
             }
             KvEvent::Cleared => {
                 self.clear_rank(index, wid, dp);
@@ -481,15 +466,25 @@ impl StateMachine {
         }
     }
 
-    /// Takes `hashes` out of `tier` for one rank (a removal from the rank's main group).
-    fn remove_blocks(
+    /// Takes `hashes` out of `tier` for one rank, unless `group` is one the rank said is not a
+    /// prefix cache (a hybrid model's sliding window names the same blocks).
+    fn remove_from_group(
         &mut self,
         index: &PoolIndex,
         (wid, dp): (u64, u32),
         hashes: &[u64],
         tier: Tier,
+        group: u32,
         out: &mut Applied,
     ) {
+        if self
+            .ranks
+            .get(&(wid, dp))
+            .is_some_and(|r| r.other_groups.contains(&group))
+        {
+            *out.dropped.entry(DropReason::NonPrimaryGroup).or_default() += 1;
+            return;
+        }
         let rank = self.ranks.entry((wid, dp)).or_default();
         let mut unknown = 0;
         for &h in hashes {

@@ -5,21 +5,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kvplane_state::{ApplyError, Command, ConfigKey, ConfigObject, Entry, Owner, StateMachine};
+mod support;
 
-/// Applies `command` and checks the digest readers see against the recomputed one.
+use kvplane_state::{ApplyError, Command, ConfigKey, ConfigObject, Owner, StateMachine};
+
+/// Applies `command` (see [`support::apply_checked`]).
 fn apply(sm: &mut StateMachine, command: Command) -> Option<ApplyError> {
-    let index = sm.applied_index() + 1;
-    let rejected = sm
-        .apply(&Entry {
-            index,
-            timestamp_ms: 0,
-            command,
-        })
-        .unwrap()
-        .rejected;
-    assert_eq!(sm.handle().load().digest, sm.digest());
-    rejected
+    support::apply_checked(sm, command)
 }
 
 fn pool(name: &str, block_size: u32) -> ConfigObject {

@@ -3,8 +3,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use kvplane_policy::{Catalog, Documents, Kind};
-use kvplane_state::{Command, ConfigKey, ConfigObject, Entry, StateMachine};
+use kvplane_state::{Command, ConfigKey, ConfigObject, StateMachine};
 
 fn examples() -> Catalog {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
@@ -14,21 +16,9 @@ fn examples() -> Catalog {
     catalog
 }
 
-/// Applies `command`; the digest readers see is checked against the one recomputed from the
-/// whole state after every change.
+/// Applies `command` (see [`support::apply_checked`]).
 fn apply(sm: &mut StateMachine, command: Command) -> Option<String> {
-    let index = sm.applied_index() + 1;
-    let rejected = sm
-        .apply(&Entry {
-            index,
-            timestamp_ms: 0,
-            command,
-        })
-        .unwrap()
-        .rejected
-        .map(|e| e.to_string());
-    assert_eq!(sm.handle().load().digest, sm.digest());
-    rejected
+    support::apply_checked(sm, command).map(|e| e.to_string())
 }
 
 fn all_of(c: &Catalog) -> Command {
