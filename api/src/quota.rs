@@ -828,7 +828,7 @@ mod tests {
             command: Command::Quota(b),
         })
         .unwrap();
-        // The ledger's part of the digest is kept, not recomputed, per entry.
+        // The published digest is the one recomputed from the whole state.
         assert_eq!(sm.handle().load().digest, sm.digest());
     }
 

@@ -400,7 +400,8 @@ async fn zmq_loop(
                 }
             };
             // [topic, seq, payload]
-            let (Some(seq), Some(payload)) = (
+            let (3, Some(seq), Some(payload)) = (
+                frames.len(),
                 frames.get(1).and_then(|s| parse_seq(s)),
                 frames.get(2).cloned(),
             ) else {

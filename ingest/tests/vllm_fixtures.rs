@@ -191,7 +191,7 @@ fn vllm_0_22_batches_give_the_expected_overlaps() {
 }
 
 #[test]
-fn fixture_batches_for_other_block_sizes_are_dropped_and_counted() {
+fn fixture_batches_gpu_stores_for_other_block_sizes_are_dropped_and_counted() {
     let (b1, _, exp) = load("0.33");
     let mut a = Applier::new(32);
     a.ingest("w", &b1);

@@ -395,6 +395,22 @@ async fn routed_requests_add_no_stream_message_and_no_log_entry() {
             .into_inner();
         assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
     }
+    // Every routed request was told to the other replica before the counts are compared.
+    harness::eventually(
+        "both replicas to publish their 1,000 routed notes",
+        std::time::Duration::from_secs(10),
+        || async {
+            let mut published = 0.0;
+            for n in &cluster.nodes {
+                published += harness::metric_value(
+                    &n.metrics().await,
+                    "kvplane_routed_notes_published_total",
+                );
+            }
+            (published >= 1_000.0).then_some(())
+        },
+    )
+    .await;
     assert_eq!(messages(js.clone()).await, stream_before);
     for (n, before) in cluster.nodes.iter().zip(applied_before) {
         assert_eq!(n.status().await.applied_index, before);

@@ -726,23 +726,40 @@ impl StateMachine {
     /// The digest of the whole state (see [`crate::digest`] for what it covers), computed
     /// from scratch: the reference the digest apply keeps up to date must equal.
     pub fn digest(&self) -> Digest {
-        self.digest_of(self.computed_parts())
+        self.digest_of(self.computed_blocks(), self.computed_parts())
     }
 
     /// The digest from the parts apply keeps up to date (what readers see in the View).
     pub(crate) fn kept_digest(&self) -> Digest {
-        self.digest_of(self.parts)
+        self.digest_of(self.blocks_digest, self.parts)
     }
 
-    fn digest_of(&self, parts: DigestParts) -> Digest {
+    fn digest_of(&self, blocks: u128, parts: DigestParts) -> Digest {
         let mut h = Hasher::new();
-        h.u128(self.blocks_digest)
+        h.u128(blocks)
             .u64(self.last_seq)
             .u64(self.next_worker_id)
             .u128(parts.config)
             .u128(parts.workers)
             .u128(parts.quota);
         h.finish()
+    }
+
+    /// Every rank's block, salt and group facts, summed afresh.
+    fn computed_blocks(&self) -> u128 {
+        let mut sum = 0u128;
+        for (&(worker, dp_rank), rank) in &self.ranks {
+            for (&hash, &held) in &rank.blocks {
+                sum = sum.wrapping_add(crate::digest::block_fact(worker, dp_rank, hash, held));
+            }
+            for (&hash, salt) in &rank.salts {
+                sum = sum.wrapping_add(crate::blocks::salt_fact(worker, dp_rank, hash, salt));
+            }
+            for &g in &rank.other_groups {
+                sum = sum.wrapping_add(crate::blocks::group_fact(worker, dp_rank, g));
+            }
+        }
+        sum
     }
 
     pub(crate) fn computed_parts(&self) -> DigestParts {
