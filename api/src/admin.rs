@@ -79,8 +79,8 @@ impl AdminService {
                 .workers()
                 .map(|w| WorkerStatus {
                     pool: w.pool.clone(),
-                    worker_id: w.name.clone(),
-                    address: w.address.clone().unwrap_or_default(),
+                    worker_id: w.name.to_string(),
+                    address: w.address.as_deref().unwrap_or_default().to_owned(),
                     up: w.up,
                     indexed_blocks: w.indexed_blocks,
                     running: w.metrics.running,

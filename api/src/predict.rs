@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use rustc_hash::FxHashMap;
 
 /// Milliseconds since the Unix epoch (a benchmark substitutes virtual time).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -119,8 +120,9 @@ impl Inner {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// By worker set, then worker (looked up by `&str` on the request path).
-    queues: BTreeMap<String, BTreeMap<String, Queue>>,
+    /// By worker set, then worker (looked up by `&str` on the request path, once per
+    /// candidate: a hash map; nothing iterates it).
+    queues: FxHashMap<String, FxHashMap<String, Queue>>,
     /// By worker set: observed / predicted.
     calibration: BTreeMap<String, f64>,
     /// Recently reported requests: (request id, predicted ms, observed ms).
@@ -288,11 +290,28 @@ impl Predictor {
     ) -> Vec<InFlight> {
         let now = self.now_ms();
         let mut g = self.lock();
+        if update {
+            for &(w, _, _, hist) in workers {
+                if hist.1 > 0
+                    && g.queues
+                        .get(worker_set)
+                        .and_then(|s| s.get(w))
+                        .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != hist.1))
+                {
+                    g.engine_histogram(worker_set, w, now, hist);
+                }
+            }
+        }
+        // The set looked up once; each worker's queue by name.
+        let Some(set) = g.queues.get_mut(worker_set) else {
+            return vec![InFlight::default(); workers.len()];
+        };
         workers
             .iter()
-            .map(|&(w, at, waiting, hist)| {
-                let hist = if update { hist } else { (0.0, 0) };
-                Self::in_flight_locked(&mut g, now, worker_set, w, at, waiting, hist, update)
+            .map(|&(w, at, waiting, _)| {
+                set.get_mut(w)
+                    .map(|q| Self::in_flight(q, now, at, waiting, update))
+                    .unwrap_or_default()
             })
             .collect()
     }
@@ -308,29 +327,14 @@ impl Predictor {
             .unwrap_or_default()
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn in_flight_locked(
-        g: &mut Inner,
+    /// One worker's requests in flight (`update`: forgetting those that no longer are).
+    fn in_flight(
+        q: &mut Queue,
         now: u64,
-        worker_set: &str,
-        worker: &str,
         metrics_at_ms: u64,
         metrics_waiting: u32,
-        ttft_histogram: (f64, u64),
         update: bool,
     ) -> InFlight {
-        if update
-            && ttft_histogram.1 > 0
-            && g.queues
-                .get(worker_set)
-                .and_then(|s| s.get(worker))
-                .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != ttft_histogram.1))
-        {
-            g.engine_histogram(worker_set, worker, now, ttft_histogram);
-        }
-        let Some(q) = g.queues.get_mut(worker_set).and_then(|s| s.get_mut(worker)) else {
-            return InFlight::default();
-        };
         let started_live =
             |&(_, done): &(u64, u64)| done >= metrics_at_ms && done + PENDING_TTL_MS > now;
         // Started requests only matter to a metrics sample taken before they started.

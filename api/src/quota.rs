@@ -82,7 +82,7 @@ impl Reservation {
 }
 
 /// Why a request was not admitted.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Refusal {
     #[error("{key}: {what} limit of {budget} per {window_s} s window reached")]
     Exhausted {
@@ -98,9 +98,20 @@ pub enum Refusal {
     NoGrant {
         key: LimitKey,
         waited_ms: u64,
-        why: String,
+        #[source]
+        why: GrantPending,
         retry_after_ms: u64,
     },
+}
+
+/// Why the grant a request waited for had not come.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GrantPending {
+    #[error("the grant is still in flight")]
+    InFlight,
+    /// The last grant attempt failed (no quorum, no leader).
+    #[error("{0}")]
+    Failed(#[source] kvplane_state::ProposeError),
 }
 
 impl Refusal {
@@ -158,7 +169,7 @@ struct Local {
     in_use: BTreeMap<LimitKey, (u64, u64, Instant)>,
     seq: u64,
     /// Why the last grant attempt failed, if it did.
-    failing: Option<String>,
+    failing: Option<kvplane_state::ProposeError>,
 }
 
 impl Local {
@@ -300,7 +311,7 @@ impl Escrow {
                 if let Ok(r) = self.try_reserve(limits, tokens, false) {
                     return Ok(self.admitted(r));
                 }
-                let why = failing.unwrap_or_else(|| "the grant is still in flight".into());
+                let why = failing.map_or(GrantPending::InFlight, GrantPending::Failed);
                 let r = Refusal::NoGrant {
                     key: short.key,
                     waited_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
@@ -556,7 +567,11 @@ impl Escrow {
     }
 
     /// Records a grant attempt and wakes the requests waiting for it.
-    pub(crate) fn attempted(&self, result: Result<(), String>, took: Duration) {
+    pub(crate) fn attempted(
+        &self,
+        result: Result<(), kvplane_state::ProposeError>,
+        took: Duration,
+    ) {
         self.metrics.grant(took.as_secs_f64(), result.is_ok());
         self.lock().failing = result.err();
         self.attempts.send_modify(|n| *n += 1);
@@ -664,6 +679,15 @@ mod tests {
     }
 
     /// A state with `l`, and replica 1 granted `grant` tokens of it (0: no grant).
+    /// What a refiller cut off from the quorum gets back.
+    fn no_quorum() -> kvplane_state::ProposeError {
+        kvplane_state::ProposeError::Unavailable(kvplane_state::Unavailable::NoLeader {
+            what: "write",
+            timeout: Duration::from_secs(1),
+            why: "no leader is known".into(),
+        })
+    }
+
     fn state(l: TenantLimit, grant: u64) -> (StateMachine, Escrow) {
         let mut sm = StateMachine::new();
         let policy = ConfigObject::policy(&Object {
@@ -762,13 +786,13 @@ mod tests {
     #[tokio::test]
     async fn without_grants_only_a_fail_open_limit_admits_and_only_up_to_its_bound() {
         let (sm, closed) = state(limit(200, 1000, None), 0);
-        closed.attempted(Err("no quorum reachable".into()), Duration::ZERO);
+        closed.attempted(Err(no_quorum()), Duration::ZERO);
         let r = reserve(&sm, &closed, 100).await.unwrap_err();
         assert!(r.to_string().contains("no quorum reachable"), "{r}");
         assert!(r.to_string().contains("fails closed"), "{r}");
 
         let (sm, open) = state(limit(200, 1000, Some(10)), 0);
-        open.attempted(Err("no quorum reachable".into()), Duration::ZERO);
+        open.attempted(Err(no_quorum()), Duration::ZERO);
         let a = reserve(&sm, &open, 400).await.unwrap();
         assert!(a[0].fail_open);
         assert!(reserve(&sm, &open, 400).await.is_err());

@@ -33,10 +33,7 @@ pub async fn run_refiller(
         let started = Instant::now();
         let result = log.write(Command::Quota(batch)).await;
         let failed = result.is_err();
-        escrow.attempted(
-            result.map(|_| ()).map_err(|e| e.to_string()),
-            started.elapsed(),
-        );
+        escrow.attempted(result.map(|_| ()), started.elapsed());
         if failed {
             // No quorum or no leader: do not spin; waiting requests fail closed meanwhile.
             tokio::select! {

@@ -159,7 +159,7 @@ impl RouterService {
                         (sink.0)(note);
                     }
                 }
-                worker = Some((worker_set.to_owned(), state.worker.clone()));
+                worker = Some((worker_set.to_owned(), state.worker.to_string()));
             }
             self.usage.insert(
                 &req.request_id,

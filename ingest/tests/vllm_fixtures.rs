@@ -154,7 +154,7 @@ impl Applier {
     fn overlap(&self, worker: &str, tokens: &[u32]) -> u32 {
         let view = self.sm.handle().load();
         let pool = &view.pools["p"];
-        let id = pool.workers.iter().find(|w| w.name == worker).unwrap().id;
+        let id = pool.workers.iter().find(|w| &*w.name == worker).unwrap().id;
         pool.index.overlaps(tokens, None).best_for(id).0
     }
 }

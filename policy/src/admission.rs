@@ -5,14 +5,29 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::{Catalog, Kind, Object};
+use crate::{Catalog, Kind, Object, ParseError};
 
-/// One object as submitted: parsed, or why it does not parse.
+/// One object as submitted: parsed, or why it cannot be taken.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Submitted {
     pub kind: Kind,
     pub name: String,
-    pub object: Result<Object, String>,
+    pub object: Result<Object, Refused>,
+}
+
+/// Why an object was refused (the text its status shows).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// It does not parse, does not validate, or does not fit the objects beside it.
+    #[error("{0}")]
+    Invalid(#[from] ParseError),
+    /// Another config source owns an object of that kind and name.
+    #[error("{kind}/{name} is owned by {owner}: change it there, or delete it there first")]
+    Owned {
+        kind: Kind,
+        name: String,
+        owner: String,
+    },
 }
 
 /// What [`admit`] decided.
@@ -21,14 +36,14 @@ pub struct Admission {
     /// What the replicated catalog should become: consistent (no [`Catalog::problems`]).
     pub catalog: Catalog,
     /// Refused objects and why, by kind and name; every other submitted object is accepted.
-    pub refused: BTreeMap<(Kind, String), String>,
+    pub refused: BTreeMap<(Kind, String), Refused>,
 }
 
 /// Admits what can be admitted of `submitted`, starting from `current`: objects not submitted
 /// are gone; an accepted object enters as submitted; a refused one keeps its `current`
 /// version, unless that version no longer fits either.
 pub fn admit(submitted: &[Submitted], current: &Catalog) -> Admission {
-    let mut refused: BTreeMap<(Kind, String), String> = BTreeMap::new();
+    let mut refused: BTreeMap<(Kind, String), Refused> = BTreeMap::new();
     for s in submitted {
         if let Err(e) = &s.object {
             refused.insert((s.kind, s.name.clone()), e.clone());
@@ -65,7 +80,10 @@ pub fn admit(submitted: &[Submitted], current: &Catalog) -> Admission {
                     progressed |= dropped.insert(e.key().clone());
                 }
                 std::collections::btree_map::Entry::Vacant(e) => {
-                    e.insert(format!("{}: {}", p.path, p.message));
+                    e.insert(Refused::Invalid(ParseError {
+                        path: p.path.clone(),
+                        message: p.message.clone(),
+                    }));
                     progressed = true;
                 }
             }
@@ -128,7 +146,11 @@ mod tests {
         );
         assert_eq!(a.catalog.pools.keys().collect::<Vec<_>>(), ["good"]);
         assert_eq!(a.refused.len(), 1);
-        assert!(a.refused[&(Kind::Pool, "bad".into())].contains("\"nope\" does not exist"));
+        assert!(
+            a.refused[&(Kind::Pool, "bad".into())]
+                .to_string()
+                .contains("\"nope\" does not exist")
+        );
     }
 
     #[test]
@@ -158,11 +180,14 @@ mod tests {
         let broken = Submitted {
             kind: Kind::Pool,
             name: "x".into(),
-            object: Err("spec.workerSets: missing field".into()),
+            object: Err(Refused::Invalid(ParseError {
+                path: "spec.workerSets".into(),
+                message: "missing field".into(),
+            })),
         };
         let a = admit(&[worker_set("ws"), broken], &Catalog::default());
         assert_eq!(
-            a.refused[&(Kind::Pool, "x".into())],
+            a.refused[&(Kind::Pool, "x".into())].to_string(),
             "spec.workerSets: missing field"
         );
         assert_eq!(a.catalog.worker_sets.len(), 1);

@@ -6,8 +6,9 @@ use std::sync::Arc;
 /// One worker of a worker set as the replicated state shows it, with this prompt's overlap.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerState {
-    pub worker: String,
-    pub address: Option<String>,
+    /// Shared with the view's worker record (no copy per request).
+    pub worker: Arc<str>,
+    pub address: Option<Arc<str>>,
     pub up: bool,
     pub dp_rank: u32,
     pub waiting: u32,

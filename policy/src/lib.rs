@@ -26,7 +26,7 @@ pub mod objectives;
 pub mod pick;
 mod resolve;
 
-pub use admission::{Admission, Submitted, admit};
+pub use admission::{Admission, Refused, Submitted, admit};
 pub use candidate::{
     Candidate, FilterId, Filtered, Fleet, Prediction, RejectKind, Signals, Target, WorkerState,
     target_name,

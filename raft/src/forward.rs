@@ -10,7 +10,7 @@ use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, LinearizableReadError, RaftError};
 use serde::{Deserialize, Serialize};
 
-use crate::network::{decode, encode};
+use crate::network::{PeerError, decode, encode};
 use crate::{ApplyResult, KvRaft, Network, Proposal};
 
 /// Why the leader did not act on a forwarded request.
@@ -119,7 +119,7 @@ impl Replica {
                 Some((id, addr)) => {
                     let reply: ReadIndexReply = match self.call(id, &addr, Rpc::ReadIndex).await {
                         Ok(r) => r,
-                        Err(e) => return Ok(Attempt::Retry(e)),
+                        Err(e) => return Ok(Attempt::Retry(e.to_string())),
                     };
                     match reply {
                         Ok(index) => Ok(Attempt::Done(index)),
@@ -229,7 +229,7 @@ impl Replica {
     ) -> Result<Attempt<ApplyResult>, ProposeError> {
         let reply: ForwardReply = match self.call(id, addr, Rpc::Propose(&command)).await {
             Ok(r) => r,
-            Err(e) => return Ok(Attempt::Retry(e)),
+            Err(e) => return Ok(Attempt::Retry(e.to_string())),
         };
         match reply {
             Ok(r) => Ok(Attempt::Done(r)),
@@ -250,7 +250,7 @@ impl Replica {
         id: u64,
         addr: &str,
         rpc: Rpc<'_>,
-    ) -> Result<R, String> {
+    ) -> Result<R, PeerError> {
         let mut client = self.network.peer(id, addr)?;
         let payload = RaftPayload {
             data: match rpc {
@@ -264,11 +264,7 @@ impl Replica {
         };
         match reply {
             Ok(r) => decode(&r.into_inner().data),
-            Err(s) if s.code() == tonic::Code::Unavailable => Err(format!(
-                "leader {id} at {addr} is unreachable: {}",
-                s.message()
-            )),
-            Err(s) => Err(format!("leader {id} at {addr}: {}", s.message())),
+            Err(s) => Err(PeerError::from_status(id, addr, &s)),
         }
     }
 }

@@ -35,8 +35,56 @@ pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     rmp_serde::to_vec_named(v).unwrap_or_default()
 }
 
-pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, String> {
-    rmp_serde::from_slice(b).map_err(|e| e.to_string())
+pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, PeerError> {
+    rmp_serde::from_slice(b).map_err(|e| PeerError::Decode(Arc::new(e)))
+}
+
+/// Why a call to a peer did not reach it, or its answer could not be read.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PeerError {
+    #[error("peer {peer} is cut off by fault injection")]
+    CutOff { peer: u64 },
+    #[error("peer address {addr:?} is not a uri: {source}")]
+    Address {
+        addr: String,
+        #[source]
+        source: Arc<tonic::transport::Error>,
+    },
+    #[error("undecodable raft message: {0}")]
+    Decode(#[source] Arc<rmp_serde::decode::Error>),
+    #[error("peer {peer} at {addr} is unreachable: {message}")]
+    Unreachable {
+        peer: u64,
+        addr: String,
+        message: String,
+    },
+    #[error("peer {peer} at {addr} answered {code:?}: {message}")]
+    Refused {
+        peer: u64,
+        addr: String,
+        code: tonic::Code,
+        message: String,
+    },
+}
+
+impl PeerError {
+    /// The error of a call to `peer` at `addr` that `status` ended.
+    pub(crate) fn from_status(peer: u64, addr: &str, status: &Status) -> Self {
+        let (addr, message) = (addr.to_owned(), status.message().to_owned());
+        match status.code() {
+            tonic::Code::Unavailable => Self::Unreachable {
+                peer,
+                addr,
+                message,
+            },
+            code => Self::Refused {
+                peer,
+                addr,
+                code,
+                message,
+            },
+        }
+    }
 }
 
 /// Creates one connection per peer; channels are kept and reused.
@@ -55,14 +103,14 @@ impl Network {
     }
 
     /// A client for `peer` at `addr`, unless the fault layer cuts it off.
-    pub(crate) fn peer(&self, peer: u64, addr: &str) -> Result<RaftClient<Channel>, String> {
+    pub(crate) fn peer(&self, peer: u64, addr: &str) -> Result<RaftClient<Channel>, PeerError> {
         if self.faults.is_blocked(peer) {
-            return Err(format!("peer {peer} is cut off by fault injection"));
+            return Err(PeerError::CutOff { peer });
         }
         self.channel(addr).map(RaftClient::new)
     }
 
-    fn channel(&self, addr: &str) -> Result<Channel, String> {
+    fn channel(&self, addr: &str) -> Result<Channel, PeerError> {
         let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
@@ -73,7 +121,10 @@ impl Network {
             format!("http://{addr}")
         };
         let ch = Endpoint::from_shared(url)
-            .map_err(|e| e.to_string())?
+            .map_err(|e| PeerError::Address {
+                addr: addr.to_owned(),
+                source: Arc::new(e),
+            })?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
             .connect_lazy();
@@ -86,7 +137,7 @@ impl Network {
 #[derive(Debug)]
 pub struct Connection {
     target: u64,
-    client: Result<RaftClient<Channel>, String>,
+    client: Result<RaftClient<Channel>, PeerError>,
     faults: Faults,
 }
 
@@ -129,12 +180,9 @@ fn status_error<E: std::error::Error>(s: &Status) -> RPCError<TypeConfig, E> {
 impl Connection {
     fn client(&self) -> Result<RaftClient<Channel>, Unreachable<TypeConfig>> {
         if self.faults.is_blocked(self.target) {
-            return Err(Unreachable::from_string(format!(
-                "peer {} is cut off by fault injection",
-                self.target
-            )));
+            return Err(Unreachable::new(&PeerError::CutOff { peer: self.target }));
         }
-        self.client.clone().map_err(Unreachable::from_string)
+        self.client.clone().map_err(|e| Unreachable::new(&e))
     }
 
     async fn call<Req, Resp, F, Fut>(
@@ -158,7 +206,7 @@ impl Connection {
             .map_err(|s| status_error(&s))?
             .into_inner();
         let result: Result<Resp, RaftError<TypeConfig>> =
-            decode(&reply.data).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
+            decode(&reply.data).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         // The peer's Raft is shutting down or failed: to this node it is unreachable.
         result.map_err(|e| {
             RPCError::Unreachable(Unreachable::from_string(format!(
@@ -237,8 +285,7 @@ impl RaftNetworkV2<TypeConfig> for Connection {
             .map_err(|s| StreamingError::Network(NetworkError::from_string(s.message())))?
             .into_inner();
         let result: Result<SnapshotResponse<TypeConfig>, Fatal<TypeConfig>> =
-            decode(&reply.data)
-                .map_err(|e| StreamingError::Network(NetworkError::from_string(e)))?;
+            decode(&reply.data).map_err(|e| StreamingError::Network(NetworkError::new(&e)))?;
         result.map_err(|e| StreamingError::Network(NetworkError::from_string(e.to_string())))
     }
 }
@@ -299,8 +346,8 @@ impl RaftGrpc {
     }
 }
 
-fn bad_request(e: String) -> Status {
-    Status::invalid_argument(format!("undecodable raft message: {e}"))
+fn bad_request(e: PeerError) -> Status {
+    Status::invalid_argument(e.to_string())
 }
 
 #[tonic::async_trait]

@@ -36,23 +36,32 @@ use smallvec::SmallVec;
 pub struct Overlap {
     /// Complete blocks in the prompt (the trailing partial block is never cached).
     pub prompt_blocks: u32,
-    /// Matched blocks per `(worker id, dp rank)`; ranks with no match are absent.
-    pub matched: BTreeMap<(u64, u32), u32>,
+    /// Matched blocks per holder id, sorted by holder; ranks with no match are absent.
+    matched: Vec<(u64, u32)>,
 }
 
 impl Overlap {
-    /// The best match of one worker over its ranks: `(blocks, rank)`.
+    /// The best match of one worker over its ranks: `(blocks, rank)` (the lowest rank of
+    /// equal matches).
     pub fn best_for(&self, worker: u64) -> (u32, u32) {
-        self.matched
-            .range((worker, 0)..=(worker, u32::MAX))
-            .map(|(&(_, rank), &blocks)| (blocks, rank))
+        let first = holder(worker, 0);
+        let at = self.matched.partition_point(|&(h, _)| h < first);
+        self.matched[at..]
+            .iter()
+            .take_while(|&&(h, _)| unpack(h).0 == worker)
+            .map(|&(h, blocks)| (blocks, unpack(h).1))
             .max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
             .unwrap_or((0, 0))
     }
 
     /// The longest match of any worker rank.
     pub fn best_blocks(&self) -> u32 {
-        self.matched.values().copied().max().unwrap_or(0)
+        self.matched.iter().map(|&(_, n)| n).max().unwrap_or(0)
+    }
+
+    /// Matched blocks per `(worker id, dp rank)`.
+    pub fn by_rank(&self) -> BTreeMap<(u64, u32), u32> {
+        self.matched.iter().map(|&(h, n)| (unpack(h), n)).collect()
     }
 }
 
@@ -172,7 +181,8 @@ impl PoolIndex {
             };
             if i == 0 {
                 active.extend_from_slice(&here);
-            } else {
+            } else if *active != **here {
+                // (A shared prefix's blocks mostly have the same holders: nothing to do.)
                 keep_common(&mut active, &here, |h| ended.push((h, depth)));
             }
             drop(here);
@@ -182,9 +192,11 @@ impl PoolIndex {
             depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
         }
         ended.extend(active.into_iter().map(|h| (h, depth)));
+        // Each holder left once: sorting by holder alone is a total order.
+        ended.sort_unstable_by_key(|&(h, _)| h);
         Overlap {
             prompt_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
-            matched: ended.into_iter().map(|(h, n)| (unpack(h), n)).collect(),
+            matched: ended,
         }
     }
 

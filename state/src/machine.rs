@@ -806,10 +806,10 @@ impl StateMachine {
                 .take_while(|((p, _), _)| p == name)
                 .map(|((p, n), w)| WorkerView {
                     pool: p.clone(),
-                    name: n.clone(),
+                    name: n.as_str().into(),
                     id: w.id,
                     up: w.up,
-                    address: w.address.clone(),
+                    address: w.address.as_deref().map(Into::into),
                     metrics: w.metrics,
                     metrics_index: w.metrics_index,
                     metrics_at_ms: w.metrics_at_ms,

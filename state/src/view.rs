@@ -40,10 +40,11 @@ pub struct PoolView {
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerView {
     pub pool: String,
-    pub name: String,
+    /// Shared with the candidates of every decision that reads it.
+    pub name: Arc<str>,
     pub id: u64,
     pub up: bool,
-    pub address: Option<String>,
+    pub address: Option<Arc<str>>,
     pub metrics: WorkerMetrics,
     /// Index of the entry that carried the last metrics (0: none yet).
     pub metrics_index: u64,

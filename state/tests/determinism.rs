@@ -220,7 +220,7 @@ fn answers(sm: &StateMachine) -> Vec<BTreeMap<(u64, u32), u32>> {
     let view = sm.handle().load();
     let pool = &view.pools["p"];
     (0..CHAINS)
-        .map(|c| pool.index.overlaps(&chain_tokens(c), None).matched)
+        .map(|c| pool.index.overlaps(&chain_tokens(c), None).by_rank())
         .collect()
 }
 
@@ -317,7 +317,7 @@ fn named_answers(sm: &StateMachine) -> Vec<BTreeMap<String, u32>> {
     let names: BTreeMap<u64, String> = view.pools["p"]
         .workers
         .iter()
-        .map(|w| (w.id, w.name.clone()))
+        .map(|w| (w.id, w.name.to_string()))
         .collect();
     answers(sm)
         .into_iter()

@@ -13,8 +13,8 @@ use crate::quota::Reservation;
 fn endpoint(t: &Target) -> Endpoint {
     match t {
         Target::Worker { worker_set, state } => Endpoint {
-            address: state.address.clone().unwrap_or_default(),
-            worker_id: state.worker.clone(),
+            address: state.address.as_deref().unwrap_or_default().to_owned(),
+            worker_id: state.worker.to_string(),
             pool: worker_set.to_string(),
             dp_rank: state.dp_rank,
             provider: String::new(),

@@ -24,6 +24,9 @@ pub(crate) struct HashKeys<'a> {
     pub cache_salt: Option<&'a str>,
 }
 
+/// A worker set's calibration, and what a waiting request of another replica costs there.
+type Factors = (f64, Option<f64>);
+
 /// The fleet of one view, for one prompt. Each worker set's overlap is looked up once.
 pub(crate) struct ViewFleet<'a> {
     view: &'a View,
@@ -36,8 +39,9 @@ pub(crate) struct ViewFleet<'a> {
     /// Explain: read the predictor, change nothing.
     peek: bool,
     overlaps: RefCell<BTreeMap<String, Overlap>>,
-    /// Each worker set's calibration and typical waiting cost, read once.
-    factors: RefCell<BTreeMap<String, (f64, Option<f64>)>>,
+    /// Each worker set's calibration and typical waiting cost, read once (a decision reads a
+    /// few sets, each for all its workers in a row: the newest first).
+    factors: RefCell<Vec<(String, Factors)>>,
 }
 
 /// The prompt's tokens past what `w` caches, and their prefill time at the worker set's rate.
@@ -78,12 +82,12 @@ impl<'a> ViewFleet<'a> {
         }
     }
 
-    fn factors(&self, name: &str) -> (f64, Option<f64>) {
-        if let Some(f) = self.factors.borrow().get(name) {
+    fn factors(&self, name: &str) -> Factors {
+        if let Some((_, f)) = self.factors.borrow().iter().rev().find(|(n, _)| n == name) {
             return *f;
         }
         let f = self.predictor.factors(name);
-        self.factors.borrow_mut().insert(name.to_owned(), f);
+        self.factors.borrow_mut().push((name.to_owned(), f));
         f
     }
 
@@ -131,7 +135,7 @@ impl Fleet for ViewFleet<'_> {
             .iter()
             .map(|w| {
                 (
-                    w.name.as_str(),
+                    &*w.name,
                     w.metrics_at_ms,
                     w.metrics.waiting,
                     (w.metrics.ttft_sum_s, w.metrics.ttft_count),

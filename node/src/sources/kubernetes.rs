@@ -20,7 +20,7 @@ use kvplane_policy::kinds::{
     GROUP, GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
     ObjectStatus, VERSION,
 };
-use kvplane_policy::{Kind, Object, Submitted, admit};
+use kvplane_policy::{Kind, Object, ParseError, Refused, Submitted, admit};
 use kvplane_state::{Command, Owner, Proposer, StateHandle};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -137,23 +137,31 @@ fn submitted(
         .map(|((kind, name), o)| Submitted {
             kind: *kind,
             name: name.clone(),
-            object: parse(*kind, name, o).and_then(|obj| match &obj.spec {
-                kvplane_policy::Spec::WorkerSet(s) => {
-                    match super::tokenizer_problem(tokenizers, s) {
-                        Some(p) => Err(p),
-                        None => Ok(obj),
+            object: parse(*kind, name, o)
+                .map_err(Refused::from)
+                .and_then(|obj| match &obj.spec {
+                    kvplane_policy::Spec::WorkerSet(s) => {
+                        match super::tokenizer_problem(tokenizers, s) {
+                            Some(p) => Err(p.into()),
+                            None => Ok(obj),
+                        }
                     }
-                }
-                _ => Ok(obj),
-            }),
+                    _ => Ok(obj),
+                }),
         })
         .collect()
 }
 
-fn parse(kind: Kind, name: &str, o: &DynamicObject) -> Result<Object, String> {
-    let spec = o.data.get("spec").ok_or("spec: missing")?;
-    let json = serde_json::to_vec(spec).map_err(|e| e.to_string())?;
-    Object::from_json(kind, name, &json).map_err(|e| e.to_string())
+fn parse(kind: Kind, name: &str, o: &DynamicObject) -> Result<Object, ParseError> {
+    let spec = o.data.get("spec").ok_or_else(|| ParseError {
+        path: "spec".into(),
+        message: "missing".into(),
+    })?;
+    let json = serde_json::to_vec(spec).map_err(|e| ParseError {
+        path: "spec".into(),
+        message: e.to_string(),
+    })?;
+    Object::from_json(kind, name, &json)
 }
 
 /// Keeps the objects Kubernetes owns in the replicated catalog equal to the admitted objects
@@ -255,10 +263,11 @@ async fn reconcile(
     let mut submitted = submitted(&objects, &mirror.tokenizers);
     for s in &mut submitted {
         if let Some(other) = super::foreign_owner(&view, s.kind, &s.name, Owner::Kubernetes) {
-            s.object = Err(format!(
-                "{}/{} is owned by {other}: change it there, or delete it there first",
-                s.kind, s.name
-            ));
+            s.object = Err(Refused::Owned {
+                kind: s.kind,
+                name: s.name.clone(),
+                owner: other.to_string(),
+            });
         }
     }
     let current = super::owned(&view, Owner::Kubernetes);
@@ -317,7 +326,7 @@ async fn reconcile(
             if admission.catalog.get(*kind, name).is_some() {
                 format!("{why}; the last accepted version stays in force")
             } else {
-                why.clone()
+                why.to_string()
             }
         });
         let want = status(o, refused, applied_index, &old);

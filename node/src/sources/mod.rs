@@ -84,10 +84,13 @@ pub(crate) fn plan(current: &Catalog, desired: &Catalog, owner: Owner) -> Plan {
 pub(crate) fn tokenizer_problem(
     tokenizers: &kvplane_api::Tokenizers,
     spec: &kvplane_policy::kinds::InferenceWorkerSetSpec,
-) -> Option<String> {
+) -> Option<kvplane_policy::ParseError> {
     let dir = std::path::Path::new(spec.tokenizer.as_deref()?);
     tokenizers
         .check(dir)
         .err()
-        .map(|e| format!("spec.tokenizer: {e}"))
+        .map(|e| kvplane_policy::ParseError {
+            path: "spec.tokenizer".into(),
+            message: e.to_string(),
+        })
 }
