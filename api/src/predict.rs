@@ -291,15 +291,20 @@ impl Predictor {
         let now = self.now_ms();
         let mut g = self.lock();
         if update {
-            for &(w, _, _, hist) in workers {
-                if hist.1 > 0
-                    && g.queues
-                        .get(worker_set)
-                        .and_then(|s| s.get(w))
-                        .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != hist.1))
-                {
-                    g.engine_histogram(worker_set, w, now, hist);
-                }
+            // Engines whose TTFT histogram moved since it was last seen (most did not).
+            let set = g.queues.get(worker_set);
+            let moved: Vec<(&str, (f64, u64))> = workers
+                .iter()
+                .filter(|&&(w, _, _, hist)| {
+                    hist.1 > 0
+                        && set
+                            .and_then(|s| s.get(w))
+                            .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != hist.1))
+                })
+                .map(|&(w, _, _, hist)| (w, hist))
+                .collect();
+            for (w, hist) in moved {
+                g.engine_histogram(worker_set, w, now, hist);
             }
         }
         // The set looked up once; each worker's queue by name.

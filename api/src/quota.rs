@@ -678,7 +678,6 @@ mod tests {
         }
     }
 
-    /// A state with `l`, and replica 1 granted `grant` tokens of it (0: no grant).
     /// What a refiller cut off from the quorum gets back.
     fn no_quorum() -> kvplane_state::ProposeError {
         kvplane_state::ProposeError::Unavailable(kvplane_state::Unavailable::NoLeader {
@@ -688,6 +687,7 @@ mod tests {
         })
     }
 
+    /// A state with `l`, and replica 1 granted `grant` tokens of it (0: no grant).
     fn state(l: TenantLimit, grant: u64) -> (StateMachine, Escrow) {
         let mut sm = StateMachine::new();
         let policy = ConfigObject::policy(&Object {

@@ -80,10 +80,7 @@ pub fn admit(submitted: &[Submitted], current: &Catalog) -> Admission {
                     progressed |= dropped.insert(e.key().clone());
                 }
                 std::collections::btree_map::Entry::Vacant(e) => {
-                    e.insert(Refused::Invalid(ParseError {
-                        path: p.path.clone(),
-                        message: p.message.clone(),
-                    }));
+                    e.insert(ParseError::new(&p.path, &p.message).into());
                     progressed = true;
                 }
             }
@@ -180,10 +177,7 @@ mod tests {
         let broken = Submitted {
             kind: Kind::Pool,
             name: "x".into(),
-            object: Err(Refused::Invalid(ParseError {
-                path: "spec.workerSets".into(),
-                message: "missing field".into(),
-            })),
+            object: Err(ParseError::new("spec.workerSets", "missing field").into()),
         };
         let a = admit(&[worker_set("ws"), broken], &Catalog::default());
         assert_eq!(

@@ -74,10 +74,12 @@ pub struct ParseError {
     pub message: String,
 }
 
-fn parse_error(path: impl Into<String>, message: impl Into<String>) -> ParseError {
-    ParseError {
-        path: path.into(),
-        message: message.into(),
+impl ParseError {
+    pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -100,7 +102,7 @@ fn spec<S: DeserializeOwned>(v: serde_yaml_ng::Value) -> Result<S, ParseError> {
         } else {
             format!("spec.{path}")
         };
-        parse_error(path, e.into_inner().to_string())
+        ParseError::new(path, e.into_inner().to_string())
     })
 }
 
@@ -119,19 +121,24 @@ impl Object {
     pub fn from_yaml(doc: serde_yaml_ng::Value) -> Result<Object, ParseError> {
         let map = doc
             .as_mapping()
-            .ok_or_else(|| parse_error("", "a document must be a mapping"))?;
+            .ok_or_else(|| ParseError::new("", "a document must be a mapping"))?;
         let field = |k: &str| map.get(serde_yaml_ng::Value::from(k));
         let want = format!("{GROUP}/{VERSION}");
         match field("apiVersion").and_then(|v| v.as_str()) {
             Some(v) if v == want => {}
-            Some(v) => return Err(parse_error("apiVersion", format!("{v:?} is not {want:?}"))),
-            None => return Err(parse_error("apiVersion", "missing")),
+            Some(v) => {
+                return Err(ParseError::new(
+                    "apiVersion",
+                    format!("{v:?} is not {want:?}"),
+                ));
+            }
+            None => return Err(ParseError::new("apiVersion", "missing")),
         }
         let kind_text = field("kind")
             .and_then(|v| v.as_str())
-            .ok_or_else(|| parse_error("kind", "missing"))?;
+            .ok_or_else(|| ParseError::new("kind", "missing"))?;
         let kind = Kind::parse(kind_text).ok_or_else(|| {
-            parse_error(
+            ParseError::new(
                 "kind",
                 format!(
                     "{kind_text:?} is not one of {}",
@@ -142,10 +149,10 @@ impl Object {
         let name = field("metadata")
             .and_then(|m| m.get("name"))
             .and_then(|v| v.as_str())
-            .ok_or_else(|| parse_error("metadata.name", "missing"))?
+            .ok_or_else(|| ParseError::new("metadata.name", "missing"))?
             .to_owned();
         if !valid_object_name(&name) {
-            return Err(parse_error(
+            return Err(ParseError::new(
                 "metadata.name",
                 format!(
                     "{name:?} must be 1-63 characters of [a-z0-9-], not starting or ending with -"
@@ -156,13 +163,16 @@ impl Object {
             match key.as_str() {
                 Some("apiVersion" | "kind" | "metadata" | "spec" | "status") => {}
                 other => {
-                    return Err(parse_error(other.unwrap_or("?"), "unknown top-level field"));
+                    return Err(ParseError::new(
+                        other.unwrap_or("?"),
+                        "unknown top-level field",
+                    ));
                 }
             }
         }
         let spec_value = field("spec")
             .cloned()
-            .ok_or_else(|| parse_error("spec", "missing"))?;
+            .ok_or_else(|| ParseError::new("spec", "missing"))?;
         let spec = match kind {
             Kind::WorkerSet => Spec::WorkerSet(self::spec(spec_value)?),
             Kind::Pool => Spec::Pool(self::spec(spec_value)?),
@@ -197,7 +207,7 @@ impl Object {
             Kind::Backend => Spec::Backend(json_spec(&mut d)?),
         };
         if !valid_object_name(name) {
-            return Err(parse_error(
+            return Err(ParseError::new(
                 "metadata.name",
                 format!("{name:?} is not a valid name"),
             ));
@@ -213,7 +223,7 @@ fn json_spec<S: DeserializeOwned>(
     d: &mut serde_json::Deserializer<serde_json::de::SliceRead<'_>>,
 ) -> Result<S, ParseError> {
     serde_path_to_error::deserialize(d)
-        .map_err(|e| parse_error(format!("spec.{}", e.path()), e.into_inner().to_string()))
+        .map_err(|e| ParseError::new(format!("spec.{}", e.path()), e.into_inner().to_string()))
 }
 
 /// The CustomResourceDefinitions of the five kinds, as one multi-document YAML.

@@ -153,14 +153,11 @@ fn submitted(
 }
 
 fn parse(kind: Kind, name: &str, o: &DynamicObject) -> Result<Object, ParseError> {
-    let spec = o.data.get("spec").ok_or_else(|| ParseError {
-        path: "spec".into(),
-        message: "missing".into(),
-    })?;
-    let json = serde_json::to_vec(spec).map_err(|e| ParseError {
-        path: "spec".into(),
-        message: e.to_string(),
-    })?;
+    let spec = o
+        .data
+        .get("spec")
+        .ok_or_else(|| ParseError::new("spec", "missing"))?;
+    let json = serde_json::to_vec(spec).map_err(|e| ParseError::new("spec", e.to_string()))?;
     Object::from_json(kind, name, &json)
 }
 

@@ -89,8 +89,5 @@ pub(crate) fn tokenizer_problem(
     tokenizers
         .check(dir)
         .err()
-        .map(|e| kvplane_policy::ParseError {
-            path: "spec.tokenizer".into(),
-            message: e.to_string(),
-        })
+        .map(|e| kvplane_policy::ParseError::new("spec.tokenizer", e.to_string()))
 }
