@@ -110,8 +110,8 @@ pub enum GrantPending {
     #[error("the grant is still in flight")]
     InFlight,
     /// The last grant attempt failed (no quorum, no leader).
-    #[error("{0}")]
-    Failed(#[source] kvplane_state::ProposeError),
+    #[error(transparent)]
+    Failed(kvplane_state::ProposeError),
 }
 
 impl Refusal {

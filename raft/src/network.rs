@@ -180,9 +180,11 @@ fn status_error<E: std::error::Error>(s: &Status) -> RPCError<TypeConfig, E> {
 impl Connection {
     fn client(&self) -> Result<RaftClient<Channel>, Unreachable<TypeConfig>> {
         if self.faults.is_blocked(self.target) {
-            return Err(Unreachable::new(&PeerError::CutOff { peer: self.target }));
+            return Err(Unreachable::from_string(PeerError::CutOff {
+                peer: self.target,
+            }));
         }
-        self.client.clone().map_err(|e| Unreachable::new(&e))
+        self.client.clone().map_err(Unreachable::from_string)
     }
 
     async fn call<Req, Resp, F, Fut>(
@@ -206,7 +208,7 @@ impl Connection {
             .map_err(|s| status_error(&s))?
             .into_inner();
         let result: Result<Resp, RaftError<TypeConfig>> =
-            decode(&reply.data).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+            decode(&reply.data).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
         // The peer's Raft is shutting down or failed: to this node it is unreachable.
         result.map_err(|e| {
             RPCError::Unreachable(Unreachable::from_string(format!(
@@ -285,7 +287,8 @@ impl RaftNetworkV2<TypeConfig> for Connection {
             .map_err(|s| StreamingError::Network(NetworkError::from_string(s.message())))?
             .into_inner();
         let result: Result<SnapshotResponse<TypeConfig>, Fatal<TypeConfig>> =
-            decode(&reply.data).map_err(|e| StreamingError::Network(NetworkError::new(&e)))?;
+            decode(&reply.data)
+                .map_err(|e| StreamingError::Network(NetworkError::from_string(e)))?;
         result.map_err(|e| StreamingError::Network(NetworkError::from_string(e.to_string())))
     }
 }

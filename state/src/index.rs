@@ -264,3 +264,50 @@ fn keep_common(active: &mut Vec<u64>, here: &[u64], mut left: impl FnMut(u64)) {
         kept
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tokens of `n` blocks of 4, the same for every caller.
+    fn prompt(n: u32) -> Vec<u32> {
+        (0..n * 4).collect()
+    }
+
+    /// Makes `(worker, rank)` a holder of the prompt's first `blocks` blocks.
+    fn hold(index: &PoolIndex, worker: u64, rank: u32, blocks: usize) {
+        let mut seq = None;
+        for local in index.hash_tokens(&prompt(8), None).into_iter().take(blocks) {
+            let s = chain(seq, local);
+            seq = Some(s);
+            index.add(s, worker, rank);
+        }
+    }
+
+    #[test]
+    fn a_worker_matches_its_best_rank_and_the_lowest_of_equal_ranks() {
+        let index = PoolIndex::new(4);
+        hold(&index, 1, 0, 1);
+        hold(&index, 1, 2, 3);
+        hold(&index, 1, 1, 3);
+        hold(&index, 2, 5, 2);
+        hold(&index, 3, 0, 8);
+        let o = index.overlaps(&prompt(6), None);
+        assert_eq!(o.prompt_blocks, 6);
+        assert_eq!(o.best_for(1), (3, 1));
+        assert_eq!(o.best_for(2), (2, 5));
+        assert_eq!(o.best_for(3), (6, 0));
+        assert_eq!(o.best_for(4), (0, 0));
+        assert_eq!(o.best_blocks(), 6);
+        let expected: BTreeMap<(u64, u32), u32> = [
+            ((1, 0), 1),
+            ((1, 1), 3),
+            ((1, 2), 3),
+            ((2, 5), 2),
+            ((3, 0), 6),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(o.by_rank(), expected);
+    }
+}
