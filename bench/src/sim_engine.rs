@@ -26,6 +26,9 @@ pub struct SimEngineArgs {
     pub speedup: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// The data-parallel rank its KV batches name.
+    #[arg(long, default_value_t = 0)]
+    pub dp_rank: u32,
     #[arg(long, default_value_t = EngineParams::default().block_size)]
     pub block_size: u32,
     #[arg(long, default_value_t = EngineParams::default().num_gpu_blocks)]
@@ -85,6 +88,7 @@ pub async fn engine(
         params,
         speedup: a.speedup,
         seed: a.seed,
+        dp_rank: a.dp_rank,
         default_max_tokens: 16,
         tokenizer,
     };

@@ -220,6 +220,15 @@ impl<P: Proposer> Ingestor<P> {
                 self.metrics.message("kv");
                 match decode_batch(payload) {
                     Ok(d) => {
+                        if let Some(rank) = s.rank
+                            && rank != d.batch.dp_rank
+                        {
+                            let why = format!(
+                                "the batch is of rank {}, the subject of rank {rank}",
+                                d.batch.dp_rank
+                            );
+                            return self.reject(RejectReason::RankMismatch, seq, subject, &why);
+                        }
                         for skipped in &d.skipped {
                             self.metrics.skipped(skipped.reason());
                             tracing::debug!(seq, subject, ?skipped, "vllm event skipped");

@@ -15,5 +15,6 @@ pub use error::{DecodeError, IngestError};
 pub use message::{MetricsMessage, WorkerMessage};
 pub use metrics::{IngestMetrics, RejectReason};
 pub use subject::{
-    MessageKind, STREAM_SUBJECTS, Subject, kv_subject, metrics_subject, worker_subject,
+    MessageKind, STREAM_SUBJECTS, Subject, kv_rank_subject, kv_subject, metrics_subject,
+    worker_subject,
 };

@@ -15,6 +15,8 @@ pub enum RejectReason {
     Oversized,
     /// A KV batch that is not decodable msgpack of the right shape.
     Undecodable,
+    /// A KV batch on one data-parallel rank's subject that names another rank.
+    RankMismatch,
     /// A metrics message that is not the expected JSON or is out of range.
     BadMetrics,
     /// A worker message that is not the expected JSON.
@@ -22,10 +24,11 @@ pub enum RejectReason {
 }
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 5] = [
+    pub const ALL: [RejectReason; 6] = [
         Self::UnknownSubject,
         Self::Oversized,
         Self::Undecodable,
+        Self::RankMismatch,
         Self::BadMetrics,
         Self::BadWorkerMessage,
     ];
@@ -35,6 +38,7 @@ impl RejectReason {
             Self::UnknownSubject => "unknown_subject",
             Self::Oversized => "oversized",
             Self::Undecodable => "undecodable",
+            Self::RankMismatch => "rank_mismatch",
             Self::BadMetrics => "bad_metrics",
             Self::BadWorkerMessage => "bad_worker_message",
         }

@@ -3,10 +3,12 @@
 //! | subject                          | payload                                   |
 //! |----------------------------------|-------------------------------------------|
 //! | `kvplane.kv.<pool>.<worker>`     | one raw vLLM KV-event batch (msgpack)      |
+//! | `kvplane.kv.<pool>.<worker>.<r>` | the same, of data-parallel rank `r` only   |
 //! | `kvplane.metrics.<pool>.<worker>`| [`crate::MetricsMessage`] (JSON)           |
 //! | `kvplane.worker.<pool>.<worker>` | [`crate::WorkerMessage`] (JSON)            |
 //!
-//! Pool and worker names are 1-63 characters of `[a-z0-9-_]`. Anything else under `kvplane.`
+//! A bridge per data-parallel rank publishes on the rank's own subject, so each finds where it
+//! stopped from its own last message. Pool and worker names are 1-63 characters of `[a-z0-9-_]`. Anything else under `kvplane.`
 //! is rejected and counted (`unknown_subject`).
 
 use kvplane_state::valid_name;
@@ -27,6 +29,8 @@ pub struct Subject<'a> {
     pub kind: MessageKind,
     pub pool: &'a str,
     pub worker: &'a str,
+    /// The data-parallel rank a KV subject is for, when it names one.
+    pub rank: Option<u32>,
 }
 
 impl<'a> Subject<'a> {
@@ -43,15 +47,35 @@ impl<'a> Subject<'a> {
         };
         let pool = parts.next()?;
         let worker = parts.next()?;
+        let rank = match (kind, parts.next()) {
+            (_, None) => None,
+            (MessageKind::Kv, Some(r)) if r.bytes().all(|b| b.is_ascii_digit()) => {
+                Some(r.parse().ok()?)
+            }
+            _ => return None,
+        };
         if parts.next().is_some() || !valid_name(pool) || !valid_name(worker) {
             return None;
         }
-        Some(Self { kind, pool, worker })
+        Some(Self {
+            kind,
+            pool,
+            worker,
+            rank,
+        })
     }
 }
 
 pub fn kv_subject(pool: &str, worker: &str) -> String {
     format!("kvplane.kv.{pool}.{worker}")
+}
+
+/// The KV subject of one data-parallel rank (`None`: the worker's, for any rank).
+pub fn kv_rank_subject(pool: &str, worker: &str, rank: Option<u32>) -> String {
+    match rank {
+        Some(r) => format!("kvplane.kv.{pool}.{worker}.{r}"),
+        None => kv_subject(pool, worker),
+    }
 }
 
 pub fn metrics_subject(pool: &str, worker: &str) -> String {
@@ -70,8 +94,14 @@ mod tests {
     fn well_formed_subjects_parse() {
         let s = Subject::parse("kvplane.kv.pool-a.worker_1").unwrap();
         assert_eq!(
-            (s.kind, s.pool, s.worker),
-            (MessageKind::Kv, "pool-a", "worker_1")
+            (s.kind, s.pool, s.worker, s.rank),
+            (MessageKind::Kv, "pool-a", "worker_1", None)
+        );
+        let ranked = kv_rank_subject("p", "w", Some(3));
+        let s = Subject::parse(&ranked).unwrap();
+        assert_eq!(
+            (s.kind, s.pool, s.worker, s.rank),
+            (MessageKind::Kv, "p", "w", Some(3))
         );
         assert_eq!(
             Subject::parse(&metrics_subject("p", "w")).unwrap().kind,
@@ -84,6 +114,10 @@ mod tests {
         for s in [
             "kvplane.kv.pool",
             "kvplane.kv.pool.w.extra",
+            "kvplane.kv.pool.w.1.2",
+            "kvplane.kv.pool.w.-1",
+            "kvplane.kv.pool.w.99999999999",
+            "kvplane.metrics.pool.w.1",
             "kvplane.other.pool.w",
             "other.kv.pool.w",
             "kvplane.kv.Pool.w",

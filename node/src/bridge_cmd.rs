@@ -15,6 +15,11 @@ pub struct BridgeArgs {
     /// This engine's worker name (unique in its pool; 1-63 of [a-z0-9-_]).
     #[arg(long, env = "KVPLANE_WORKER")]
     pub worker: String,
+    /// The engine's data-parallel rank when each rank has its own bridge (vLLM's
+    /// `data_parallel_rank`; its ZMQ ports are the base ports plus the rank). Its batches go
+    /// to the rank's own subject, so each bridge resumes from its own last batch.
+    #[arg(long, env = "KVPLANE_DP_RANK")]
+    pub dp_rank: Option<u32>,
     /// The engine's HTTP base URL.
     #[arg(
         long,
@@ -106,6 +111,7 @@ pub async fn bridge(
     let cfg = BridgeConfig {
         pool: a.pool,
         worker: a.worker,
+        dp_rank: a.dp_rank,
         engine_url: a.engine_url,
         announce_address: a.announce_address,
         zmq_pub: a.zmq_pub,

@@ -1,5 +1,6 @@
-//! The bridge and the node ride out an engine restart and a NATS restart: nothing crashes,
-//! nothing is silently lost, and kvplane's view follows what the engine really holds.
+//! The bridge and the node ride out an engine restart and a NATS restart, and batches larger
+//! than NATS takes: nothing crashes, nothing is silently lost, and kvplane's view follows what
+//! the engine really holds.
 
 #![allow(clippy::unwrap_used)]
 
@@ -7,12 +8,16 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, eventually, free_port};
+use harness::{Cluster, Engine, EngineOptions, Nats, NodeOptions, eventually, free_port};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
 fn prompt(tag: &str) -> serde_json::Value {
-    let text: Vec<String> = (0..200).map(|i| format!("{tag}{i}")).collect();
+    long_prompt(tag, 200)
+}
+
+fn long_prompt(tag: &str, words: usize) -> serde_json::Value {
+    let text: Vec<String> = (0..words).map(|i| format!("{tag}{i}")).collect();
     json!({"model": "sim-8b", "max_tokens": 2, "prompt": text.join(" ")})
 }
 
@@ -133,5 +138,169 @@ async fn an_engine_restart_and_a_nats_restart_lose_nothing() {
             .copied()
             .unwrap_or(0),
         0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restart_between_scrapes_clears_the_old_blocks_and_forwards_every_new_batch() {
+    let cluster = Cluster::start(1);
+    let root = cluster.root.path().to_owned();
+    let ports = [free_port(), free_port(), free_port()];
+    // The bridge scrapes once a minute: it learns of the restart from the engine's sockets, not
+    // from failed scrapes.
+    let o = EngineOptions {
+        ports,
+        scrape_ms: 60_000,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::start_with(&root.join("fleet"), &cluster.nats.url(), "engine-1", &o);
+    let url = format!("{}/v1/completions", engine.http);
+    complete(&url, &prompt("a")).await;
+    wait_indexed(&cluster.nodes[0], &prompt("a"), "prompt a indexed").await;
+
+    // kill -9 and straight back on the same ports; the new engine publishes more batches
+    // than the old one did, possibly before the bridge has reconnected.
+    engine.sim.kill();
+    engine.sim.restart();
+    let fresh = ["b", "c", "d", "e"];
+    for tag in fresh {
+        complete(&url, &prompt(tag)).await;
+    }
+    for tag in fresh {
+        wait_indexed(
+            &cluster.nodes[0],
+            &prompt(tag),
+            &format!("prompt {tag} from the restarted engine indexed"),
+        )
+        .await;
+    }
+    let (_, matched_a, _) = probe(&cluster.nodes[0], &prompt("a")).await;
+    assert_eq!(matched_a, 0, "the restarted engine does not hold prompt a");
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_engine_restarts_total")
+            .await
+            >= 1.0
+    );
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_engine_disconnects_total")
+            .await
+            >= 1.0
+    );
+    assert_eq!(
+        engine
+            .bridge_metric("kvplane_bridge_lost_batches_total")
+            .await,
+        0.0,
+        "the new engine's replay held every batch"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_over_the_nats_max_payload_goes_out_in_parts_and_the_bridge_goes_on() {
+    let nats = Nats::start_configured("max_payload: 4096\n");
+    let cluster = Cluster::start_on(nats, 1, &NodeOptions::default());
+    let root = cluster.root.path().to_owned();
+    let engine = Engine::start(&root.join("fleet"), &cluster.nats.url(), "engine-1");
+    let url = format!("{}/v1/completions", engine.http);
+
+    // One request's blocks arrive as one engine batch, several times the server's limit.
+    let long = long_prompt("long", 3000);
+    complete(&url, &long).await;
+    wait_indexed(&cluster.nodes[0], &long, "the long prompt indexed").await;
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_split_batches_total")
+            .await
+            >= 1.0
+    );
+    // The batches after it are forwarded too.
+    complete(&url, &prompt("after")).await;
+    wait_indexed(
+        &cluster.nodes[0],
+        &prompt("after"),
+        "the next prompt indexed",
+    )
+    .await;
+    assert_eq!(
+        engine
+            .bridge_metric("kvplane_bridge_lost_batches_total")
+            .await,
+        0.0
+    );
+    let s = cluster.nodes[0].status().await;
+    let ingest = s.ingest.unwrap();
+    assert!(
+        ingest.rejected.values().all(|n| *n == 0),
+        "nothing rejected: {:?}",
+        ingest.rejected
+    );
+}
+
+/// The `Kv-Seq` of every message the stream holds on `subject`, in stream order.
+async fn kv_seqs_on(cluster: &Cluster, subject: &str) -> Vec<u64> {
+    let js = cluster.nats.jetstream().await;
+    let mut stream = js.get_stream("KVPLANE").await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut seqs = Vec::new();
+    for seq in 1..=last {
+        if let Ok(m) = stream.get_raw_message(seq).await
+            && m.subject.as_str() == subject
+        {
+            let kv_seq = m.headers.get("Kv-Seq").unwrap().as_str().parse().unwrap();
+            seqs.push(kv_seq);
+        }
+    }
+    seqs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_data_parallel_ranks_of_one_worker_each_resume_from_their_own_batches() {
+    let cluster = Cluster::start(1);
+    let root = cluster.root.path().to_owned();
+    let rank = |r: u32| EngineOptions {
+        sim_args: vec!["--dp-rank".into(), r.to_string()],
+        bridge_args: vec!["--dp-rank".into(), r.to_string()],
+        ..EngineOptions::default()
+    };
+    let dir = root.join("fleet");
+    let mut one = Engine::start_with(&dir.join("r1"), &cluster.nats.url(), "engine-1", &rank(1));
+    let zero = Engine::start_with(&dir.join("r0"), &cluster.nats.url(), "engine-1", &rank(0));
+    // Rank 1 publishes three batches, then rank 0 one: the worker's last message is rank 0's.
+    for tag in ["a", "b", "c"] {
+        complete(&format!("{}/v1/completions", one.http), &prompt(tag)).await;
+        wait_indexed(&cluster.nodes[0], &prompt(tag), "a rank 1 prompt indexed").await;
+    }
+    complete(&format!("{}/v1/completions", zero.http), &prompt("z")).await;
+    wait_indexed(&cluster.nodes[0], &prompt("z"), "the rank 0 prompt indexed").await;
+    let rank1 = "kvplane.kv.default.engine-1.1";
+    let before = kv_seqs_on(&cluster, rank1).await;
+    assert!(
+        before.len() >= 3,
+        "rank 1's batches on its own subject: {before:?}"
+    );
+
+    // kill -9 rank 1's bridge: it resumes after its own last batch, not rank 0's.
+    one.bridge.restart();
+    complete(&format!("{}/v1/completions", one.http), &prompt("d")).await;
+    wait_indexed(
+        &cluster.nodes[0],
+        &prompt("d"),
+        "rank 1's next prompt indexed",
+    )
+    .await;
+    // The engine numbers its batches 0, 1, 2...: each is in the stream once, none skipped.
+    let after = kv_seqs_on(&cluster, rank1).await;
+    let expected: Vec<u64> = (0..after.len() as u64).collect();
+    assert_eq!(
+        after, expected,
+        "rank 1's batches ({before:?} before the restart)"
+    );
+    assert!(after.len() > before.len());
+    let s = cluster.nodes[0].status().await;
+    assert!(
+        s.ingest.unwrap().rejected.values().all(|n| *n == 0),
+        "no rank mismatch or other rejection"
     );
 }

@@ -41,6 +41,8 @@ pub struct SimConfig {
     pub speedup: f64,
     pub seed: u64,
     pub default_max_tokens: u32,
+    /// The data-parallel rank its batches name (vLLM's `data_parallel_rank`).
+    pub dp_rank: u32,
     /// The model's tokenizer and chat template (else the built-in word tokenizer).
     pub tokenizer: Option<std::sync::Arc<kvplane_tokenize::ModelTokenizer>>,
 }
@@ -57,6 +59,7 @@ impl Default for SimConfig {
             speedup: 1.0,
             seed: 0,
             default_max_tokens: 16,
+            dp_rank: 0,
             tokenizer: None,
         }
     }
@@ -188,7 +191,7 @@ async fn drive(app: App) {
             app.publisher.publish(
                 out.end_ms / 1000.0,
                 KvBatch {
-                    dp_rank: 0,
+                    dp_rank: app.cfg.dp_rank,
                     events: out.events,
                 },
             );
@@ -407,7 +410,7 @@ async fn reset(State(app): State<App>) -> StatusCode {
     app.publisher.publish(
         app.virtual_now() / 1000.0,
         KvBatch {
-            dp_rank: 0,
+            dp_rank: app.cfg.dp_rank,
             events: vec![ev],
         },
     );

@@ -40,17 +40,30 @@ pub struct Nats {
     pub port: u16,
     dir: TempDir,
     starts: u32,
+    /// A nats-server config file (`max_payload: 4KB`, for instance), when one was given.
+    config: Option<PathBuf>,
 }
 
 impl Nats {
     pub fn start() -> Self {
+        Self::start_configured("")
+    }
+
+    /// With `config` as the server's config file (nothing when empty).
+    pub fn start_configured(config: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
+        let config = (!config.is_empty()).then(|| {
+            let path = dir.path().join("nats.conf");
+            std::fs::write(&path, config).unwrap();
+            path
+        });
         let mut n = Self {
             child: None,
             port,
             dir,
             starts: 0,
+            config,
         };
         n.spawn();
         n
@@ -60,7 +73,7 @@ impl Nats {
         self.starts += 1;
         let program = process::which("nats-server")
             .expect("nats-server must be installed (apt-get install -y nats-server)");
-        let args = [
+        let mut args = vec![
             "-js".to_owned(),
             "-a".to_owned(),
             "127.0.0.1".to_owned(),
@@ -69,6 +82,9 @@ impl Nats {
             "-sd".to_owned(),
             self.dir.path().join("store").display().to_string(),
         ];
+        if let Some(c) = &self.config {
+            args.extend(["-c".to_owned(), c.display().to_string()]);
+        }
         let (child, _) = process::start(Spec {
             program: &program,
             args: &args,
@@ -417,7 +433,11 @@ impl Cluster {
     }
 
     pub fn start_with(n: usize, o: &NodeOptions) -> Self {
-        let nats = Nats::start();
+        Self::start_on(Nats::start(), n, o)
+    }
+
+    /// `n` nodes on `nats`.
+    pub fn start_on(nats: Nats, n: usize, o: &NodeOptions) -> Self {
         let root = tempfile::tempdir().unwrap();
         let nodes = (0..n)
             .map(|i| {
@@ -645,6 +665,32 @@ impl Drop for Proc {
     }
 }
 
+/// How [`Engine::start_with`] starts the engine and its bridge.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub pool: String,
+    /// `[http, zmq pub, zmq replay]` (0: any).
+    pub ports: [u16; 3],
+    /// More `kvplane sim engine` flags (`--model`, `--dp-rank`...).
+    pub sim_args: Vec<String>,
+    /// More `kvplane bridge` flags (`--dp-rank`...).
+    pub bridge_args: Vec<String>,
+    /// The bridge's scrape interval.
+    pub scrape_ms: u64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            pool: "default".into(),
+            ports: [0, 0, 0],
+            sim_args: Vec::new(),
+            bridge_args: Vec::new(),
+            scrape_ms: 50,
+        }
+    }
+}
+
 /// A simulated engine (10x real time) and its bridge, joined to `nats` as `pool/worker`.
 pub struct Engine {
     pub worker: String,
@@ -672,6 +718,18 @@ impl Engine {
         ports: [u16; 3],
         sim_args: &[String],
     ) -> Self {
+        let o = EngineOptions {
+            pool: pool.to_owned(),
+            ports,
+            sim_args: sim_args.to_vec(),
+            ..EngineOptions::default()
+        };
+        Self::start_with(dir, nats_url, worker, &o)
+    }
+
+    /// With every option of [`EngineOptions`].
+    pub fn start_with(dir: &Path, nats_url: &str, worker: &str, o: &EngineOptions) -> Self {
+        let (pool, ports, sim_args) = (o.pool.as_str(), o.ports, o.sim_args.as_slice());
         std::fs::create_dir_all(dir).unwrap();
         let s = |v: &str| v.to_owned();
         let mut args = vec![
@@ -709,8 +767,11 @@ impl Engine {
                 s("--nats-url"),
                 s(nats_url),
                 s("--scrape-interval-ms"),
-                s("50"),
-            ],
+                o.scrape_ms.to_string(),
+            ]
+            .into_iter()
+            .chain(o.bridge_args.iter().cloned())
+            .collect(),
             dir.join(format!("{worker}.bridge.log")),
             "kvplane-bridge ready",
         );

@@ -24,6 +24,6 @@ pub mod state;
 pub use eventually::{eventually, eventually_sync};
 #[cfg(feature = "fleet")]
 pub use fleet::{
-    Cluster, Engine, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port, gateway,
-    http_get, kvplane_ok, metric_value, publish, spawn_ready,
+    Cluster, Engine, EngineOptions, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port,
+    gateway, http_get, kvplane_ok, metric_value, publish, spawn_ready,
 };
