@@ -86,6 +86,9 @@ pub struct IngestSection {
     pub max_batch_messages: usize,
     pub max_batch_delay_ms: u64,
     pub max_message_bytes: usize,
+    /// A worker not heard from (any stream message of its) for this long is taken down by
+    /// the leader; 0: never. Must exceed the bridges' scrape interval.
+    pub worker_lease_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -178,6 +181,7 @@ impl Default for IngestSection {
             max_batch_messages: 512,
             max_batch_delay_ms: 5,
             max_message_bytes: 1 << 20,
+            worker_lease_ms: 30_000,
         }
     }
 }

@@ -304,3 +304,58 @@ async fn two_data_parallel_ranks_of_one_worker_each_resume_from_their_own_batche
         "no rank mismatch or other rejection"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_bridge_is_killed_goes_down_when_its_lease_runs_out() {
+    let o = NodeOptions {
+        worker_lease_ms: 1_500,
+        ..NodeOptions::default()
+    };
+    let cluster = Cluster::start_with(1, &o);
+    let root = cluster.root.path().to_owned();
+    let mut gone = Engine::start(&root.join("fleet"), &cluster.nats.url(), "engine-1");
+    let alive = Engine::start(&root.join("fleet"), &cluster.nats.url(), "engine-2");
+    complete(&format!("{}/v1/completions", gone.http), &prompt("a")).await;
+    eventually(
+        "engine-1's blocks indexed",
+        Duration::from_secs(30),
+        || async {
+            let s = cluster.nodes[0].status().await;
+            s.workers
+                .iter()
+                .any(|w| w.worker_id == "engine-1" && w.up && w.indexed_blocks > 0)
+                .then_some(())
+        },
+    )
+    .await;
+
+    // kill -9 the bridge only: the engine still runs, but nothing speaks for it any more.
+    gone.bridge.kill();
+    let s = eventually(
+        "engine-1 down by its lease",
+        Duration::from_secs(30),
+        || async {
+            let s = cluster.nodes[0].status().await;
+            s.workers
+                .iter()
+                .any(|w| w.worker_id == "engine-1" && !w.up && w.indexed_blocks == 0)
+                .then_some(s)
+        },
+    )
+    .await;
+    let two = s
+        .workers
+        .iter()
+        .find(|w| w.worker_id == "engine-2")
+        .unwrap();
+    assert!(
+        two.up,
+        "the worker whose bridge runs keeps its lease: {s:?}"
+    );
+    let metrics = cluster.nodes[0].metrics().await;
+    assert!(
+        harness::metric_value(&metrics, "kvplane_state_worker_leases_expired_total") >= 1.0,
+        "counted"
+    );
+    drop(alive);
+}

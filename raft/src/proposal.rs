@@ -53,6 +53,7 @@ impl fmt::Display for Proposal {
                 b.asks.len(),
                 b.releases.len()
             ),
+            Command::ExpireLeases { lease_ms } => format!("expire leases older than {lease_ms} ms"),
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

@@ -45,6 +45,10 @@ pub enum Command {
     },
     /// Escrow grants asked for, and released, by one replica (see [`crate::Ledger`]).
     Quota(crate::QuotaBatch),
+    /// Every worker that is up and was last heard from (any stream message of its) more than
+    /// `lease_ms` before this entry's timestamp goes down, as if it had announced so: a
+    /// stopped bridge cannot leave its worker routable. Proposed by the leader.
+    ExpireLeases { lease_ms: u64 },
 }
 
 impl Command {
@@ -82,6 +86,7 @@ impl Command {
             Self::ConfigDelete { .. } => "config_delete",
             Self::ConfigApply { .. } => "config_apply",
             Self::Quota(_) => "quota",
+            Self::ExpireLeases { .. } => "expire_leases",
         }
     }
 }

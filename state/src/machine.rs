@@ -65,6 +65,8 @@ pub struct Applied {
     pub rejected: Option<ApplyError>,
     /// What a quota batch granted and released.
     pub quota: Option<crate::QuotaApplied>,
+    /// Workers an [`Command::ExpireLeases`] took down: (pool, worker).
+    pub expired: Vec<(String, String)>,
 }
 
 #[derive(Debug)]
@@ -81,6 +83,11 @@ pub(crate) struct Worker {
     pub(crate) metrics: WorkerMetrics,
     pub(crate) metrics_index: u64,
     pub(crate) metrics_at_ms: u64,
+    /// Proposer time of the entry that carried its last stream message (its lease). Not in
+    /// the digest, like `metrics_at_ms`: it depends on how the stream was cut into entries;
+    /// what it decides (a worker going down) is.
+    #[serde(default)]
+    pub(crate) heard_ms: u64,
 }
 
 /// The state of one kvplane replica. Owned by one applier; read through [`StateMachine::handle`].
@@ -253,6 +260,7 @@ impl StateMachine {
                     Some(Arc::make_mut(&mut self.quota).apply(batch, entry.timestamp_ms, &catalog));
                 self.parts.quota = quota_part(&self.quota);
             }
+            Command::ExpireLeases { lease_ms } => self.expire_leases(entry, *lease_ms, &mut out),
         }
         for (reason, n) in &out.dropped {
             *self.dropped.entry(*reason).or_default() += n;
@@ -271,6 +279,32 @@ impl StateMachine {
             self.apply_item(entry, item, out);
         }
         self.last_seq = self.last_seq.max(batch.last_seq);
+    }
+
+    /// Takes down every up worker last heard from more than `lease_ms` before `entry`.
+    fn expire_leases(&mut self, entry: &Entry, lease_ms: u64, out: &mut Applied) {
+        let expired: Vec<(String, String)> = self
+            .workers
+            .iter()
+            .filter(|((pool, _), w)| {
+                w.up && self.pools.contains_key(pool)
+                    && w.heard_ms.saturating_add(lease_ms) < entry.timestamp_ms
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        for (pool, worker) in &expired {
+            let down = IngestItem {
+                seq: 0,
+                pool: pool.clone(),
+                worker: worker.clone(),
+                payload: IngestPayload::Worker {
+                    up: false,
+                    address: None,
+                },
+            };
+            self.apply_item(entry, &down, out);
+        }
+        out.expired = expired;
     }
 
     /// Applies one stream message to its worker, keeping the digest's worker part and the
@@ -322,12 +356,14 @@ impl StateMachine {
                     metrics: WorkerMetrics::default(),
                     metrics_index: 0,
                     metrics_at_ms: 0,
+                    heard_ms: entry.timestamp_ms,
                 },
             );
         }
         let Some(worker) = self.workers.get_mut(key) else {
             return;
         };
+        worker.heard_ms = entry.timestamp_ms;
         let wid = worker.id;
         match &item.payload {
             IngestPayload::Worker { up: true, address } => {
@@ -813,6 +849,7 @@ impl StateMachine {
                     metrics: w.metrics,
                     metrics_index: w.metrics_index,
                     metrics_at_ms: w.metrics_at_ms,
+                    heard_ms: w.heard_ms,
                     indexed_blocks: self
                         .ranks
                         .range((w.id, 0)..=(w.id, u32::MAX))

@@ -50,6 +50,8 @@ pub struct WorkerView {
     pub metrics_index: u64,
     /// Proposer time of that entry.
     pub metrics_at_ms: u64,
+    /// Proposer time of the entry with its last stream message (see [`crate::Command::ExpireLeases`]).
+    pub heard_ms: u64,
     pub indexed_blocks: u64,
 }
 

@@ -140,6 +140,8 @@ pub struct NodeOptions {
     pub snapshot_every_entries: u64,
     pub max_message_bytes: usize,
     pub max_batch_messages: usize,
+    /// `[ingest] worker_lease_ms`.
+    pub worker_lease_ms: u64,
     /// The gRPC address (Raft members need a fixed one).
     pub grpc_listen: String,
     /// The `[raft]` section, for cluster members.
@@ -178,6 +180,7 @@ impl Default for NodeOptions {
             snapshot_every_entries: 10_000,
             max_message_bytes: 1 << 20,
             max_batch_messages: 512,
+            worker_lease_ms: 30_000,
         }
     }
 }
@@ -205,11 +208,12 @@ impl Node {
             .map(|d| format!("policy_dir = \"{}\"\npolicy_poll_ms = 100\n", d.display()))
             .unwrap_or_default();
         let mut toml = format!(
-            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\n\n[raft]\nfault_injection = true\n",
+            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\nworker_lease_ms = {}\n\n[raft]\nfault_injection = true\n",
             dir.join("data").display(),
             o.grpc_listen,
             o.max_message_bytes,
             o.max_batch_messages,
+            o.worker_lease_ms,
         );
         let (snapshot_logs, keep_logs) = o
             .raft

@@ -100,6 +100,8 @@ pub(super) fn ingest(p: &Parts, tasks: &mut Tasks, config_synced: Option<watch::
             max_message_bytes: p.cfg.ingest.max_message_bytes,
         },
         metrics: p.metrics.ingest.clone(),
+        lease: (p.cfg.ingest.worker_lease_ms > 0)
+            .then(|| Duration::from_millis(p.cfg.ingest.worker_lease_ms)),
         pools: p.cfg.declared_pools(),
         config_synced,
     };

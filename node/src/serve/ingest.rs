@@ -18,6 +18,8 @@ pub(super) struct LeadIngest {
     pub stream: async_nats::jetstream::Context,
     pub config: IngestConfig,
     pub metrics: Arc<IngestMetrics>,
+    /// Workers' lease, when they have one.
+    pub lease: Option<Duration>,
     /// The pools of the node configuration (`[[pools]]`), the node's own.
     pub pools: Vec<PoolSection>,
     /// The config sources' passes, when there are sources: a new leader waits for one.
@@ -65,9 +67,20 @@ impl LeadIngest {
                     tracing::info!(error = %e, "ingest stopped");
                 }
             });
+            let leases = self.lease.map(|lease| {
+                tokio::spawn(super::lease::expire(
+                    log.clone(),
+                    handle.clone(),
+                    lease,
+                    term_tx.subscribe(),
+                ))
+            });
             self.member.wait_lost_leadership(&mut stop).await;
             let _ = term_tx.send(true);
             let _ = task.await;
+            if let Some(t) = leases {
+                let _ = t.await;
+            }
             tracing::info!("not leading: ingest stopped");
         }
     }

@@ -59,6 +59,7 @@ pub(super) struct StateMetrics {
     indexed_blocks: Gauge,
     kv_events: Counter,
     dropped: Family<ReasonLabel, Counter>,
+    leases_expired: Counter,
 }
 
 impl StateMetrics {
@@ -79,6 +80,11 @@ impl StateMetrics {
             self.kv_events.clone(),
         );
         r.register(
+            "kvplane_state_worker_leases_expired",
+            "Workers taken down because nothing was heard from them for a lease",
+            self.leases_expired.clone(),
+        );
+        r.register(
             "kvplane_state_dropped_events",
             "Items the state machine dropped, by reason",
             self.dropped.clone(),
@@ -88,6 +94,14 @@ impl StateMetrics {
     /// Counters, from what one entry did.
     pub(super) fn observe(&self, a: &Applied) {
         self.kv_events.inc_by(a.kv_events);
+        for (pool, worker) in &a.expired {
+            self.leases_expired.inc();
+            tracing::warn!(
+                pool,
+                worker,
+                "nothing heard from the worker for a lease; taken down"
+            );
+        }
         for (reason, n) in &a.dropped {
             self.dropped
                 .get_or_create(&ReasonLabel {

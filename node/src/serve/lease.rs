@@ -1,0 +1,53 @@
+//! Workers' leases, while leading: a worker that is up but has not been heard from (no KV
+//! batch, metrics or announcement of its applied) for longer than the lease is taken down by an
+//! `ExpireLeases` entry, so a bridge that stopped without saying so cannot leave its worker
+//! routable with blocks it may no longer hold.
+//!
+//! The state decides who expires, from the entry's timestamp (the only clock it reads); the
+//! leader only decides when to propose. It waits one lease into its term first: a worker whose
+//! messages were applied by the previous leader has had a whole lease to be heard again.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvplane_state::{Command, Proposer, StateHandle};
+use tokio::sync::watch;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Proposes `ExpireLeases` whenever some worker's lease has run out, until the term ends.
+pub(super) async fn expire(
+    log: impl Proposer,
+    handle: StateHandle,
+    lease: Duration,
+    mut term_end: watch::Receiver<bool>,
+) {
+    let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+    tokio::select! {
+        () = tokio::time::sleep(lease) => {}
+        _ = term_end.wait_for(|ended| *ended) => return,
+    }
+    let mut tick = tokio::time::interval((lease / 4).max(Duration::from_millis(20)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = term_end.wait_for(|ended| *ended) => return,
+        }
+        let now = now_ms();
+        let due = handle
+            .load()
+            .workers()
+            .any(|w| w.up && w.heard_ms.saturating_add(lease_ms) < now);
+        if !due {
+            continue;
+        }
+        match log.propose(Command::ExpireLeases { lease_ms }).await {
+            Ok(index) => tracing::info!(index, lease_ms, "workers' leases expired"),
+            Err(e) => tracing::warn!(error = %e, "could not expire workers' leases"),
+        }
+    }
+}
