@@ -286,15 +286,13 @@ pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
         "ingest       stream seq {} applied, {} seen",
         ingest.applied_stream_sequence, ingest.stream_last_sequence
     );
-    let mut rejected: Vec<_> = ingest.rejected.iter().filter(|(_, v)| **v > 0).collect();
-    rejected.sort();
-    if !rejected.is_empty() {
-        println!("rejected     {rejected:?}");
-    }
-    let mut dropped: Vec<_> = ingest.dropped.iter().collect();
-    dropped.sort();
-    if !dropped.is_empty() {
-        println!("dropped      {dropped:?}");
+    for (label, counts) in [("rejected", &ingest.rejected), ("dropped", &ingest.dropped)] {
+        let mut nonzero: Vec<_> = counts.iter().filter(|(_, v)| **v > 0).collect();
+        nonzero.sort();
+        if !nonzero.is_empty() {
+            let list: Vec<String> = nonzero.iter().map(|(r, n)| format!("{r} {n}")).collect();
+            println!("{label:<12} {}", list.join(", "));
+        }
     }
     println!();
     println!(

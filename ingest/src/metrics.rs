@@ -155,6 +155,17 @@ impl IngestMetrics {
             .collect()
     }
 
+    /// Messages the stream held past the last batch this node consumed, as the server said
+    /// then (0 when not consuming).
+    pub fn pending(&self) -> u64 {
+        u64::try_from(self.pending.get()).unwrap_or(0)
+    }
+
+    /// Consuming stopped (leadership lost): nothing is pending here any more.
+    pub fn stopped(&self) {
+        self.pending.set(0);
+    }
+
     /// Last consumed stream sequence plus the server's pending count: the stream's end as
     /// last seen.
     pub fn stream_end(&self) -> u64 {

@@ -89,6 +89,9 @@ pub struct IngestSection {
     /// A worker not heard from (any stream message of its) for this long is taken down by
     /// the leader; 0: never. Must exceed the bridges' scrape interval.
     pub worker_lease_ms: u64,
+    /// The leader is not ready while its consumer is more than this many messages behind the
+    /// stream; 0: no bound.
+    pub ready_max_pending_messages: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -182,6 +185,7 @@ impl Default for IngestSection {
             max_batch_delay_ms: 5,
             max_message_bytes: 1 << 20,
             worker_lease_ms: 30_000,
+            ready_max_pending_messages: 100_000,
         }
     }
 }

@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, NodeOptions, eventually, publish};
+use harness::{Cluster, Nats, NodeOptions, eventually, publish};
 use kvplane_ingest::vllm::encode_batch;
 use kvplane_ingest::{ensure_stream, kv_subject, worker_subject};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
@@ -328,6 +328,12 @@ async fn bad_input_is_counted_and_skipped_and_the_node_keeps_serving() {
     assert_eq!(ingest.rejected["bad_metrics"], 1);
     assert_eq!(ingest.dropped["block_size_mismatch"], 1);
     assert_eq!(ingest.dropped["unknown_pool"], 1);
+    let log = node.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("a pool the cluster does not know") && l.contains("nopool")),
+        "the unknown pool is named in the log:\n{log}"
+    );
 
     let metrics = node.metrics().await;
     for line in [
@@ -513,4 +519,45 @@ async fn a_second_node_on_a_live_data_directory_exits_with_a_clear_error_and_tou
     node.resume();
     // The live node serves on.
     node.status().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_is_not_ready_while_its_consumer_is_far_behind_the_stream() {
+    // 1,500 messages wait in the stream before the node starts; it takes one per entry.
+    let nats = Nats::start();
+    let js = nats.jetstream().await;
+    ensure_stream(&js, "KVPLANE").await.unwrap();
+    let metrics =
+        br#"{"num_requests_running":1,"num_requests_waiting":0,"kv_cache_usage_perc":0.5}"#;
+    for _ in 0..1_500 {
+        js.publish(
+            "kvplane.metrics.default.w".to_owned(),
+            metrics.to_vec().into(),
+        )
+        .await
+        .unwrap();
+    }
+    let last = publish(&js, "kvplane.metrics.default.w".into(), metrics.to_vec()).await;
+    let o = NodeOptions {
+        max_batch_messages: 1,
+        ready_max_pending_messages: 100,
+        ..NodeOptions::default()
+    };
+    let cluster = Cluster::start_on(nats, 1, &o);
+    let node = &cluster.nodes[0];
+    let why = eventually(
+        "not ready while behind",
+        Duration::from_secs(30),
+        || async {
+            let (code, body) = node.readyz().await;
+            (code == 503 && body.contains("messages behind the stream")).then_some(body)
+        },
+    )
+    .await;
+    assert!(why.contains("at most 100 for ready"), "{why}");
+    node.wait_applied_seq(last).await;
+    eventually("ready once caught up", Duration::from_secs(30), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
 }

@@ -67,6 +67,8 @@ pub struct Applied {
     pub quota: Option<crate::QuotaApplied>,
     /// Workers an [`Command::ExpireLeases`] took down: (pool, worker).
     pub expired: Vec<(String, String)>,
+    /// Workers whose messages were dropped because their pool does not exist: (pool, worker).
+    pub unknown_pool: BTreeSet<(String, String)>,
 }
 
 #[derive(Debug)]
@@ -312,6 +314,8 @@ impl StateMachine {
     fn apply_item(&mut self, entry: &Entry, item: &IngestItem, out: &mut Applied) {
         let Some(pool) = self.pools.get(&item.pool) else {
             *out.dropped.entry(DropReason::UnknownPool).or_default() += 1;
+            out.unknown_pool
+                .insert((item.pool.clone(), item.worker.clone()));
             return;
         };
         let index = pool.index.clone();

@@ -142,6 +142,8 @@ pub struct NodeOptions {
     pub max_batch_messages: usize,
     /// `[ingest] worker_lease_ms`.
     pub worker_lease_ms: u64,
+    /// `[ingest] ready_max_pending_messages`.
+    pub ready_max_pending_messages: u64,
     /// The gRPC address (Raft members need a fixed one).
     pub grpc_listen: String,
     /// The `[raft]` section, for cluster members.
@@ -181,6 +183,7 @@ impl Default for NodeOptions {
             max_message_bytes: 1 << 20,
             max_batch_messages: 512,
             worker_lease_ms: 30_000,
+            ready_max_pending_messages: 100_000,
         }
     }
 }
@@ -208,12 +211,13 @@ impl Node {
             .map(|d| format!("policy_dir = \"{}\"\npolicy_poll_ms = 100\n", d.display()))
             .unwrap_or_default();
         let mut toml = format!(
-            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\nworker_lease_ms = {}\n\n[raft]\nfault_injection = true\n",
+            "{policy}node_id = \"{name}\"\ndata_dir = \"{}\"\ngrpc_listen = \"{}\"\nhttp_listen = \"127.0.0.1:0\"\nnats_url = \"{nats_url}\"\n\n[ingest]\nmax_message_bytes = {}\nmax_batch_messages = {}\nworker_lease_ms = {}\nready_max_pending_messages = {}\n\n[raft]\nfault_injection = true\n",
             dir.join("data").display(),
             o.grpc_listen,
             o.max_message_bytes,
             o.max_batch_messages,
             o.worker_lease_ms,
+            o.ready_max_pending_messages,
         );
         let (snapshot_logs, keep_logs) = o
             .raft

@@ -78,6 +78,7 @@ impl LeadIngest {
             self.member.wait_lost_leadership(&mut stop).await;
             let _ = term_tx.send(true);
             let _ = task.await;
+            self.metrics.stopped();
             if let Some(t) = leases {
                 let _ = t.await;
             }

@@ -60,6 +60,8 @@ pub(super) struct StateMetrics {
     kv_events: Counter,
     dropped: Family<ReasonLabel, Counter>,
     leases_expired: Counter,
+    /// Workers already logged as sending for a pool that does not exist (at most 1,024).
+    unknown_pool_logged: std::sync::Mutex<std::collections::BTreeSet<(String, String)>>,
 }
 
 impl StateMetrics {
@@ -94,6 +96,21 @@ impl StateMetrics {
     /// Counters, from what one entry did.
     pub(super) fn observe(&self, a: &Applied) {
         self.kv_events.inc_by(a.kv_events);
+        if !a.unknown_pool.is_empty() {
+            let mut logged = self
+                .unknown_pool_logged
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (pool, worker) in &a.unknown_pool {
+                if logged.len() < 1024 && logged.insert((pool.clone(), worker.clone())) {
+                    tracing::warn!(
+                        pool,
+                        worker,
+                        "messages for a pool the cluster does not know are dropped (unknown_pool): declare the pool or fix the bridge's --pool"
+                    );
+                }
+            }
+        }
         for (pool, worker) in &a.expired {
             self.leases_expired.inc();
             tracing::warn!(

@@ -93,6 +93,10 @@ impl Parts {
             (lag, lease),
             self.nats.clone(),
             self.cfg.nats_url.clone(),
+            (
+                self.metrics.ingest.clone(),
+                self.cfg.ingest.ready_max_pending_messages,
+            ),
         )
     }
 }
