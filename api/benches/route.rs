@@ -319,6 +319,7 @@ fn entries_of(events: &[(u64, KvEvent)], seq: &mut u64) -> Vec<Command> {
             });
         }
         entries.push(Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq: items[0].seq,
             last_seq: items[items.len() - 1].seq,
             items,

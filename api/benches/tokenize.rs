@@ -118,6 +118,7 @@ fn state(tok: &ModelTokenizer, systems: &[String]) -> StateMachine {
         })
         .collect();
     commands.push(Command::Ingest(IngestBatch {
+        source: Default::default(),
         first_seq: 1,
         last_seq: items.len() as u64,
         items,

@@ -136,6 +136,7 @@ fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
             })
             .collect();
         commands.push(Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq,
             last_seq: seq,
             items,

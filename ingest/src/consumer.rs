@@ -27,6 +27,8 @@ pub struct IngestConfig {
     pub max_batch_delay: Duration,
     /// Larger payloads are rejected (`oversized`).
     pub max_message_bytes: usize,
+    /// The state's name for this stream: its position is kept under it.
+    pub source: kvplane_state::Source,
 }
 
 impl Default for IngestConfig {
@@ -36,6 +38,7 @@ impl Default for IngestConfig {
             max_batch_messages: 512,
             max_batch_delay: Duration::from_millis(5),
             max_message_bytes: 1 << 20,
+            source: kvplane_state::Source::stream(),
         }
     }
 }
@@ -183,6 +186,7 @@ impl<P: Proposer> Ingestor<P> {
         let index = self
             .proposer
             .propose(Command::Ingest(IngestBatch {
+                source: self.cfg.source.clone(),
                 first_seq,
                 last_seq,
                 items: batch.items,

@@ -140,6 +140,7 @@ impl Applier {
         self.seq += 1;
         let batch = decode_batch(payload).unwrap().batch;
         self.command(Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq: self.seq,
             last_seq: self.seq,
             items: vec![IngestItem {

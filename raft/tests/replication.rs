@@ -130,6 +130,7 @@ fn pool() -> Command {
 fn store(seq: u64, worker: u64) -> Command {
     let tokens: Vec<u32> = (0..32).map(|t| (seq * 100 + t) as u32).collect();
     Command::Ingest(IngestBatch {
+        source: Default::default(),
         first_seq: seq,
         last_seq: seq,
         items: vec![IngestItem {

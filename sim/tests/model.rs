@@ -111,6 +111,7 @@ fn apply_step(sm: &mut StateMachine, seq: &mut u64, events: Vec<kvplane_state::K
         index: *seq + 1,
         timestamp_ms: 0,
         command: Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq: *seq,
             last_seq: *seq,
             items: vec![IngestItem {

@@ -117,10 +117,46 @@ pub struct ConfigKey {
     pub name: String,
 }
 
-/// A run of consecutive stream messages. `first_seq..=last_seq` covers every message the
-/// proposer consumed, including those it rejected, so the recorded position moves past them.
+/// Where ingested messages come from. Each source numbers its messages on its own and the
+/// state keeps a position per source, so a second source (another stream, another engine
+/// dialect, a remote cluster's stream) never shares a sequence space with the first. The
+/// node's ingest stream is the default source (`""`: what entries from before sources hold).
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Source(pub String);
+
+impl Source {
+    /// The node's ingest stream.
+    pub fn stream() -> Self {
+        Self::default()
+    }
+
+    pub fn named(name: impl Into<String>) -> Self {
+        Self(name.into())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("the ingest stream")
+        } else {
+            f.write_str(&self.0)
+        }
+    }
+}
+
+/// A run of consecutive messages of one source. `first_seq..=last_seq` covers every message
+/// the proposer consumed, including those it rejected, so the source's position moves past them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IngestBatch {
+    /// Absent in entries from before sources: the ingest stream.
+    #[serde(default)]
+    pub source: Source,
     pub first_seq: u64,
     pub last_seq: u64,
     pub items: Vec<IngestItem>,

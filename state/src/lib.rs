@@ -24,7 +24,7 @@ mod view;
 
 pub use command::{
     Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch,
-    KvEvent, Tier, WorkerMetrics,
+    KvEvent, Source, Tier, WorkerMetrics,
 };
 pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;

@@ -13,7 +13,7 @@ use crate::index::MAX_DP_RANK;
 use crate::view::{PoolView, StateHandle, View, WorkerView};
 use crate::{
     ApplyError, Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload,
-    KvEvent, PoolIndex, Tier, WorkerMetrics,
+    KvEvent, PoolIndex, Source, Tier, WorkerMetrics,
 };
 use kvplane_policy::{Catalog, Kind, Object};
 
@@ -97,7 +97,8 @@ pub(crate) struct Worker {
 pub struct StateMachine {
     pub(crate) applied_index: u64,
     pub(crate) config_index: u64,
-    pub(crate) last_seq: u64,
+    /// The last message applied of each ingest source.
+    pub(crate) positions: BTreeMap<Source, u64>,
     pub(crate) next_worker_id: u64,
     pub(crate) config: BTreeMap<(String, String), Vec<u8>>,
     /// Who wrote each object of `config` (objects from before owners have none).
@@ -163,7 +164,7 @@ impl StateMachine {
         let sm = Self {
             applied_index: 0,
             config_index: 0,
-            last_seq: 0,
+            positions: BTreeMap::new(),
             next_worker_id: 1,
             config: BTreeMap::new(),
             owners: Arc::default(),
@@ -205,7 +206,12 @@ impl StateMachine {
 
     /// The last ingest-stream sequence applied.
     pub fn last_stream_seq(&self) -> u64 {
-        self.last_seq
+        self.position(&Source::stream())
+    }
+
+    /// The last message of `source` applied (0: none yet).
+    pub fn position(&self, source: &Source) -> u64 {
+        self.positions.get(source).copied().unwrap_or(0)
     }
 
     /// Blocks currently in the prefix indexes (GPU tier, all pools).
@@ -273,14 +279,17 @@ impl StateMachine {
     }
 
     fn apply_ingest(&mut self, entry: &Entry, batch: &IngestBatch, out: &mut Applied) {
+        let applied = self.position(&batch.source);
         for item in &batch.items {
-            if item.seq <= self.last_seq {
+            if item.seq <= applied {
                 *out.dropped.entry(DropReason::Duplicate).or_default() += 1;
                 continue;
             }
             self.apply_item(entry, item, out);
         }
-        self.last_seq = self.last_seq.max(batch.last_seq);
+        if batch.last_seq > applied {
+            self.positions.insert(batch.source.clone(), batch.last_seq);
+        }
     }
 
     /// Takes down every up worker last heard from more than `lease_ms` before `entry`.
@@ -320,18 +329,24 @@ impl StateMachine {
         };
         let index = pool.index.clone();
         let key = (item.pool.clone(), item.worker.clone());
+        // KV events change no fact of a worker that exists (its blocks are facts of their own):
+        // the worker's digest part is recomputed only for what can change it.
+        let facts_change =
+            !matches!(item.payload, IngestPayload::Kv(_)) || !self.workers.contains_key(&key);
         let fact = |sm: &Self| {
             sm.workers
                 .get(&key)
                 .map_or(0, |w| worker_fact(&key.0, &key.1, w))
         };
-        let before = fact(self);
+        let before = if facts_change { fact(self) } else { 0 };
         self.apply_to_worker(entry, item, &index, &key, out);
-        self.parts.workers = self
-            .parts
-            .workers
-            .wrapping_sub(before)
-            .wrapping_add(fact(self));
+        if facts_change {
+            self.parts.workers = self
+                .parts
+                .workers
+                .wrapping_sub(before)
+                .wrapping_add(fact(self));
+        }
         if !self.dirty.pools.contains(&item.pool) {
             self.dirty.pools.insert(item.pool.clone());
         }
@@ -777,8 +792,11 @@ impl StateMachine {
     fn digest_of(&self, blocks: u128, parts: DigestParts) -> Digest {
         let mut h = Hasher::new();
         h.u128(blocks)
-            .u64(self.last_seq)
-            .u64(self.next_worker_id)
+            .u64(u64::try_from(self.positions.len()).unwrap_or(u64::MAX));
+        for (source, seq) in &self.positions {
+            h.str(source.as_str()).u64(*seq);
+        }
+        h.u64(self.next_worker_id)
             .u128(parts.config)
             .u128(parts.workers)
             .u128(parts.quota);
@@ -874,7 +892,8 @@ impl StateMachine {
         self.handle.store(View {
             applied_index: self.applied_index,
             config_index: self.config_index,
-            last_stream_seq: self.last_seq,
+            last_stream_seq: self.last_stream_seq(),
+            positions: self.positions.clone(),
             digest: self.kept_digest(),
             indexed_blocks: self.indexed_blocks,
             pools,

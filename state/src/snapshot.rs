@@ -25,6 +25,7 @@ const VERSION: u32 = 4;
 struct Payload {
     applied_index: u64,
     config_index: u64,
+    /// The ingest stream's position.
     last_seq: u64,
     next_worker_id: u64,
     config: Vec<(String, String, Vec<u8>)>,
@@ -36,6 +37,9 @@ struct Payload {
     /// Config objects' owners (absent in snapshots from before owners).
     #[serde(default)]
     owners: Vec<(String, String, crate::Owner)>,
+    /// The positions of named sources (absent in snapshots from before sources).
+    #[serde(default)]
+    sources: Vec<(crate::Source, u64)>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -99,7 +103,7 @@ impl StateMachine {
         let payload = Payload {
             applied_index: self.applied_index,
             config_index: self.config_index,
-            last_seq: self.last_seq,
+            last_seq: self.last_stream_seq(),
             next_worker_id: self.next_worker_id,
             config: self
                 .config
@@ -119,6 +123,12 @@ impl StateMachine {
                 .owners
                 .iter()
                 .map(|((k, n), o)| (k.clone(), n.clone(), *o))
+                .collect(),
+            sources: self
+                .positions
+                .iter()
+                .filter(|(s, _)| **s != crate::Source::stream())
+                .map(|(s, p)| (s.clone(), *p))
                 .collect(),
         };
         Ok(Captured { payload })
@@ -148,7 +158,10 @@ impl StateMachine {
         let mut sm = StateMachine::new();
         sm.applied_index = p.applied_index;
         sm.config_index = p.config_index;
-        sm.last_seq = p.last_seq;
+        if p.last_seq > 0 {
+            sm.positions.insert(crate::Source::stream(), p.last_seq);
+        }
+        sm.positions.extend(p.sources);
         sm.next_worker_id = p.next_worker_id;
         let mut catalog = kvplane_policy::Catalog::default();
         for (kind, name, value) in p.config {

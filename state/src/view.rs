@@ -14,7 +14,10 @@ pub struct View {
     pub applied_index: u64,
     /// Index of the last configuration change.
     pub config_index: u64,
+    /// The last message applied of the ingest stream (the default source).
     pub last_stream_seq: u64,
+    /// The last message applied of every source (the ingest stream's too, once it has one).
+    pub positions: BTreeMap<crate::Source, u64>,
     pub digest: Digest,
     pub indexed_blocks: u64,
     /// Shared with earlier Views while nothing in the pool changed.
@@ -61,6 +64,7 @@ impl View {
             applied_index: 0,
             config_index: 0,
             last_stream_seq: 0,
+            positions: BTreeMap::new(),
             digest: Digest::default(),
             indexed_blocks: 0,
             pools: BTreeMap::new(),

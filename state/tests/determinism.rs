@@ -200,6 +200,7 @@ fn entries(ops: &[Op], cuts: &[bool], first_index: u64) -> Vec<Entry> {
             index,
             timestamp_ms: index * 7,
             command: Command::Ingest(IngestBatch {
+                source: Default::default(),
                 first_seq: items[0].seq,
                 last_seq: items[items.len() - 1].seq,
                 items: std::mem::take(items),
@@ -515,6 +516,7 @@ fn applying_many_entries_inside_one_async_task_completes() {
             .unwrap();
             for seq in 1..=500u64 {
                 let entry = next(Command::Ingest(IngestBatch {
+                    source: Default::default(),
                     first_seq: seq,
                     last_seq: seq,
                     items: vec![IngestItem {
@@ -613,6 +615,7 @@ fn a_view_held_across_later_entries_reports_how_far_its_lookups_may_see() {
         index,
         timestamp_ms: 0,
         command: Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq: 50,
             last_seq: 50,
             items: vec![item(50, &more)],
@@ -706,6 +709,7 @@ fn send_kv(sm: &mut StateMachine, seq: u64, ev: KvEvent) {
         index,
         timestamp_ms: 0,
         command: Command::Ingest(IngestBatch {
+            source: Default::default(),
             first_seq: seq,
             last_seq: seq,
             items: vec![IngestItem {

@@ -69,6 +69,7 @@ impl Run {
                 index,
                 timestamp_ms: 0,
                 command: Command::Ingest(IngestBatch {
+                    source: Default::default(),
                     first_seq: self.seq,
                     last_seq: self.seq,
                     items: vec![IngestItem {

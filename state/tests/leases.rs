@@ -25,6 +25,7 @@ fn apply_at(sm: &mut StateMachine, timestamp_ms: u64, command: Command) -> Appli
 fn message(sm: &StateMachine, worker: &str, payload: IngestPayload) -> Command {
     let seq = sm.handle().load().last_stream_seq + 1;
     Command::Ingest(IngestBatch {
+        source: Default::default(),
         first_seq: seq,
         last_seq: seq,
         items: vec![IngestItem {

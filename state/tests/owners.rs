@@ -180,6 +180,7 @@ fn deleting_a_pool_with_workers_drops_them_from_the_digest() {
     apply(
         &mut sm,
         Command::Ingest(kvplane_state::IngestBatch {
+            source: Default::default(),
             first_seq: 1,
             last_seq: 2,
             items,

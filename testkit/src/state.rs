@@ -93,6 +93,7 @@ impl TestFleet {
             })
             .collect();
         let batch = IngestBatch {
+            source: Default::default(),
             first_seq: items[0].seq,
             last_seq: items[items.len() - 1].seq,
             items,

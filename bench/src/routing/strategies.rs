@@ -90,6 +90,7 @@ impl Feed {
             index: self.sm.applied_index() + 1,
             timestamp_ms: stream[self.cursor - 1].0 as u64,
             command: Command::Ingest(IngestBatch {
+                source: Default::default(),
                 first_seq: items[0].seq,
                 last_seq: items[items.len() - 1].seq,
                 items,

@@ -98,6 +98,7 @@ pub(super) fn ingest(p: &Parts, tasks: &mut Tasks, config_synced: Option<watch::
             max_batch_messages: p.cfg.ingest.max_batch_messages,
             max_batch_delay: Duration::from_millis(p.cfg.ingest.max_batch_delay_ms),
             max_message_bytes: p.cfg.ingest.max_message_bytes,
+            source: kvplane_state::Source::stream(),
         },
         metrics: p.metrics.ingest.clone(),
         lease: (p.cfg.ingest.worker_lease_ms > 0)

@@ -58,10 +58,13 @@ impl LeadIngest {
                 log.clone(),
                 self.metrics.clone(),
             );
-            let h = handle.clone();
+            let (h, source) = (handle.clone(), self.config.source.clone());
             let task = tokio::spawn(async move {
                 if let Err(e) = ingestor
-                    .run(move || h.load().last_stream_seq, term_rx)
+                    .run(
+                        move || h.load().positions.get(&source).copied().unwrap_or(0),
+                        term_rx,
+                    )
                     .await
                 {
                     tracing::info!(error = %e, "ingest stopped");
