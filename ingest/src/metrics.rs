@@ -64,6 +64,9 @@ pub struct IngestMetrics {
     batches: Counter,
     pending: Gauge,
     last_sequence: Gauge,
+    /// Stream messages past the applied position, as the leader last measured (-1: not yet
+    /// this term).
+    lag: Gauge,
 }
 
 impl IngestMetrics {
@@ -92,6 +95,11 @@ impl IngestMetrics {
             "kvplane_ingest_pending_messages",
             "Stream messages not yet consumed, as the server last reported",
             self.pending.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_lag_messages",
+            "Stream messages past the applied position, measured by the leader every second (-1: not known yet)",
+            self.lag.clone(),
         );
         registry.register(
             "kvplane_ingest_last_consumed_sequence",
@@ -161,9 +169,20 @@ impl IngestMetrics {
         u64::try_from(self.pending.get()).unwrap_or(0)
     }
 
-    /// Consuming stopped (leadership lost): nothing is pending here any more.
+    /// Consuming stopped (leadership lost): nothing is pending or lagging here any more.
     pub fn stopped(&self) {
         self.pending.set(0);
+        self.lag.set(0);
+    }
+
+    /// Messages the stream holds past the applied position (`None`: not measured yet).
+    pub fn lag(&self) -> Option<u64> {
+        u64::try_from(self.lag.get()).ok()
+    }
+
+    pub fn set_lag(&self, lag: Option<u64>) {
+        self.lag
+            .set(lag.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX)));
     }
 
     /// Last consumed stream sequence plus the server's pending count: the stream's end as

@@ -359,3 +359,46 @@ async fn a_worker_whose_bridge_is_killed_goes_down_when_its_lease_runs_out() {
     );
     drop(alive);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_restarted_after_its_engine_restarted_clears_the_old_blocks_and_forwards_the_new_ones()
+ {
+    let cluster = Cluster::start(1);
+    let root = cluster.root.path().to_owned();
+    let ports = [free_port(), free_port(), free_port()];
+    let o = EngineOptions {
+        ports,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::start_with(&root.join("fleet"), &cluster.nats.url(), "engine-1", &o);
+    let url = format!("{}/v1/completions", engine.http);
+    complete(&url, &prompt("a")).await;
+    wait_indexed(&cluster.nodes[0], &prompt("a"), "prompt a indexed").await;
+
+    // Bridge and engine both go (a pod restart); the new engine serves more requests than the
+    // old one did before the new bridge starts: its sequences pass the stream's last one.
+    engine.bridge.kill();
+    engine.sim.kill();
+    engine.sim.restart();
+    let fresh = ["b", "c", "d", "e"];
+    for tag in fresh {
+        complete(&url, &prompt(tag)).await;
+    }
+    engine.bridge.restart();
+    for tag in fresh {
+        wait_indexed(
+            &cluster.nodes[0],
+            &prompt(tag),
+            &format!("prompt {tag} of the new engine indexed"),
+        )
+        .await;
+    }
+    let (_, matched_a, _) = probe(&cluster.nodes[0], &prompt("a")).await;
+    assert_eq!(matched_a, 0, "the new engine does not hold prompt a");
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_engine_restarts_total")
+            .await
+            >= 1.0
+    );
+}

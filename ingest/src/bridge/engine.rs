@@ -9,7 +9,6 @@
 //! batch, and a restart otherwise.
 
 use std::collections::VecDeque;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,25 +18,21 @@ use tokio::sync::{mpsc, watch};
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::publish::{Outgoing, Resume};
-use super::{BridgeConfig, BridgeMetrics, cleared_batch};
+use super::{BridgeConfig, BridgeMetrics, cleared_batch, digest};
 
 /// How many forwarded batches are remembered to tell a duplicate from a restarted engine.
 const RECENT: usize = 4096;
 
-/// A batch's bytes, to recognise the same batch again; never leaves this process.
-fn digest(payload: &[u8]) -> u64 {
-    let mut h = DefaultHasher::new();
-    payload.hash(&mut h);
-    h.finish()
-}
-
 /// Sequence state of the engine's stream as the bridge has forwarded it.
 struct Forwarder {
     expected: Option<u64>,
-    /// A batch the stream holds only some parts of: its sequence and how many.
-    partial: Option<(u64, usize)>,
+    /// A batch the stream holds only some parts of: its sequence, how many, of how many.
+    partial: Option<(u64, (usize, usize))>,
     /// The last batches forwarded, oldest first: (sequence, digest).
     recent: VecDeque<(u64, u64)>,
+    /// A replay answer did not finish: what is left of it would be read as the next one's, so
+    /// the sockets are made anew.
+    stale: bool,
     tx: mpsc::Sender<Outgoing>,
     metrics: Arc<BridgeMetrics>,
     incarnation: String,
@@ -59,9 +54,9 @@ impl Forwarder {
         let skip_parts = match (self.partial, seq) {
             (Some((p, done)), Some(s)) if p == s => {
                 self.partial = None;
-                done
+                Some(done)
             }
-            _ => 0,
+            _ => None,
         };
         if let Some(s) = seq {
             self.recent.push_back((s, digest(&payload)));
@@ -184,7 +179,15 @@ pub(super) async fn zmq_loop(
             None => r.seq + 1,
         }),
         partial: resume.and_then(|r| r.parts_done.map(|done| (r.seq, done))),
-        recent: VecDeque::new(),
+        // The batch the stream holds last: catching up starts by checking the engine still
+        // has it (the engine may have restarted while the bridge was away).
+        // (A batch the stream holds only part of is forwarded again instead.)
+        recent: resume
+            .filter(|r| r.parts_done.is_none())
+            .and_then(|r| r.digest.map(|d| (r.seq, d)))
+            .into_iter()
+            .collect(),
+        stale: false,
         tx,
         metrics: metrics.clone(),
         incarnation: format!(
@@ -218,6 +221,10 @@ pub(super) async fn zmq_loop(
         // between a catch-up and the subscription taking effect.
         catch_up(&cfg, &mut dealer, &mut f).await;
         loop {
+            if std::mem::take(&mut f.stale) {
+                tracing::info!("a replay answer did not finish; reconnecting");
+                continue 'connect;
+            }
             let msg = tokio::select! {
                 biased;
                 _ = shutdown.changed() => return,
@@ -243,10 +250,13 @@ pub(super) async fn zmq_loop(
                     continue 'connect;
                 }
             };
-            // [topic, seq, payload]
+            // [topic, seq, payload]; the end-of-replay sequence is no batch's.
             let (3, Some(seq), Some(payload)) = (
                 frames.len(),
-                frames.get(1).and_then(|s| parse_seq(s)),
+                frames
+                    .get(1)
+                    .and_then(|s| parse_seq(s))
+                    .filter(|s| *s != u64::MAX),
                 frames.get(2).cloned(),
             ) else {
                 metrics.malformed_frames.inc();
@@ -292,7 +302,7 @@ async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forward
         None => f.expected.unwrap_or(0),
     };
     // No answer: nothing to learn until the engine answers.
-    let Some(mut got) = replay(cfg, dealer, ask, u64::MAX).await else {
+    let Some(mut got) = replay(cfg, dealer, ask, u64::MAX, f).await else {
         return;
     };
     if let Some((s, d)) = last {
@@ -305,7 +315,7 @@ async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forward
             // Another batch under our last sequence, or nothing from it on: a new engine.
             _ => {
                 f.restarted("replay does not hold the last batch forwarded");
-                let Some(all) = replay(cfg, dealer, 0, u64::MAX).await else {
+                let Some(all) = replay(cfg, dealer, 0, u64::MAX, f).await else {
                     return;
                 };
                 got = all;
@@ -343,12 +353,14 @@ async fn catch_up(cfg: &BridgeConfig, dealer: &mut DealerSocket, f: &mut Forward
 }
 
 /// Asks the replay socket for `from..to`: the batches it has, sorted, without duplicates.
-/// `None` when the engine did not answer at all.
+/// `None` when the engine did not answer at all. An answer that does not finish in time marks
+/// the sockets stale.
 async fn replay(
     cfg: &BridgeConfig,
     dealer: &mut DealerSocket,
     from: u64,
     to: u64,
+    f: &mut Forwarder,
 ) -> Option<Vec<(u64, Bytes)>> {
     let request = ZmqMessage::try_from(vec![
         Bytes::new(),
@@ -362,6 +374,7 @@ async fn replay(
     loop {
         let Ok(Ok(reply)) = tokio::time::timeout_at(deadline, dealer.recv()).await else {
             tracing::warn!("replay did not finish in time");
+            f.stale = true;
             break;
         };
         answered = true;
@@ -400,7 +413,7 @@ async fn fill(
     from: u64,
     to: u64,
 ) {
-    let got = replay(cfg, dealer, from, to).await.unwrap_or_default();
+    let got = replay(cfg, dealer, from, to, f).await.unwrap_or_default();
     let recovered = got.len() as u64;
     let contiguous = got.first().is_some_and(|(s, _)| *s == from)
         && got.windows(2).all(|w| w[1].0 == w[0].0 + 1);

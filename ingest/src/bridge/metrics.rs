@@ -51,7 +51,7 @@ impl BridgeMetrics {
         );
         r.register(
             "kvplane_bridge_engine_restarts",
-            "Times the engine's sequence went backwards",
+            "Times the bridge found the engine started over (a lower sequence, or replay without the last batch forwarded)",
             self.engine_restarts.clone(),
         );
         r.register(

@@ -2,7 +2,8 @@
 //!
 //! - KV events: subscribes to the engine's ZMQ PUB socket, checks the sequence numbers, fills
 //!   gaps from the engine's replay socket, and republishes each raw batch to NATS on
-//!   `kvplane.kv.<pool>.<worker>` with header `Kv-Seq` (the engine's sequence); a batch over
+//!   `kvplane.kv.<pool>.<worker>` (`.<rank>` with `--dp-rank`) with headers `Kv-Seq` (the
+//!   engine's sequence) and `Kv-Digest` (of the batch's bytes); a batch over
 //!   the server's max payload goes out in parts (header `Kv-Part: i/n`). At start it reads the
 //!   last `Kv-Seq` (and part) it published from the stream, so a restarted bridge neither skips
 //!   nor repeats a batch or a part. When the engine closes its sockets the bridge reconnects
@@ -39,6 +40,15 @@ pub const SEQ_HEADER: &str = "Kv-Seq";
 
 /// Header of a batch published in parts: `i/n`, the part's number from 1 and their count.
 pub const PART_HEADER: &str = "Kv-Part";
+
+/// Header with the xxh3-64 of the engine's whole batch (hex), on every part: a restarted
+/// bridge tells from it whether the engine still holds the batch it published last.
+pub const DIGEST_HEADER: &str = "Kv-Digest";
+
+/// A batch's bytes, to recognise the same batch again (in the stream, from replay).
+pub(crate) fn digest(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
 
 #[derive(Debug, Clone)]
 pub struct BridgeConfig {

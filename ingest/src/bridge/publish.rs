@@ -11,13 +11,16 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 
 use super::split::{SplitError, fit};
-use super::{BridgeConfig, BridgeMetrics, PART_HEADER, SEQ_HEADER, cleared_batch};
+use super::{
+    BridgeConfig, BridgeMetrics, DIGEST_HEADER, PART_HEADER, SEQ_HEADER, cleared_batch, digest,
+};
 use crate::ensure_stream;
 
 /// Room left in a message for its headers (`Kv-Seq`, `Kv-Part`, `Nats-Msg-Id`).
 const HEADER_ROOM: usize = 512;
 
-/// NATS's default max payload, used until the server has said its own.
+/// NATS's default max payload, used until the server has said its own; also the most a part
+/// holds, since nodes refuse larger messages by default (`[ingest] max_message_bytes`).
 const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 
 /// What the ZMQ side hands to the NATS side.
@@ -28,8 +31,9 @@ pub(super) struct Outgoing {
     /// the stream's duplicate window instead of being stored twice.
     pub msg_id: String,
     pub payload: Bytes,
-    /// Parts of this batch the stream already holds (a bridge stopped while publishing them).
-    pub skip_parts: usize,
+    /// Parts of this batch the stream already holds (a bridge stopped while publishing them),
+    /// and how many parts it was cut into then.
+    pub skip_parts: Option<(usize, usize)>,
 }
 
 /// Where the stream says this worker's bridge stopped.
@@ -37,8 +41,11 @@ pub(super) struct Outgoing {
 pub(super) struct Resume {
     /// The engine sequence of the last batch published.
     pub seq: u64,
-    /// When that batch went out in parts and not all of them are in the stream: how many are.
-    pub parts_done: Option<usize>,
+    /// When that batch went out in parts and not all of them are in the stream: how many
+    /// are, of how many.
+    pub parts_done: Option<(usize, usize)>,
+    /// The digest of that batch (absent from bridges before digests).
+    pub digest: Option<u64>,
 }
 
 impl Resume {
@@ -48,9 +55,16 @@ impl Resume {
         let parts_done = headers.get(PART_HEADER).and_then(|v| {
             let (done, of) = v.as_str().split_once('/')?;
             let (done, of) = (done.parse::<usize>().ok()?, of.parse::<usize>().ok()?);
-            (done < of).then_some(done)
+            (done < of).then_some((done, of))
         });
-        Some(Self { seq, parts_done })
+        let digest = headers
+            .get(DIGEST_HEADER)
+            .and_then(|v| u64::from_str_radix(v.as_str(), 16).ok());
+        Some(Self {
+            seq,
+            parts_done,
+            digest,
+        })
     }
 }
 
@@ -86,7 +100,7 @@ pub(super) async fn last_published(
 fn payload_limit(client: &async_nats::Client) -> usize {
     let max = match client.server_info().max_payload {
         0 => DEFAULT_MAX_PAYLOAD,
-        n => n,
+        n => n.min(DEFAULT_MAX_PAYLOAD),
     };
     max.saturating_sub(HEADER_ROOM).max(1)
 }
@@ -133,6 +147,7 @@ pub(super) async fn nats_loop(
         metrics
             .pending
             .set(i64::try_from(rx.len()).unwrap_or(i64::MAX));
+        let whole = format!("{:016x}", digest(&out.payload));
         let parts = messages(
             out.payload,
             payload_limit(&client),
@@ -140,10 +155,23 @@ pub(super) async fn nats_loop(
             &metrics,
         );
         let count = parts.len();
-        for (i, part) in parts.into_iter().enumerate().skip(out.skip_parts) {
+        let skip = match out.skip_parts {
+            Some((done, of)) if of == count => done,
+            Some((_, of)) => {
+                tracing::warn!(
+                    before = of,
+                    now = count,
+                    "a batch the stream holds part of is cut differently now; publishing every part"
+                );
+                0
+            }
+            None => 0,
+        };
+        for (i, part) in parts.into_iter().enumerate().skip(skip) {
             let mut headers = HeaderMap::new();
             if let Some(seq) = out.seq {
                 headers.insert(SEQ_HEADER, seq.to_string().as_str());
+                headers.insert(DIGEST_HEADER, whole.as_str());
             }
             if count > 1 {
                 headers.insert(PART_HEADER, format!("{}/{count}", i + 1).as_str());
@@ -215,21 +243,28 @@ mod tests {
             Resume::from_headers(&headers(&[(SEQ_HEADER, "41")])),
             Some(Resume {
                 seq: 41,
-                parts_done: None
+                parts_done: None,
+                digest: None,
             })
         );
         assert_eq!(
-            Resume::from_headers(&headers(&[(SEQ_HEADER, "41"), (PART_HEADER, "3/3")])),
+            Resume::from_headers(&headers(&[
+                (SEQ_HEADER, "41"),
+                (PART_HEADER, "3/3"),
+                (DIGEST_HEADER, "00000000000000ff")
+            ])),
             Some(Resume {
                 seq: 41,
-                parts_done: None
+                parts_done: None,
+                digest: Some(255),
             })
         );
         assert_eq!(
             Resume::from_headers(&headers(&[(SEQ_HEADER, "41"), (PART_HEADER, "1/3")])),
             Some(Resume {
                 seq: 41,
-                parts_done: Some(1)
+                parts_done: Some((1, 3)),
+                digest: None,
             })
         );
         // A clear the bridge published in place of lost batches carries no sequence.

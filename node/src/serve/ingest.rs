@@ -70,17 +70,26 @@ impl LeadIngest {
                     tracing::info!(error = %e, "ingest stopped");
                 }
             });
+            let lag = tokio::spawn(super::lag::watch(
+                self.stream.clone(),
+                self.config.stream.clone(),
+                (handle.clone(), self.config.source.clone()),
+                self.metrics.clone(),
+                term_tx.subscribe(),
+            ));
             let leases = self.lease.map(|lease| {
                 tokio::spawn(super::lease::expire(
                     log.clone(),
                     handle.clone(),
                     lease,
+                    self.metrics.clone(),
                     term_tx.subscribe(),
                 ))
             });
             self.member.wait_lost_leadership(&mut stop).await;
             let _ = term_tx.send(true);
             let _ = task.await;
+            let _ = lag.await;
             self.metrics.stopped();
             if let Some(t) = leases {
                 let _ = t.await;

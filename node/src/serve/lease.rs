@@ -4,13 +4,22 @@
 //! routable with blocks it may no longer hold.
 //!
 //! The state decides who expires, from the entry's timestamp (the only clock it reads); the
-//! leader only decides when to propose. It waits one lease into its term first: a worker whose
-//! messages were applied by the previous leader has had a whole lease to be heard again.
+//! leader only decides when to propose. It waits one lease into its term first (a worker whose
+//! messages were applied by the previous leader has had a whole lease to be heard again), and
+//! proposes only while its ingest is caught up with the stream (at most [`MAX_LAG`] messages
+//! behind, as [`super::lag`] measured): while NATS is away or a backlog drains, a worker's
+//! messages may be waiting in the stream, so its silence proves nothing.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+
+use kvplane_ingest::IngestMetrics;
 use kvplane_state::{Command, Proposer, StateHandle};
 use tokio::sync::watch;
+
+/// Ingest may be this many messages behind the stream when leases expire.
+const MAX_LAG: u64 = 1024;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -23,6 +32,7 @@ pub(super) async fn expire(
     log: impl Proposer,
     handle: StateHandle,
     lease: Duration,
+    ingest: Arc<IngestMetrics>,
     mut term_end: watch::Receiver<bool>,
 ) {
     let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
@@ -44,6 +54,16 @@ pub(super) async fn expire(
             .any(|w| w.up && w.heard_ms.saturating_add(lease_ms) < now);
         if !due {
             continue;
+        }
+        match ingest.lag() {
+            Some(lag) if lag <= MAX_LAG => {}
+            lag => {
+                tracing::info!(
+                    ?lag,
+                    "a lease ran out, but ingest is not caught up with the stream: not expiring"
+                );
+                continue;
+            }
         }
         match log.propose(Command::ExpireLeases { lease_ms }).await {
             Ok(index) => tracing::info!(index, lease_ms, "workers' leases expired"),

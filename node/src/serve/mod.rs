@@ -12,6 +12,7 @@ mod components;
 mod grpc;
 mod http;
 mod ingest;
+mod lag;
 mod lease;
 mod metrics;
 mod parts;

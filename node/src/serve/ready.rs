@@ -50,8 +50,11 @@ pub(super) fn readiness(
                 });
             }
         }
-        let pending = ingest.pending();
-        if max_pending > 0 && pending > max_pending {
+        // Measured by the leader every second from its term's start (followers: 0).
+        if let Some(pending) = ingest.lag()
+            && max_pending > 0
+            && pending > max_pending
+        {
             return Err(NotReady::IngestBehind {
                 pending,
                 max: max_pending,
