@@ -51,6 +51,27 @@ async fn complete(url: &str, body: &serde_json::Value) {
     assert!(r.status().is_success());
 }
 
+/// After a restart: every prompt the new engine served is indexed, prompt `a` of the old
+/// engine is not, and the bridge counted the restart.
+async fn holds_only_its_own_prompts(node: &harness::Node, engine: &Engine, fresh: &[&str]) {
+    for tag in fresh {
+        wait_indexed(
+            node,
+            &prompt(tag),
+            &format!("prompt {tag} of the new engine indexed"),
+        )
+        .await;
+    }
+    let (_, matched_a, _) = probe(node, &prompt("a")).await;
+    assert_eq!(matched_a, 0, "the new engine does not hold prompt a");
+    assert!(
+        engine
+            .bridge_metric("kvplane_bridge_engine_restarts_total")
+            .await
+            >= 1.0
+    );
+}
+
 async fn wait_indexed(node: &harness::Node, body: &serde_json::Value, what: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -166,22 +187,7 @@ async fn an_engine_restart_between_scrapes_clears_the_old_blocks_and_forwards_ev
     for tag in fresh {
         complete(&url, &prompt(tag)).await;
     }
-    for tag in fresh {
-        wait_indexed(
-            &cluster.nodes[0],
-            &prompt(tag),
-            &format!("prompt {tag} from the restarted engine indexed"),
-        )
-        .await;
-    }
-    let (_, matched_a, _) = probe(&cluster.nodes[0], &prompt("a")).await;
-    assert_eq!(matched_a, 0, "the restarted engine does not hold prompt a");
-    assert!(
-        engine
-            .bridge_metric("kvplane_bridge_engine_restarts_total")
-            .await
-            >= 1.0
-    );
+    holds_only_its_own_prompts(&cluster.nodes[0], &engine, &fresh).await;
     assert!(
         engine
             .bridge_metric("kvplane_bridge_engine_disconnects_total")
@@ -385,20 +391,5 @@ async fn a_bridge_restarted_after_its_engine_restarted_clears_the_old_blocks_and
         complete(&url, &prompt(tag)).await;
     }
     engine.bridge.restart();
-    for tag in fresh {
-        wait_indexed(
-            &cluster.nodes[0],
-            &prompt(tag),
-            &format!("prompt {tag} of the new engine indexed"),
-        )
-        .await;
-    }
-    let (_, matched_a, _) = probe(&cluster.nodes[0], &prompt("a")).await;
-    assert_eq!(matched_a, 0, "the new engine does not hold prompt a");
-    assert!(
-        engine
-            .bridge_metric("kvplane_bridge_engine_restarts_total")
-            .await
-            >= 1.0
-    );
+    holds_only_its_own_prompts(&cluster.nodes[0], &engine, &fresh).await;
 }

@@ -4,9 +4,11 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use kvplane_state::{
-    Applied, Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
-    PoolConfig, StateMachine, Tier, WorkerMetrics,
+    Applied, Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent,
+    StateMachine, Tier, WorkerMetrics,
 };
 
 fn apply_at(sm: &mut StateMachine, timestamp_ms: u64, command: Command) -> Applied {
@@ -64,17 +66,7 @@ fn workers(sm: &StateMachine) -> Vec<(String, bool, u64)> {
 /// Pool `p`; w0 stores two blocks at 1,000 ms; w1 reports metrics at 1,000 and 1,800 ms.
 fn fleet() -> StateMachine {
     let mut sm = StateMachine::new();
-    let pool = Command::ConfigPut {
-        owner: Some(kvplane_state::Owner::Admin),
-        kind: POOL_KIND.into(),
-        name: "p".into(),
-        value: PoolConfig {
-            block_size: 4,
-            models: vec![],
-            lora_adapters: Vec::new(),
-        }
-        .to_json(),
-    };
+    let pool = support::pool("p", 4);
     apply_at(&mut sm, 1, pool);
     let m = message(&sm, "w0", store());
     apply_at(&mut sm, 1_000, m);

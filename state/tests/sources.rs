@@ -5,11 +5,13 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvplane_state::{
-    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
-    PoolConfig, Source, StateMachine, Tier,
+    Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, Source, StateMachine,
+    Tier,
 };
 use proptest::prelude::*;
 
@@ -37,20 +39,6 @@ fn item(s: usize, seq: u64) -> IngestItem {
     }
 }
 
-fn pool() -> Command {
-    Command::ConfigPut {
-        owner: Some(kvplane_state::Owner::Admin),
-        kind: POOL_KIND.into(),
-        name: "p".into(),
-        value: PoolConfig {
-            block_size: 4,
-            models: vec![],
-            lora_adapters: Vec::new(),
-        }
-        .to_json(),
-    }
-}
-
 fn entry(index: u64, command: Command) -> Entry {
     Entry {
         index,
@@ -61,7 +49,7 @@ fn entry(index: u64, command: Command) -> Entry {
 
 /// Batches as (source, first sequence, length).
 fn entries(batches: &[(usize, u64, u64)]) -> Vec<Entry> {
-    let mut out = vec![entry(1, pool())];
+    let mut out = vec![entry(1, support::pool("p", 4))];
     for (i, &(s, first, len)) in batches.iter().enumerate() {
         out.push(entry(
             i as u64 + 2,

@@ -1,6 +1,23 @@
-//! What the state's integration tests share.
+//! What the state's integration tests share (each test file uses some of it).
 
-use kvplane_state::{ApplyError, Command, Entry, StateMachine};
+#![allow(dead_code)]
+
+use kvplane_state::{ApplyError, Command, Entry, POOL_KIND, PoolConfig, StateMachine};
+
+/// Declares pool `name` (every model, no adapters).
+pub fn pool(name: &str, block_size: u32) -> Command {
+    Command::ConfigPut {
+        owner: Some(kvplane_state::Owner::Admin),
+        kind: POOL_KIND.into(),
+        name: name.into(),
+        value: PoolConfig {
+            block_size,
+            models: vec![],
+            lora_adapters: Vec::new(),
+        }
+        .to_json(),
+    }
+}
 
 /// Applies `command` as the next entry and returns why it was refused, if it was; the digest
 /// readers see is checked against the one recomputed from the whole state after every change.
