@@ -163,12 +163,6 @@ impl IngestMetrics {
             .collect()
     }
 
-    /// Messages the stream held past the last batch this node consumed, as the server said
-    /// then (0 when not consuming).
-    pub fn pending(&self) -> u64 {
-        u64::try_from(self.pending.get()).unwrap_or(0)
-    }
-
     /// Consuming stopped (leadership lost): nothing is pending or lagging here any more.
     pub fn stopped(&self) {
         self.pending.set(0);

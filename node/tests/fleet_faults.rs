@@ -51,6 +51,16 @@ async fn complete(url: &str, body: &serde_json::Value) {
     assert!(r.status().is_success());
 }
 
+/// Engine `engine-1` started with `o`, its prompt `a` indexed.
+async fn holding_prompt_a(cluster: &Cluster, o: &EngineOptions) -> Engine {
+    let root = cluster.root.path().to_owned();
+    let engine = Engine::start_with(&root.join("fleet"), &cluster.nats.url(), "engine-1", o);
+    let url = format!("{}/v1/completions", engine.http);
+    complete(&url, &prompt("a")).await;
+    wait_indexed(&cluster.nodes[0], &prompt("a"), "prompt a indexed").await;
+    engine
+}
+
 /// After a restart: every prompt the new engine served is indexed, prompt `a` of the old
 /// engine is not, and the bridge counted the restart.
 async fn holds_only_its_own_prompts(node: &harness::Node, engine: &Engine, fresh: &[&str]) {
@@ -165,7 +175,6 @@ async fn an_engine_restart_and_a_nats_restart_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_between_scrapes_clears_the_old_blocks_and_forwards_every_new_batch() {
     let cluster = Cluster::start(1);
-    let root = cluster.root.path().to_owned();
     let ports = [free_port(), free_port(), free_port()];
     // The bridge scrapes once a minute: it learns of the restart from the engine's sockets, not
     // from failed scrapes.
@@ -174,10 +183,8 @@ async fn an_engine_restart_between_scrapes_clears_the_old_blocks_and_forwards_ev
         scrape_ms: 60_000,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::start_with(&root.join("fleet"), &cluster.nats.url(), "engine-1", &o);
+    let mut engine = holding_prompt_a(&cluster, &o).await;
     let url = format!("{}/v1/completions", engine.http);
-    complete(&url, &prompt("a")).await;
-    wait_indexed(&cluster.nodes[0], &prompt("a"), "prompt a indexed").await;
 
     // kill -9 and straight back on the same ports; the new engine publishes more batches
     // than the old one did, possibly before the bridge has reconnected.
@@ -370,16 +377,13 @@ async fn a_worker_whose_bridge_is_killed_goes_down_when_its_lease_runs_out() {
 async fn a_bridge_restarted_after_its_engine_restarted_clears_the_old_blocks_and_forwards_the_new_ones()
  {
     let cluster = Cluster::start(1);
-    let root = cluster.root.path().to_owned();
     let ports = [free_port(), free_port(), free_port()];
     let o = EngineOptions {
         ports,
         ..EngineOptions::default()
     };
-    let mut engine = Engine::start_with(&root.join("fleet"), &cluster.nats.url(), "engine-1", &o);
+    let mut engine = holding_prompt_a(&cluster, &o).await;
     let url = format!("{}/v1/completions", engine.http);
-    complete(&url, &prompt("a")).await;
-    wait_indexed(&cluster.nodes[0], &prompt("a"), "prompt a indexed").await;
 
     // Bridge and engine both go (a pod restart); the new engine serves more requests than the
     // old one did before the new bridge starts: its sequences pass the stream's last one.
@@ -392,4 +396,44 @@ async fn a_bridge_restarted_after_its_engine_restarted_clears_the_old_blocks_and
     }
     engine.bridge.restart();
     holds_only_its_own_prompts(&cluster.nodes[0], &engine, &fresh).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_lost_on_a_full_queue_clear_the_worker_once_nats_is_back() {
+    let mut cluster = Cluster::start(1);
+    let o = EngineOptions {
+        bridge_args: vec!["--max-pending".into(), "1".into()],
+        ..EngineOptions::default()
+    };
+    let engine = holding_prompt_a(&cluster, &o).await;
+    let url = format!("{}/v1/completions", engine.http);
+
+    // NATS goes away while the engine caches more than the bridge may hold.
+    cluster.nats.kill();
+    for tag in ["b", "c", "d", "e"] {
+        complete(&url, &prompt(tag)).await;
+    }
+    eventually("batches lost", Duration::from_secs(30), || async {
+        (engine
+            .bridge_metric("kvplane_bridge_lost_batches_total")
+            .await
+            >= 1.0)
+            .then_some(())
+    })
+    .await;
+    cluster.nats.restart();
+    // What kvplane held from before the loss is no longer trusted: prompt a goes...
+    eventually("prompt a cleared", Duration::from_secs(30), || async {
+        let (_, matched_a, _) = probe(&cluster.nodes[0], &prompt("a")).await;
+        (matched_a == 0).then_some(())
+    })
+    .await;
+    // ...and what the engine caches from now on is indexed again.
+    complete(&url, &prompt("f")).await;
+    wait_indexed(
+        &cluster.nodes[0],
+        &prompt("f"),
+        "prompt f indexed after nats is back",
+    )
+    .await;
 }

@@ -33,6 +33,8 @@ struct Forwarder {
     /// A replay answer did not finish: what is left of it would be read as the next one's, so
     /// the sockets are made anew.
     stale: bool,
+    /// A batch was lost on a full queue: a clear goes out before the next batch.
+    owe_clear: bool,
     tx: mpsc::Sender<Outgoing>,
     metrics: Arc<BridgeMetrics>,
     incarnation: String,
@@ -42,15 +44,6 @@ struct Forwarder {
 
 impl Forwarder {
     fn send(&mut self, seq: Option<u64>, payload: Bytes) {
-        self.sent += 1;
-        // Unique per bridge run and message; `sent` also separates an engine's sequences
-        // before and after a restart.
-        let msg_id = format!(
-            "{}-{}-{}",
-            self.incarnation,
-            self.sent,
-            seq.map_or(-1, i128::from)
-        );
         let skip_parts = match (self.partial, seq) {
             (Some((p, done)), Some(s)) if p == s => {
                 self.partial = None;
@@ -65,20 +58,52 @@ impl Forwarder {
             }
             self.expected = Some(s + 1);
         }
-        if self
-            .tx
+        // A clear still owed goes first; while it cannot, later batches are lost too (they
+        // would only be cleared after it).
+        if !self.pay_clear() || !self.enqueue(seq, payload, skip_parts) {
+            // NATS is behind by more than max_pending batches: this one is lost, and what
+            // kvplane holds for this worker is cleared as soon as the queue has room.
+            self.metrics.lost.inc();
+            self.owe_clear = true;
+            tracing::warn!(?seq, "pending queue full; batch lost");
+        }
+    }
+
+    /// Sends the clear owed for batches lost on a full queue, if one is; false while it still
+    /// cannot go. Also tried whenever the engine's socket is quiet, so it does not wait for the
+    /// engine's next batch.
+    fn pay_clear(&mut self) -> bool {
+        if !self.owe_clear {
+            return true;
+        }
+        self.owe_clear = !self.enqueue(None, cleared_batch(self.dp_rank), None);
+        !self.owe_clear
+    }
+
+    /// Hands one message to the NATS side; false when its queue is full.
+    fn enqueue(
+        &mut self,
+        seq: Option<u64>,
+        payload: Bytes,
+        skip_parts: Option<(usize, usize)>,
+    ) -> bool {
+        self.sent += 1;
+        // Unique per bridge run and message; `sent` also separates an engine's sequences
+        // before and after a restart.
+        let msg_id = format!(
+            "{}-{}-{}",
+            self.incarnation,
+            self.sent,
+            seq.map_or(-1, i128::from)
+        );
+        self.tx
             .try_send(Outgoing {
                 seq,
                 msg_id,
                 payload,
                 skip_parts,
             })
-            .is_err()
-        {
-            // NATS is behind by more than max_pending batches: this one is lost.
-            self.metrics.lost.inc();
-            tracing::warn!(?seq, "pending queue full; batch lost");
-        }
+            .is_ok()
     }
 
     /// kvplane forgets this worker rank's blocks.
@@ -188,6 +213,7 @@ pub(super) async fn zmq_loop(
             .into_iter()
             .collect(),
         stale: false,
+        owe_clear: false,
         tx,
         metrics: metrics.clone(),
         incarnation: format!(
@@ -239,6 +265,7 @@ pub(super) async fn zmq_loop(
                 }
                 m = sub.recv() => m,
                 () = tokio::time::sleep(Duration::from_secs(1)) => {
+                    f.pay_clear();
                     catch_up(&cfg, &mut dealer, &mut f).await;
                     continue;
                 }
@@ -374,7 +401,8 @@ async fn replay(
     loop {
         let Ok(Ok(reply)) = tokio::time::timeout_at(deadline, dealer.recv()).await else {
             tracing::warn!("replay did not finish in time");
-            f.stale = true;
+            // Only a partial answer leaves replies behind on the socket.
+            f.stale = answered;
             break;
         };
         answered = true;

@@ -10,8 +10,8 @@ use kvplane_ingest::IngestMetrics;
 use kvplane_state::{Source, StateHandle};
 use tokio::sync::watch;
 
-/// Measures the lag until the term ends (unknown until the first measurement, and whenever
-/// the stream cannot be asked).
+/// Measures the lag until the term ends (unknown until the first measurement; a failed read
+/// keeps the last one).
 pub(super) async fn watch(
     js: async_nats::jetstream::Context,
     stream: String,
@@ -27,20 +27,16 @@ pub(super) async fn watch(
             _ = tick.tick() => {}
             _ = term_end.wait_for(|ended| *ended) => return,
         }
-        let last = match js.get_stream(&stream).await {
-            Ok(mut s) => match s.info().await {
-                Ok(info) => Some(info.state.last_sequence),
-                Err(e) => {
-                    tracing::debug!(error = %e, stream, "cannot read the stream's info");
-                    None
-                }
-            },
-            Err(e) => {
-                tracing::debug!(error = %e, stream, "cannot read the stream");
-                None
-            }
+        let last = tokio::select! {
+            s = js.get_stream(&stream) => s.map(|s| s.cached_info().state.last_sequence),
+            _ = term_end.wait_for(|ended| *ended) => return,
         };
-        let applied = handle.load().positions.get(&source).copied().unwrap_or(0);
-        metrics.set_lag(last.map(|l| l.saturating_sub(applied)));
+        match last {
+            Ok(last) => {
+                let applied = handle.load().positions.get(&source).copied().unwrap_or(0);
+                metrics.set_lag(Some(last.saturating_sub(applied)));
+            }
+            Err(e) => tracing::debug!(error = %e, stream, "cannot read the stream's info"),
+        }
     }
 }

@@ -17,8 +17,8 @@ pub(super) enum NotReady {
     Raft(kvplane_raft::NotReady),
     #[error("nats at {url} is unreachable ({state})")]
     Nats { url: String, state: &'static str },
-    #[error("ingest is {pending} messages behind the stream (at most {max} for ready)")]
-    IngestBehind { pending: u64, max: u64 },
+    #[error("ingest is {lag} messages behind the stream (at most {max} for ready)")]
+    IngestBehind { lag: u64, max: u64 },
 }
 
 /// Why this node is not ready, if it is not.
@@ -51,12 +51,12 @@ pub(super) fn readiness(
             }
         }
         // Measured by the leader every second from its term's start (followers: 0).
-        if let Some(pending) = ingest.lag()
+        if let Some(lag) = ingest.lag()
             && max_pending > 0
-            && pending > max_pending
+            && lag > max_pending
         {
             return Err(NotReady::IngestBehind {
-                pending,
+                lag,
                 max: max_pending,
             });
         }
