@@ -45,11 +45,6 @@ pub(crate) struct RankBlocks {
     pub(crate) gpu_blocks: u64,
     /// The cache salt of salted blocks (a continuation of their chain is hashed under it).
     pub(crate) salts: BTreeMap<u64, Arc<str>>,
-    /// Sequence hashes this rank holds on the GPU tier under more than one engine hash (vLLM's
-    /// hash also covers multimodal keys the sequence hash does not), with how many more: the
-    /// rank stays a holder in the index until the last of them leaves. Derived from `blocks`
-    /// (rebuilt on restore), so neither hashed nor snapshotted.
-    pub(crate) extra_holds: FxHashMap<u64, u32>,
     /// KV-cache groups (vLLM's `group_idx`) the engine said are not full attention: removals
     /// from them do not touch this rank's blocks.
     pub(crate) other_groups: std::collections::BTreeSet<u32>,
@@ -126,30 +121,6 @@ impl RankBlocks {
         }
         self.digest = self.digest.wrapping_add(d);
         d
-    }
-
-    /// Holds `seq` in `index` for this rank, once however many engine hashes carry it.
-    pub(crate) fn hold(&mut self, index: &crate::PoolIndex, seq: u64, worker: u64, dp_rank: u32) {
-        if !index.add(seq, worker, dp_rank) {
-            *self.extra_holds.entry(seq).or_default() += 1;
-        }
-    }
-
-    /// Lets go of one hold of `seq`; the rank leaves the index's holders with the last one.
-    pub(crate) fn release(
-        &mut self,
-        index: &crate::PoolIndex,
-        seq: u64,
-        worker: u64,
-        dp_rank: u32,
-    ) {
-        match self.extra_holds.get_mut(&seq) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
-                self.extra_holds.remove(&seq);
-            }
-            None => index.remove(seq, worker, dp_rank),
-        }
     }
 
     /// Records that `group` is not a prefix cache; returns the digest delta.

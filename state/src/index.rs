@@ -12,23 +12,34 @@
 //! block removed. The engines' hashes stay in [`crate::blocks::RankBlocks`], mapped to the
 //! sequence hashes, for parents and removals.
 //!
-//! The index is read on the callers' threads while apply writes it (a sharded map, `dashmap`:
-//! a lookup holds one shard's read lock for one block at a time), so Route never waits for
-//! ingest. (`scc::HashIndex`, whose reads take no lock, looked blocks up no faster here and
-//! took about twice the memory per block.) It is live, not a
-//! snapshot: a reader holding the View of index N may see effects of entry N+1 when apply writes
-//! them during its lookup. Instead of hiding that, every write first raises
-//! [`PoolIndex::through`] to the entry's index, and a reader that loads it after its lookups has
-//! an upper bound on what it saw (the View's applied index is the lower one).
+//! The index is read on the callers' threads while apply writes it: it is split in shards by
+//! the sequence hash's top bits, each a hash map behind its own lock, and a lookup holds one
+//! shard's read lock for one block at a time, so Route never waits for ingest for long. Apply
+//! does not write block by block: it gathers its writes ([`Writes`]) and hands them to the
+//! index writer thread ([`crate::writer`]), which sorts them by shard and applies a shard's
+//! run of up to [`RUN`] under one write lock (a locked instruction per block serialized the
+//! cache misses: per-block locking cost about 60% of apply). Apply waits for the writer at
+//! the entry's end. (`dashmap`, one write lock per block on apply's thread, was the index
+//! before; `scc::HashIndex`, whose reads take no lock, looked blocks up no faster here and
+//! took about twice the memory per block.) It is live, not a snapshot: a reader holding the
+//! View of index N may see effects of entry N+1 while the writer applies them. Instead of
+//! hiding that, every entry first raises [`PoolIndex::through`] to its index, and a reader
+//! that loads it after its lookups has an upper bound on what it saw (the View's applied
+//! index is the lower one).
+//!
+//! A block's holders are a sorted multiset: a rank that holds one sequence hash under two
+//! engine hashes (vLLM's hash also covers multimodal keys the sequence hash does not) is in it
+//! twice, and stays a holder until both are removed. A write therefore needs no answer from
+//! the index, which is what lets apply defer it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{PoisonError, RwLock};
 
-use dashmap::DashMap;
 use dynamo_kv_router::protocols::{
     BlockHashOptions, LocalBlockHash, compute_block_hash_for_seq, compute_next_seq_hash,
 };
-use rustc_hash::FxBuildHasher;
+use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 /// How many prompt blocks each worker rank already holds, consecutively from block 0.
@@ -82,12 +93,92 @@ fn unpack(h: u64) -> (u64, u32) {
     (h >> RANK_BITS, (h & u64::from(MAX_DP_RANK)) as u32)
 }
 
-/// The holders of one block, sorted (most blocks have one or two).
+/// The holders of one block, sorted, a rank once per engine hash it holds the block under
+/// (most blocks have one or two).
 type Holders = SmallVec<[u64; 2]>;
+
+/// Shards of the index: a power of two, enough that readers on many cores rarely meet apply
+/// in the same shard.
+const SHARDS: usize = 64;
+
+/// Writes applied under one lock hold at most: a reader waits for at most this many.
+const RUN: usize = 128;
+
+/// The shard of a sequence hash: its top bits (the hash is already uniform).
+fn shard_of(seq: u64) -> usize {
+    (seq >> (64 - SHARDS.trailing_zeros())) as usize
+}
+
+/// One shard, on cache lines of its own (readers of neighbouring shards do not share a lock's
+/// line).
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard(RwLock<FxHashMap<u64, Holders>>);
+
+impl Shard {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, FxHashMap<u64, Holders>> {
+        // A panic under the lock leaves the map whole (writes are single pushes and removals).
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, FxHashMap<u64, Holders>> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One write: a holder added to or taken off a block.
+#[derive(Debug, Clone, Copy, Default)]
+struct Op {
+    seq: u64,
+    holder: u64,
+    add: bool,
+}
+
+/// Writes to one index in the order apply made them, and the room to sort them by shard
+/// (stably: two writes of one block are in one shard and keep their order).
+#[derive(Debug, Default)]
+pub(crate) struct Writes {
+    ops: Vec<Op>,
+    by_shard: Vec<Op>,
+}
+
+impl Writes {
+    fn push(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    /// Adds `dp_rank` of `worker` as a holder of the block with sequence hash `seq` (once
+    /// more, when it holds it already under another engine hash).
+    pub(crate) fn add(&mut self, seq: u64, worker: u64, dp_rank: u32) {
+        self.push(Op {
+            seq,
+            holder: holder(worker, dp_rank),
+            add: true,
+        });
+    }
+
+    /// Writes gathered.
+    pub(crate) fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Takes one hold of `dp_rank` of `worker` off the block with sequence hash `seq`.
+    pub(crate) fn remove(&mut self, seq: u64, worker: u64, dp_rank: u32) {
+        self.push(Op {
+            seq,
+            holder: holder(worker, dp_rank),
+            add: false,
+        });
+    }
+}
 
 pub struct PoolIndex {
     block_size: u32,
-    holders: DashMap<u64, Holders, FxBuildHasher>,
+    shards: Box<[Shard]>,
     /// The highest entry index whose effects may be in the index.
     through: AtomicU64,
 }
@@ -96,7 +187,7 @@ impl std::fmt::Debug for PoolIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PoolIndex")
             .field("block_size", &self.block_size)
-            .field("blocks", &self.holders.len())
+            .field("blocks", &self.len())
             .finish_non_exhaustive()
     }
 }
@@ -105,7 +196,7 @@ impl PoolIndex {
     pub fn new(block_size: u32) -> Self {
         Self {
             block_size,
-            holders: DashMap::with_hasher(FxBuildHasher),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             through: AtomicU64::new(0),
         }
     }
@@ -176,16 +267,19 @@ impl PoolIndex {
         for (i, &local) in hashes.iter().enumerate() {
             let s = chain(seq, local);
             seq = Some(s);
-            let Some(here) = self.holders.get(&s) else {
+            let shard = self.shards[shard_of(s)].read();
+            let Some(here) = shard.get(&s) else {
                 break;
             };
             if i == 0 {
-                active.extend_from_slice(&here);
+                active.extend_from_slice(here);
+                // A rank holding the block twice is one holder here.
+                active.dedup();
             } else if *active != **here {
                 // (A shared prefix's blocks mostly have the same holders: nothing to do.)
-                keep_common(&mut active, &here, |h| ended.push((h, depth)));
+                keep_common(&mut active, here, |h| ended.push((h, depth)));
             }
-            drop(here);
+            drop(shard);
             if active.is_empty() {
                 break;
             }
@@ -200,44 +294,59 @@ impl PoolIndex {
         }
     }
 
-    /// Adds `dp_rank` of `worker` as a holder of the block with sequence hash `seq`.
-    /// Returns whether it was not one already.
-    pub(crate) fn add(&self, seq: u64, worker: u64, dp_rank: u32) -> bool {
-        let h = holder(worker, dp_rank);
-        let mut e = self.holders.entry(seq).or_default();
-        match e.binary_search(&h) {
-            Ok(_) => false,
-            Err(at) => {
-                e.insert(at, h);
-                true
-            }
+    /// Applies an entry's writes, a shard's run of up to [`RUN`] under one lock hold, and
+    /// leaves `writes` empty (its buffers kept for the next entry).
+    pub(crate) fn write(&self, writes: &mut Writes) {
+        // Sorted by shard (a counting sort: stable), then each shard's in runs.
+        let mut starts = [0usize; SHARDS + 1];
+        for op in &writes.ops {
+            starts[shard_of(op.seq) + 1] += 1;
         }
-    }
-
-    /// Takes `dp_rank` of `worker` off the holders of `seq`.
-    pub(crate) fn remove(&self, seq: u64, worker: u64, dp_rank: u32) {
-        let h = holder(worker, dp_rank);
-        let empty = match self.holders.get_mut(&seq) {
-            Some(mut e) => {
-                if let Ok(at) = e.binary_search(&h) {
-                    e.remove(at);
+        for s in 0..SHARDS {
+            starts[s + 1] += starts[s];
+        }
+        let sorted = &mut writes.by_shard;
+        sorted.clear();
+        sorted.resize(writes.ops.len(), Op::default());
+        let mut next = starts;
+        for op in &writes.ops {
+            let s = shard_of(op.seq);
+            sorted[next[s]] = *op;
+            next[s] += 1;
+        }
+        for (s, shard) in self.shards.iter().enumerate() {
+            for run in sorted[starts[s]..starts[s + 1]].chunks(RUN) {
+                let mut map = shard.write();
+                for op in run {
+                    apply_op(&mut map, *op);
                 }
-                e.is_empty()
             }
-            None => false,
-        };
-        if empty {
-            self.holders.remove_if(&seq, |_, e| e.is_empty());
         }
+        writes.ops.clear();
     }
 
     /// Blocks with at least one holder.
     pub fn len(&self) -> usize {
-        self.holders.len()
+        self.shards.iter().map(|s| s.read().len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.holders.is_empty()
+        self.shards.iter().all(|s| s.read().is_empty())
+    }
+}
+
+fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) {
+    if op.add {
+        let e = map.entry(op.seq).or_default();
+        let at = e.partition_point(|&h| h <= op.holder);
+        e.insert(at, op.holder);
+    } else if let Some(e) = map.get_mut(&op.seq)
+        && let Ok(at) = e.binary_search(&op.holder)
+    {
+        e.remove(at);
+        if e.is_empty() {
+            map.remove(&op.seq);
+        }
     }
 }
 
@@ -280,7 +389,9 @@ mod tests {
         for local in index.hash_tokens(&prompt(8), None).into_iter().take(blocks) {
             let s = chain(seq, local);
             seq = Some(s);
-            index.add(s, worker, rank);
+            let mut w = Writes::default();
+            w.add(s, worker, rank);
+            index.write(&mut w);
         }
     }
 

@@ -7,7 +7,8 @@
 //!
 //! Readers never block the applier: after each entry the machine publishes an immutable
 //! [`View`] (workers, metrics, pool configs) through a [`StateHandle`], and the prefix index
-//! (sequence hash to holder ranks, in a concurrent map) is read concurrently with apply.
+//! (sequence hash to holder ranks, in a sharded map) is read concurrently with apply, which
+//! hands its writes to a thread of their own and waits for them before it publishes.
 
 mod blocks;
 mod command;
@@ -21,6 +22,7 @@ mod owner;
 mod quota;
 mod snapshot;
 mod view;
+mod writer;
 
 pub use command::{
     Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch,

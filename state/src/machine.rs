@@ -9,8 +9,9 @@ use crate::Owner;
 use crate::blocks::{Change, RankBlocks};
 use crate::config::{POOL_KIND, PoolConfig, worker_set_pool};
 use crate::digest::{Digest, Hasher};
-use crate::index::MAX_DP_RANK;
+use crate::index::{MAX_DP_RANK, Writes};
 use crate::view::{PoolView, StateHandle, View, WorkerView};
+use crate::writer::IndexWriter;
 use crate::{
     ApplyError, Command, ConfigKey, ConfigObject, Entry, IngestBatch, IngestItem, IngestPayload,
     KvEvent, PoolIndex, Source, Tier, WorkerMetrics,
@@ -92,6 +93,10 @@ pub(crate) struct Worker {
     pub(crate) heard_ms: u64,
 }
 
+/// Index writes gathered before apply hands them to the index writer (a few events' worth:
+/// the writer starts early, and a channel message carries many writes).
+const SEND_WRITES_AT: usize = 1024;
+
 /// The state of one kvplane replica. Owned by one applier; read through [`StateMachine::handle`].
 #[derive(Debug)]
 pub struct StateMachine {
@@ -120,6 +125,15 @@ pub struct StateMachine {
     pub(crate) parts: DigestParts,
     /// What changed since the last publish (not state: never hashed or snapshotted).
     pub(crate) dirty: Dirty,
+    /// The current entry's index writes not yet sent to the index writer, and the index they
+    /// are for (not state).
+    pub(crate) writes: Writes,
+    pub(crate) writes_to: Option<Arc<PoolIndex>>,
+    /// Other pools' writes gathered in this entry, not yet sent.
+    pub(crate) parked: Vec<(Arc<PoolIndex>, Writes)>,
+    pub(crate) writer: IndexWriter,
+    /// Room for a worker's key while an item applies (not state).
+    pub(crate) key_buffer: (String, String),
     pub(crate) handle: StateHandle,
 }
 
@@ -178,6 +192,11 @@ impl StateMachine {
             quota: Arc::default(),
             parts: DigestParts::default(),
             dirty: Dirty::default(),
+            writes: Writes::default(),
+            writes_to: None,
+            parked: Vec::new(),
+            writer: IndexWriter::default(),
+            key_buffer: Default::default(),
             handle: StateHandle::new(View::empty()),
         };
         let mut sm = sm;
@@ -270,12 +289,64 @@ impl StateMachine {
             }
             Command::ExpireLeases { lease_ms } => self.expire_leases(entry, *lease_ms, &mut out),
         }
+        self.flush_writes();
         for (reason, n) in &out.dropped {
             *self.dropped.entry(*reason).or_default() += n;
         }
         self.applied_index = entry.index;
         self.publish();
         Ok(out)
+    }
+
+    /// Gathers index writes for `index` from now on (another pool's gathered writes wait, so
+    /// a stream that interleaves pools still sends many writes at a time).
+    fn write_to(&mut self, index: &Arc<PoolIndex>) {
+        if self
+            .writes_to
+            .as_ref()
+            .is_some_and(|to| Arc::ptr_eq(to, index))
+        {
+            return;
+        }
+        let parked = self
+            .parked
+            .iter()
+            .position(|(to, _)| Arc::ptr_eq(to, index));
+        let next = match parked {
+            Some(i) => self.parked.swap_remove(i).1,
+            None => self.writer.buffer(),
+        };
+        let writes = std::mem::replace(&mut self.writes, next);
+        if let Some(to) = self.writes_to.replace(index.clone()) {
+            self.parked.push((to, writes));
+        }
+    }
+
+    /// Hands the writes gathered for the current index to the index writer.
+    fn send_writes(&mut self) {
+        debug_assert!(self.writes.is_empty() || self.writes_to.is_some());
+        if let Some(index) = &self.writes_to
+            && !self.writes.is_empty()
+        {
+            let next = self.writer.buffer();
+            let writes = std::mem::replace(&mut self.writes, next);
+            self.writer.send(index.clone(), writes);
+        }
+    }
+
+    /// Sends every gathered write and waits until all are applied (at the entry's end: a
+    /// reader of the entry's View sees all of them).
+    fn flush_writes(&mut self) {
+        self.send_writes();
+        self.writes_to = None;
+        for (index, writes) in std::mem::take(&mut self.parked) {
+            if writes.is_empty() {
+                self.writer.give_back(writes);
+            } else {
+                self.writer.send(index, writes);
+            }
+        }
+        self.writer.wait();
     }
 
     fn apply_ingest(&mut self, entry: &Entry, batch: &IngestBatch, out: &mut Applied) {
@@ -328,7 +399,11 @@ impl StateMachine {
             return;
         };
         let index = pool.index.clone();
-        let key = (item.pool.clone(), item.worker.clone());
+        self.write_to(&index);
+        // The worker's key, in a buffer kept from item to item (no allocation per message).
+        let mut key = std::mem::take(&mut self.key_buffer);
+        key.0.clone_from(&item.pool);
+        key.1.clone_from(&item.worker);
         // KV events change no fact of a worker that exists (its blocks are facts of their own):
         // the worker's digest part is recomputed only for what can change it.
         let facts_change =
@@ -349,6 +424,10 @@ impl StateMachine {
         }
         if !self.dirty.pools.contains(&item.pool) {
             self.dirty.pools.insert(item.pool.clone());
+        }
+        self.key_buffer = key;
+        if self.writes.len() >= SEND_WRITES_AT {
+            self.send_writes();
         }
     }
 
@@ -400,7 +479,7 @@ impl StateMachine {
                     .collect();
                 index.entering(entry.index);
                 for rank in ranks {
-                    self.clear_rank(index, wid, rank);
+                    self.clear_rank(wid, rank);
                 }
             }
             _ if !worker.up => {
@@ -488,10 +567,10 @@ impl StateMachine {
                     };
                     self.blocks_digest = self.blocks_digest.wrapping_add(d);
                     match a.change {
-                        Change::Appeared => rank.hold(index, s, wid, dp),
+                        Change::Appeared => self.writes.add(s, wid, dp),
                         Change::Moved { from } => {
-                            rank.release(index, from, wid, dp);
-                            rank.hold(index, s, wid, dp);
+                            self.writes.remove(from, wid, dp);
+                            self.writes.add(s, wid, dp);
                         }
                         _ => {}
                     }
@@ -505,17 +584,17 @@ impl StateMachine {
                 out.kv_events += 1;
             }
             KvEvent::Removed { block_hashes, tier } => {
-                self.remove_from_group(index, (wid, dp), block_hashes, *tier, 0, out);
+                self.remove_from_group((wid, dp), block_hashes, *tier, 0, out);
             }
             KvEvent::RemovedFromGroup {
                 block_hashes,
                 tier,
                 group,
             } => {
-                self.remove_from_group(index, (wid, dp), block_hashes, *tier, *group, out);
+                self.remove_from_group((wid, dp), block_hashes, *tier, *group, out);
             }
             KvEvent::Cleared => {
-                self.clear_rank(index, wid, dp);
+                self.clear_rank(wid, dp);
                 out.kv_events += 1;
             }
         }
@@ -525,7 +604,6 @@ impl StateMachine {
     /// prefix cache (a hybrid model's sliding window names the same blocks).
     fn remove_from_group(
         &mut self,
-        index: &PoolIndex,
         (wid, dp): (u64, u32),
         hashes: &[u64],
         tier: Tier,
@@ -549,7 +627,7 @@ impl StateMachine {
             match a.change {
                 Change::Unknown => unknown += 1,
                 Change::Disappeared { seq } if tier == Tier::Gpu => {
-                    rank.release(index, seq, wid, dp);
+                    self.writes.remove(seq, wid, dp);
                 }
                 _ => {}
             }
@@ -563,12 +641,12 @@ impl StateMachine {
         out.kv_events += 1;
     }
 
-    fn clear_rank(&mut self, index: &PoolIndex, wid: u64, dp: u32) {
+    fn clear_rank(&mut self, wid: u64, dp: u32) {
         if let Some(rank) = self.ranks.remove(&(wid, dp)) {
             self.blocks_digest = self.blocks_digest.wrapping_sub(rank.digest);
             self.indexed_blocks = self.indexed_blocks.saturating_sub(rank.gpu_blocks);
             for b in rank.blocks.values().filter(|b| b.has(Tier::Gpu)) {
-                index.remove(b.seq, wid, dp);
+                self.writes.remove(b.seq, wid, dp);
             }
         }
     }

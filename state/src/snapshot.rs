@@ -221,7 +221,7 @@ impl StateMachine {
             .iter()
             .map(|((p, _), w)| (w.id, p.as_str()))
             .collect();
-        for (&(worker, dp_rank), rank) in &mut sm.ranks {
+        for (&(worker, dp_rank), rank) in &sm.ranks {
             let index = pool_of
                 .get(&worker)
                 .and_then(|p| sm.pools.get(*p))
@@ -233,9 +233,11 @@ impl StateMachine {
                 .filter(|b| b.has(crate::Tier::Gpu))
                 .map(|b| b.seq)
                 .collect();
+            let mut writes = crate::index::Writes::default();
             for seq in seqs {
-                rank.hold(&index, seq, worker, dp_rank);
+                writes.add(seq, worker, dp_rank);
             }
+            index.write(&mut writes);
         }
         sm.dropped = p.dropped.into_iter().collect();
         sm.quota = Arc::new(p.quota);
