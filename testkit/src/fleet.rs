@@ -344,9 +344,20 @@ impl Node {
         assert!(process::signal(c, sig), "kill {sig} {}", self.name);
     }
 
-    /// SIGSTOP: the process freezes (its sockets stay open, nothing answers).
+    /// SIGSTOP: the process freezes (its sockets stay open, nothing answers). Returns once
+    /// every thread has stopped, so nothing the node does lands after this.
     pub fn pause(&self) {
         self.signal("-STOP");
+        let c = self.child.as_ref().expect("node is not running");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !process::is_stopped(c) {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not stop within 10 s of SIGSTOP",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT after `pause`.

@@ -133,6 +133,22 @@ pub fn signal(child: &Child, signal: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Whether every thread of `child` is stopped (SIGSTOP has taken effect everywhere: a write
+/// in flight when the signal came has finished).
+pub fn is_stopped(child: &Child) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", child.id())) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
+}
+
 /// SIGTERM to every child (last started first), then SIGKILL to those still running after
 /// `grace`, and reap them all.
 pub fn stop_all(children: &mut [Child], grace: Duration) {

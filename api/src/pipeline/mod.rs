@@ -172,9 +172,10 @@ impl RouterService {
             rewrite_model: None,
             steps: Vec::new(),
         };
-        let step = |d: &mut Decision, s: String| {
+        // Explain's words, formatted only for Explain.
+        let step = |d: &mut Decision, s: &dyn Fn() -> String| {
             if explain {
-                d.steps.push(s);
+                d.steps.push(s());
             }
         };
         // 1. prompt: what the request says; its tokens once its model resolved
@@ -201,8 +202,7 @@ impl RouterService {
             Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
         };
         let p = d.prompted.clone();
-        step(
-            &mut d,
+        step(&mut d, &|| {
             format!(
                 "prompt: {} tokens ({}{}), model {:?}",
                 p.total_tokens(),
@@ -216,8 +216,8 @@ impl RouterService {
                     String::new()
                 },
                 p.model
-            ),
-        );
+            )
+        });
         if explain {
             d.steps.extend(resolve::describe(&p.model, &resolved));
         }
@@ -238,7 +238,7 @@ impl RouterService {
             },
         );
         for (t, s) in tags.tags.iter().zip(&tags.sources) {
-            step(&mut d, format!("tag {t} from {s}"));
+            step(&mut d, &|| format!("tag {t} from {s}"));
         }
         d.tags = tags.clone();
         let preq = kvplane_policy::Request {
@@ -278,7 +278,7 @@ impl RouterService {
         if let Some(r) = &d.rule {
             span.record("rule", tracing::field::display(r));
         }
-        step(&mut d, rule::describe(&choice));
+        step(&mut d, &|| rule::describe(&choice));
         // 5. signals
         let signals = if explain {
             Signals::ALL
@@ -318,17 +318,20 @@ impl RouterService {
         match picked {
             Some(i) => {
                 let c = &d.candidates[i];
-                let line = format!(
-                    "chose {} (minimize {:?}: {:.3})",
-                    kvplane_policy::target_name(&c.target),
-                    rule.minimize,
-                    c.objective
-                );
+                if explain {
+                    let line = format!(
+                        "chose {} (minimize {:?}: {:.3})",
+                        kvplane_policy::target_name(&c.target),
+                        rule.minimize,
+                        c.objective
+                    );
+                    d.steps.push(line);
+                }
+                let c = &d.candidates[i];
                 d.rewrite_model =
-                    Some(c.model.to_string()).filter(|m| *m != p.model && !m.is_empty());
-                step(&mut d, line);
-                if let Some(m) = d.rewrite_model.clone() {
-                    step(&mut d, format!("body model rewritten to {m:?}"));
+                    (!c.model.is_empty() && *c.model != *p.model).then(|| c.model.to_string());
+                if explain && let Some(m) = &d.rewrite_model {
+                    d.steps.push(format!("body model rewritten to {m:?}"));
                 }
                 d.outcome = Outcome::Routed(i);
                 d
