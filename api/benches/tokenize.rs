@@ -180,10 +180,12 @@ fn main() {
             route(&warm, by_body(i, b));
         }
         // Interleaved, request by request: the template alone; template and tokenizer on a
-        // prompt never seen (the whole text) and on one whose system prompt was seen; the whole
+        // prompt never seen (by a tokenizer just loaded: no piece or pre-token seen; and, for
+        // reference, the `tokenizers` crate's encode of the whole text) and on one whose system
+        // prompt was seen; the whole
         // Route decision from the body, on a node that never saw the system prompt (cold) and
         // on one that did (warm); the Route decision given the same token ids.
-        let mut ns: [Vec<u64>; 8] = Default::default();
+        let mut ns: [Vec<u64>; 9] = Default::default();
         let pii = kvplane_policy::kinds::PiiTagger::default();
         let complexity = kvplane_policy::kinds::ComplexityTagger::default();
         let mut matched = 0u64;
@@ -193,7 +195,16 @@ fn main() {
             ns[0].push(t.elapsed().as_nanos() as u64);
             let t = Instant::now();
             let ids = std::hint::black_box(tok.encode_chat_whole(b).unwrap());
+            ns[8].push(t.elapsed().as_nanos() as u64);
+            // kvplane's own path on a tokenizer that never saw a word of it (cold caches).
+            let cold_tok = ModelTokenizer::load(&fixture()).unwrap();
+            let t = Instant::now();
+            let new_ids = std::hint::black_box(cold_tok.encode_chat(b).unwrap());
             ns[1].push(t.elapsed().as_nanos() as u64);
+            assert_eq!(
+                new_ids, ids,
+                "pre-token by pre-token gives the tokenizer's own ids"
+            );
             let t = Instant::now();
             let pieces = std::hint::black_box(tok.encode_chat(b).unwrap());
             ns[2].push(t.elapsed().as_nanos() as u64);
@@ -255,6 +266,7 @@ fn main() {
             ids_route,
             unseen_route,
             taggers,
+            crate_whole,
         ] = ns.map(stats);
         let share = |a: &serde_json::Value, b: &serde_json::Value| {
             a["p50_us"].as_f64().unwrap() / b["p50_us"].as_f64().unwrap()
@@ -266,6 +278,7 @@ fn main() {
             "requests": rounds,
             "template": template,
             "tokenize_new_prompt": cold_tok,
+            "tokenizers_crate_on_the_whole_text": crate_whole,
             "tokenize_seen_system_prompt": warm_tok,
             "route_new_prompt": cold_route,
             "route_seen_system_prompt": warm_route,

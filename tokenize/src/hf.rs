@@ -241,6 +241,12 @@ impl ModelTokenizer {
         self.segments.as_ref().is_some_and(|s| s.chunked())
     }
 
+    /// Whether text never seen is encoded pre-token by pre-token, each pre-token's ids kept
+    /// (a byte-level BPE tokenizer whose probe agreed at load; see [`crate::pretokens`]).
+    pub fn by_pretokens(&self) -> bool {
+        self.segments.as_ref().is_some_and(|s| s.by_pretokens())
+    }
+
     /// [`ModelTokenizer::encode_chat`] without the piece cache: the tokenizer on the whole text.
     pub fn encode_chat_whole(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;

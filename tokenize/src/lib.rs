@@ -9,6 +9,7 @@
 
 mod body;
 mod hf;
+mod pretokens;
 mod pyjson;
 mod pytime;
 mod segments;

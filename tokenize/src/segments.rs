@@ -19,6 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 
+use crate::pretokens::Pretokens;
+
 /// Pieces shorter than this are encoded every time (cheaper than keeping them).
 const MIN_CACHED_BYTES: usize = 256;
 /// Pieces kept; past this the cache starts over.
@@ -34,6 +36,8 @@ pub(crate) struct Segmenter {
     /// The id of each pattern of `matcher`.
     ids: Vec<u32>,
     cache: Mutex<HashMap<u128, Arc<[u32]>>>,
+    /// Pieces never seen, pre-token by pre-token (see [`crate::pretokens`]).
+    pretokens: Option<Pretokens>,
 }
 
 impl Segmenter {
@@ -60,6 +64,7 @@ impl Segmenter {
             matcher,
             ids: tokens.into_iter().map(|(id, _)| id).collect(),
             cache: Mutex::default(),
+            pretokens: Pretokens::new(tokenizer),
         })
     }
 
@@ -136,7 +141,7 @@ impl Segmenter {
         let mut target = FIRST_CHUNK_BYTES;
         while at < piece.len() {
             let end = next_cut(piece, at + target).unwrap_or(piece.len());
-            out.extend_from_slice(tokenizer.encode_fast(&piece[at..end], false)?.get_ids());
+            self.text(tokenizer, &piece[at..end], out, remember)?;
             at = end;
             target *= 2;
             if at < piece.len() && !still_cached(out) {
@@ -148,11 +153,7 @@ impl Segmenter {
             }
         }
         if remember {
-            let mut cache = self.lock();
-            if cache.len() >= CAPACITY {
-                cache.clear();
-            }
-            cache.insert(key, out[first..].into());
+            self.keep(key, &out[first..]);
         }
         Ok(None)
     }
@@ -168,27 +169,50 @@ impl Segmenter {
             return Ok(());
         }
         if piece.len() < MIN_CACHED_BYTES {
-            out.extend_from_slice(tokenizer.encode_fast(piece, false)?.get_ids());
-            return Ok(());
+            return self.text(tokenizer, piece, out, remember);
         }
         let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
-        let cached = self.lock().get(&key).cloned();
-        let ids = match cached {
-            Some(ids) => ids,
-            None => {
-                let ids: Arc<[u32]> = tokenizer.encode_fast(piece, false)?.get_ids().into();
-                if remember {
-                    let mut cache = self.lock();
-                    if cache.len() >= CAPACITY {
-                        cache.clear();
-                    }
-                    cache.insert(key, ids.clone());
-                }
-                ids
-            }
-        };
-        out.extend_from_slice(&ids);
+        if let Some(ids) = self.lock().get(&key).cloned() {
+            out.extend_from_slice(&ids);
+            return Ok(());
+        }
+        let first = out.len();
+        self.text(tokenizer, piece, out, remember)?;
+        if remember {
+            self.keep(key, &out[first..]);
+        }
         Ok(())
+    }
+
+    /// Appends the ids of `text` (no added token in it): pre-token by pre-token where the
+    /// tokenizer allows it, else by the tokenizer on the whole.
+    fn text(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        text: &str,
+        out: &mut Vec<u32>,
+        remember: bool,
+    ) -> Result<(), tokenizers::Error> {
+        match &self.pretokens {
+            Some(p) => p.encode(tokenizer, text, out, remember),
+            None => {
+                out.extend_from_slice(tokenizer.encode_fast(text, false)?.get_ids());
+                Ok(())
+            }
+        }
+    }
+
+    /// Keeps a piece's ids under its key; a full cache starts over.
+    fn keep(&self, key: u128, ids: &[u32]) {
+        let mut cache = self.lock();
+        if cache.len() >= CAPACITY {
+            cache.clear();
+        }
+        cache.insert(key, ids.into());
+    }
+
+    pub(crate) fn by_pretokens(&self) -> bool {
+        self.pretokens.is_some()
     }
 
     pub(crate) fn chunked(&self) -> bool {

@@ -30,6 +30,10 @@ fn cases(family: &str) -> Vec<Case> {
 
 fn check_family(family: &str) -> usize {
     let tok = ModelTokenizer::load(&fixture(family)).unwrap();
+    assert!(
+        tok.by_pretokens(),
+        "{family}: chat text goes pre-token by pre-token"
+    );
     let cases = cases(family);
     for c in &cases {
         let p = prompt_from_body_with(c.body.as_bytes(), Some(&tok))
