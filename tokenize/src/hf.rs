@@ -82,11 +82,21 @@ impl ModelTokenizer {
             tokenizers::utils::parallelism::set_parallelism(false);
         }
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer =
+        let mut tokenizer =
             tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| LoadError::File {
                 path: tokenizer_path.clone(),
                 reason: e.to_string(),
             })?;
+        // transformers turns off the file's truncation and padding on every call that does not
+        // ask for them (`set_truncation_and_padding`), and vLLM asks for neither: the prompt's
+        // ids are all of them, unpadded.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| LoadError::File {
+                path: tokenizer_path.clone(),
+                reason: e.to_string(),
+            })?
+            .with_padding(None);
         let config_path = dir.join("tokenizer_config.json");
         let config: Value = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| LoadError::File {

@@ -4,14 +4,15 @@
 //! A byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen 2's) splits its input with one regex
 //! into pre-tokens, maps each pre-token's bytes to GPT-2's printable characters and runs BPE on
 //! each on its own. `Tokenizer::encode` also builds, for every token, its string, offsets and
-//! alignments - most of its time goes to allocating them. [`Pretokens`] runs the same regex
-//! (the tokenizer's own regex engine, the tokenizer's own pattern), looks each pre-token up in a
-//! cache of ids, and hands only pre-tokens never seen to the tokenizer's own BPE model.
+//! alignments - most of its time goes to allocating them. [`Pretokens`] splits on the
+//! tokenizer's own pattern (on a DFA where the pattern allows it, see [`Splitter`]), looks each
+//! pre-token up in a cache of ids, and hands only pre-tokens never seen to the tokenizer's own
+//! BPE model.
 //!
-//! Used only for the shapes it knows - no normalizer; the `ByteLevel` pre-tokenizer with its
-//! regex, or a regex `Split` (isolated) then `ByteLevel` without one; a BPE model without
-//! dropout or word prefixes and suffixes - and only when a probe text encodes to the
-//! tokenizer's own ids at load. Anything else is encoded by the tokenizer itself.
+//! Used only for the shapes it knows - no normalizer, truncation or padding; the `ByteLevel`
+//! pre-tokenizer with its regex, or a regex `Split` (isolated) then `ByteLevel` without one; a
+//! BPE model without dropout or word prefixes and suffixes - and only when a probe text encodes
+//! to the tokenizer's own ids at load. Anything else is encoded by the tokenizer itself.
 
 use std::sync::RwLock;
 
@@ -42,7 +43,10 @@ impl Pretokens {
     /// The pre-token encoder of `tokenizer`, when its pipeline is one this knows and a probe
     /// text gives the tokenizer's own ids.
     pub(crate) fn new(tokenizer: &Tokenizer) -> Option<Self> {
-        if tokenizer.get_normalizer().is_some() {
+        if tokenizer.get_normalizer().is_some()
+            || tokenizer.get_truncation().is_some()
+            || tokenizer.get_padding().is_some()
+        {
             return None;
         }
         let ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
@@ -78,11 +82,13 @@ impl Pretokens {
         // Pre-tokens not in the cache, met in this text: where their ids are in `out`.
         let mut new: AHashMap<&'t str, (usize, usize)> = AHashMap::new();
         {
-            let cache = self.cache.read().unwrap_or_else(|p| p.into_inner());
+            let read = || self.cache.read().unwrap_or_else(|p| p.into_inner());
+            // Held across hits only: released while the model encodes a pre-token.
+            let mut cache = Some(read());
             let mut mapped = String::new();
             for (start, end) in self.split.spans(text) {
                 let w = &text[start..end];
-                if let Some(ids) = cache.get(w) {
+                if let Some(ids) = cache.get_or_insert_with(read).get(w) {
                     out.extend_from_slice(ids);
                     continue;
                 }
@@ -90,6 +96,7 @@ impl Pretokens {
                     out.extend_from_within(from..to);
                     continue;
                 }
+                cache = None;
                 mapped.clear();
                 mapped.extend(w.bytes().map(|b| self.chars[usize::from(b)]));
                 let first = out.len();
@@ -249,19 +256,35 @@ const PROBE: &str = "You are a careful assistant.\nAnswer in English, or en fran
 
 #[cfg(test)]
 mod tests {
+    use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+    use tokenizers::{
+        OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior,
+    };
+
     use super::*;
 
     const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-    fn onig_spans(pattern: &str, text: &str) -> Vec<(usize, usize)> {
-        Splitter::Onig(SysRegex::new(pattern).unwrap())
-            .spans(text)
+    /// Where the `tokenizers` crate's own `Split` pre-tokenizer (isolated) splits `text`.
+    fn tokenizers_spans(pattern: &str, text: &str) -> Vec<(usize, usize)> {
+        let split = Split::new(
+            SplitPattern::Regex(pattern.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .unwrap();
+        let mut pre = PreTokenizedString::from(text);
+        split.pre_tokenize(&mut pre).unwrap();
+        pre.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, offsets, _)| offsets)
             .collect()
     }
 
     #[test]
     fn the_byte_level_patterns_run_on_the_dfa() {
-        for p in [GPT2_PATTERN, LLAMA3_PATTERN] {
+        for p in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN] {
             assert!(
                 matches!(Splitter::new(p), Some(Splitter::Dfa { .. })),
                 "{p}"
@@ -274,26 +297,29 @@ mod tests {
     }
 
     #[test]
-    fn a_pattern_matching_empty_text_splits_as_oniguruma_splits() {
+    fn a_pattern_matching_empty_text_splits_as_the_tokenizer_splits() {
         let p = r"\p{N}{0,3}|\s+(?!\S)|\s+";
         let text = "ab 12345  c\n\n d";
         let dfa: Vec<_> = Splitter::new(p).unwrap().spans(text).collect();
-        assert_eq!(dfa, onig_spans(p, text));
+        assert_eq!(dfa, tokenizers_spans(p, text));
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
 
-        /// The DFA with the lookahead given back splits any text where Oniguruma, the
-        /// tokenizer's own engine, splits it on the whole pattern.
+        /// The DFA with the lookahead given back, and Oniguruma on the whole pattern, split
+        /// any text where the `tokenizers` crate's `Split` pre-tokenizer splits it, on the
+        /// patterns of GPT-2, Llama 3 and Qwen 2.
         #[test]
-        fn the_dfa_splits_where_oniguruma_splits(
-            text in "(\\PC|[ \t\r\n\u{a0}\u{2028}\u{3000}\u{85}]|'[sStTlLdD]|[0-9]{1,5}){0,80}",
-            llama in proptest::bool::ANY,
+        fn pretokens_split_where_the_tokenizer_splits(
+            text in "(\\PC|[ \t\r\n\u{b}\u{c}\u{85}\u{a0}\u{2028}\u{3000}\u{200b}\u{feff}\u{17f}]|'(s|S|t|T|re|RE|Re|ve|VE|m|M|ll|LL|d|D)|[0-9]{1,5}){0,80}",
+            pattern in proptest::sample::select(vec![GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN]),
         ) {
-            let p = if llama { LLAMA3_PATTERN } else { GPT2_PATTERN };
-            let dfa: Vec<_> = Splitter::new(p).unwrap().spans(&text).collect();
-            proptest::prop_assert_eq!(dfa, onig_spans(p, &text));
+            let expected = tokenizers_spans(pattern, &text);
+            let dfa: Vec<_> = Splitter::new(pattern).unwrap().spans(&text).collect();
+            proptest::prop_assert_eq!(&dfa, &expected);
+            let onig = Splitter::Onig(SysRegex::new(pattern).unwrap());
+            proptest::prop_assert_eq!(&onig.spans(&text).collect::<Vec<_>>(), &expected);
         }
     }
 }

@@ -75,7 +75,9 @@ fn assert_exact(
 
 #[test]
 fn the_split_then_byte_level_shape_is_encoded_by_pretokens() {
-    for pattern in [LLAMA3_PATTERN, QWEN2_PATTERN] {
+    // The third has no `\s+(?!\S)|\s+` tail: it is split by Oniguruma, not the DFA.
+    let other_tail = LLAMA3_PATTERN.replace(r"|\s+(?!\S)|\s+", r"|\s+(?!\S)|\s");
+    for pattern in [LLAMA3_PATTERN, QWEN2_PATTERN, other_tail.as_str()] {
         let (_dir, tok) = variant(split_then_byte_level(pattern));
         assert!(tok.by_pretokens(), "{pattern}");
         let text = "It's 12345 tokens:\r\n\n  indented\tword, AND 'QUOTED' \u{e9}t\u{e9} \u{6771}\u{4eac}!!\n";
@@ -107,6 +109,29 @@ fn a_tokenizer_outside_the_known_shapes_is_encoded_by_the_tokenizer_itself() {
             "x",
         );
         assert_exact(&tok, &b).unwrap();
+    }
+}
+
+#[test]
+fn truncation_and_padding_in_the_file_are_off_as_transformers_turns_them_off() {
+    let (_dir, tok) = variant(|j| {
+        j["truncation"] = serde_json::json!({"max_length": 8, "strategy": "LongestFirst", "stride": 0, "direction": "Right"});
+        j["padding"] = serde_json::json!({"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": 64, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+    });
+    assert!(tok.by_pretokens());
+    #[derive(serde::Deserialize)]
+    struct Case {
+        name: String,
+        body: String,
+        ids: Vec<u32>,
+    }
+    let cases: Vec<Case> = serde_json::from_str(
+        &std::fs::read_to_string(fixture("chatml-style").join("cases.json")).unwrap(),
+    )
+    .unwrap();
+    for c in cases {
+        let p = kvplane_tokenize::prompt_from_body_with(c.body.as_bytes(), Some(&tok)).unwrap();
+        assert_eq!(p.tokens, c.ids, "{}: transformers' ids", c.name);
     }
 }
 
