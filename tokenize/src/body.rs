@@ -47,6 +47,9 @@ pub struct BodyFields {
     pub max_tokens: Option<u32>,
     /// vLLM's `cache_salt`.
     pub cache_salt: Option<String>,
+    /// Whether the body has `messages`: a chat body, whose prompt a model's own template
+    /// renders ([`ModelTokenizer::encode_chat_until`] reads it from the bytes).
+    pub chat: bool,
 }
 
 #[derive(serde::Deserialize)]
@@ -85,6 +88,7 @@ fn fields_of(raw: RawFields) -> BodyFields {
             .cache_salt
             .and_then(|s| s.as_str().map(str::to_owned))
             .filter(|s| !s.is_empty()),
+        chat: raw.messages.is_some(),
     }
 }
 

@@ -72,6 +72,8 @@ pub(crate) struct Fields {
     pub model: String,
     pub max_tokens: Option<u32>,
     pub cache_salt: Option<String>,
+    /// The body is a chat body (has `messages`).
+    pub chat: bool,
 }
 
 /// The model, output limit and cache salt of `req`: its own, else its body's.
@@ -102,6 +104,7 @@ pub(crate) fn fields(req: &RouteRequest) -> Result<Fields, PromptError> {
         cache_salt: (!req.cache_salt.is_empty())
             .then(|| req.cache_salt.clone())
             .or(body.cache_salt),
+        chat: body.chat,
     })
 }
 
@@ -119,6 +122,7 @@ pub(crate) fn prompt(
         model,
         max_tokens,
         cache_salt,
+        chat,
     } = f;
     if !req.token_ids.is_empty() {
         return Ok(Prompted {
@@ -140,12 +144,21 @@ pub(crate) fn prompt(
     let tokenizer = tokenizers.for_model(view, served);
     let salt = cache_salt.as_deref();
     // Explain leaves the tokenizer's piece cache as it was.
-    let p = prompt_from_body_until(
-        &req.body,
-        tokenizer.as_deref(),
-        &mut |ids| still_cached(view, sets, &model, salt, ids),
-        !explain,
-    )?;
+    let mut still = |ids: &[u32]| still_cached(view, sets, &model, salt, ids);
+    if chat && let Some(t) = tokenizer.as_deref() {
+        // A chat body for the model's own template: its fields are read already, the
+        // template reads the rest from the bytes.
+        let (tokens, estimated_rest) = t.encode_chat_until(&req.body, &mut still, !explain)?;
+        return Ok(Prompted {
+            tokens,
+            estimated_rest,
+            source: PromptSource::Chat,
+            model,
+            max_tokens,
+            cache_salt,
+        });
+    }
+    let p = prompt_from_body_until(&req.body, tokenizer.as_deref(), &mut still, !explain)?;
     Ok(Prompted {
         tokens: p.tokens,
         estimated_rest: p.estimated_rest,
