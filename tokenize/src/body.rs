@@ -48,7 +48,7 @@ pub struct BodyFields {
     /// vLLM's `cache_salt`.
     pub cache_salt: Option<String>,
     /// Whether the body has `messages`: a chat body, whose prompt a model's own template
-    /// renders ([`ModelTokenizer::encode_chat_until`] reads it from the bytes).
+    /// reads from the bytes.
     pub chat: bool,
 }
 
@@ -107,15 +107,18 @@ pub fn prompt_from_body_with(
     body: &[u8],
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Prompt, TokenizeError> {
-    prompt_from_body_until(body, tokenizer, &mut |_| true, true)
+    prompt_from_body_until(body, None, tokenizer, &mut |_| true, true)
 }
 
 /// As [`prompt_from_body_with`], but a chat prompt is encoded with the model's tokenizer only
 /// as far as `still_cached(ids so far)` holds (see [`ModelTokenizer::encode_chat_until`]):
 /// once no engine can hold the prompt that far, the rest is only counted, roughly.
-/// `remember`: whether what is encoded enters the tokenizer's piece cache.
+/// `remember`: whether what is encoded enters the tokenizer's piece cache. `read`: the body's
+/// fields when the caller has read them already ([`body_fields`]), so the body is not read
+/// for them again.
 pub fn prompt_from_body_until(
     body: &[u8],
+    read: Option<BodyFields>,
     tokenizer: Option<&ModelTokenizer>,
     still_cached: &mut dyn FnMut(&[u32]) -> bool,
     remember: bool,
@@ -123,9 +126,11 @@ pub fn prompt_from_body_until(
     // A chat body for a model's own template: read once for its fields (skipping the
     // messages), once by the template, never copied into a JSON tree.
     if let Some(t) = tokenizer {
-        let raw = raw_fields(body)?;
-        if raw.messages.is_some() {
-            let f = fields_of(raw);
+        let f = match read {
+            Some(f) => f,
+            None => body_fields(body)?,
+        };
+        if f.chat {
             let (tokens, estimated_rest) = t.encode_chat_until(body, still_cached, remember)?;
             return Ok(Prompt {
                 tokens,

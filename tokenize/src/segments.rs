@@ -132,8 +132,7 @@ impl Segmenter {
             return Ok(None);
         }
         let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
-        if let Some(ids) = self.lock().get(&key).cloned() {
-            out.extend_from_slice(&ids);
+        if self.cached(key, out) {
             return Ok(None);
         }
         let first = out.len();
@@ -172,8 +171,7 @@ impl Segmenter {
             return self.text(tokenizer, piece, out, remember);
         }
         let key = xxhash_rust::xxh3::xxh3_128(piece.as_bytes());
-        if let Some(ids) = self.lock().get(&key).cloned() {
-            out.extend_from_slice(&ids);
+        if self.cached(key, out) {
             return Ok(());
         }
         let first = out.len();
@@ -200,6 +198,15 @@ impl Segmenter {
                 Ok(())
             }
         }
+    }
+
+    /// Appends the ids kept under `key`, if any; whether there were.
+    fn cached(&self, key: u128, out: &mut Vec<u32>) -> bool {
+        let Some(ids) = self.lock().get(&key).cloned() else {
+            return false;
+        };
+        out.extend_from_slice(&ids);
+        true
     }
 
     /// Keeps a piece's ids under its key; a full cache starts over.

@@ -317,8 +317,8 @@ impl RouterService {
         d.candidates = cands;
         match picked {
             Some(i) => {
-                let c = &d.candidates[i];
                 if explain {
+                    let c = &d.candidates[i];
                     let line = format!(
                         "chose {} (minimize {:?}: {:.3})",
                         kvplane_policy::target_name(&c.target),

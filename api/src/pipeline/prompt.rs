@@ -72,8 +72,8 @@ pub(crate) struct Fields {
     pub model: String,
     pub max_tokens: Option<u32>,
     pub cache_salt: Option<String>,
-    /// The body is a chat body (has `messages`).
-    pub chat: bool,
+    /// The body's own fields, read once: the prompt is read with them.
+    pub body: kvplane_tokenize::BodyFields,
 }
 
 /// The model, output limit and cache salt of `req`: its own, else its body's.
@@ -94,7 +94,7 @@ pub(crate) fn fields(req: &RouteRequest) -> Result<Fields, PromptError> {
     };
     Ok(Fields {
         model: if req.model.is_empty() {
-            body.model.unwrap_or_default()
+            body.model.clone().unwrap_or_default()
         } else {
             req.model.clone()
         },
@@ -103,8 +103,8 @@ pub(crate) fn fields(req: &RouteRequest) -> Result<Fields, PromptError> {
             .or(body.max_tokens),
         cache_salt: (!req.cache_salt.is_empty())
             .then(|| req.cache_salt.clone())
-            .or(body.cache_salt),
-        chat: body.chat,
+            .or_else(|| body.cache_salt.clone()),
+        body,
     })
 }
 
@@ -122,7 +122,7 @@ pub(crate) fn prompt(
         model,
         max_tokens,
         cache_salt,
-        chat,
+        body,
     } = f;
     if !req.token_ids.is_empty() {
         return Ok(Prompted {
@@ -144,21 +144,13 @@ pub(crate) fn prompt(
     let tokenizer = tokenizers.for_model(view, served);
     let salt = cache_salt.as_deref();
     // Explain leaves the tokenizer's piece cache as it was.
-    let mut still = |ids: &[u32]| still_cached(view, sets, &model, salt, ids);
-    if chat && let Some(t) = tokenizer.as_deref() {
-        // A chat body for the model's own template: its fields are read already, the
-        // template reads the rest from the bytes.
-        let (tokens, estimated_rest) = t.encode_chat_until(&req.body, &mut still, !explain)?;
-        return Ok(Prompted {
-            tokens,
-            estimated_rest,
-            source: PromptSource::Chat,
-            model,
-            max_tokens,
-            cache_salt,
-        });
-    }
-    let p = prompt_from_body_until(&req.body, tokenizer.as_deref(), &mut still, !explain)?;
+    let p = prompt_from_body_until(
+        &req.body,
+        Some(body),
+        tokenizer.as_deref(),
+        &mut |ids| still_cached(view, sets, &model, salt, ids),
+        !explain,
+    )?;
     Ok(Prompted {
         tokens: p.tokens,
         estimated_rest: p.estimated_rest,
