@@ -297,6 +297,16 @@ mod tests {
     }
 
     #[test]
+    fn a_run_of_whitespace_before_a_character_splits_as_the_tokenizer_splits() {
+        // Once found by the property below against a wrong give-back.
+        let text = "\u{85}\r\u{119da}";
+        for p in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN] {
+            let dfa: Vec<_> = Splitter::new(p).unwrap().spans(text).collect();
+            assert_eq!(dfa, tokenizers_spans(p, text), "{p}");
+        }
+    }
+
+    #[test]
     fn a_pattern_matching_empty_text_splits_as_the_tokenizer_splits() {
         let p = r"\p{N}{0,3}|\s+(?!\S)|\s+";
         let text = "ab 12345  c\n\n d";
