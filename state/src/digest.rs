@@ -3,8 +3,12 @@
 //! Blocks are hashed incrementally as a multiset hash: each `(worker, rank, engine hash,
 //! sequence hash, tiers)` fact contributes `xxh3_128` of its fixed-width encoding, and
 //! contributions are added with wrapping arithmetic, so adding and removing facts is O(1) and
-//! order does not matter. The prefix index is a function of these facts (each GPU fact puts its
-//! rank under its sequence hash), so the digest covers what lookups answer. Workers are a
+//! order does not matter. The prefix index should be a function of these facts (each GPU fact
+//! puts its rank under its sequence hash), but it is written apart from them (on the writer
+//! thread, or rebuilt by a restore), so the digest also covers each pool's index as it is: its
+//! content hash ([`crate::PoolIndex::content`], a multiset hash of its holds kept by the
+//! writes), and [`crate::StateMachine::digest`] recounts that from the index's maps. A replica
+//! whose index lost a write reports another digest although its counts agree. Workers are a
 //! multiset hash too, kept as apply changes them; the config and the quota ledger are hashed
 //! when an entry changes them. Log positions (entry indexes, proposer timestamps) are
 //! deliberately left out: a node that rebuilds its state by replaying the same stream in

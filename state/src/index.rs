@@ -31,16 +31,24 @@
 //! engine hashes (vLLM's hash also covers multimodal keys the sequence hash does not) is in it
 //! twice, and stays a holder until both are removed. A write therefore needs no answer from
 //! the index, which is what lets apply defer it.
+//!
+//! The index keeps a multiset hash of what it holds ([`PoolIndex::content`]: the wrapping sum
+//! of `xxh3_128` of each `(sequence hash, holder)` it holds), changed by the writes that
+//! change the maps and by nothing else, so the state digest covers the index as it is - a
+//! write lost on the way (the writer thread gone with a batch, a restore that rebuilt less)
+//! shows as a different digest, not only as different answers. [`PoolIndex::computed_content`]
+//! recounts it from the maps.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Mutex, PoisonError, RwLock};
 
 use dynamo_kv_router::protocols::{
     BlockHashOptions, LocalBlockHash, compute_block_hash_for_seq, compute_next_seq_hash,
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+use xxhash_rust::xxh3::xxh3_128;
 
 /// How many prompt blocks each worker rank already holds, consecutively from block 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -91,6 +99,14 @@ fn holder(worker: u64, dp_rank: u32) -> u64 {
 
 fn unpack(h: u64) -> (u64, u32) {
     (h >> RANK_BITS, (h & u64::from(MAX_DP_RANK)) as u32)
+}
+
+/// One hold's part of [`PoolIndex::content`].
+fn hold_fact(seq: u64, holder: u64) -> u128 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&seq.to_le_bytes());
+    buf[8..].copy_from_slice(&holder.to_le_bytes());
+    xxh3_128(&buf)
 }
 
 /// The holders of one block, sorted, a rank once per engine hash it holds the block under
@@ -181,6 +197,8 @@ pub struct PoolIndex {
     shards: Box<[Shard]>,
     /// The highest entry index whose effects may be in the index.
     through: AtomicU64,
+    /// The multiset hash of every hold in the maps (see the module's docs).
+    content: Mutex<u128>,
 }
 
 impl std::fmt::Debug for PoolIndex {
@@ -198,6 +216,7 @@ impl PoolIndex {
             block_size,
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             through: AtomicU64::new(0),
+            content: Mutex::new(0),
         }
     }
 
@@ -314,15 +333,42 @@ impl PoolIndex {
             sorted[next[s]] = *op;
             next[s] += 1;
         }
+        let mut delta = 0u128;
         for (s, shard) in self.shards.iter().enumerate() {
             for run in sorted[starts[s]..starts[s + 1]].chunks(RUN) {
                 let mut map = shard.write();
                 for op in run {
-                    apply_op(&mut map, *op);
+                    match apply_op(&mut map, *op) {
+                        Some(true) => delta = delta.wrapping_add(hold_fact(op.seq, op.holder)),
+                        Some(false) => delta = delta.wrapping_sub(hold_fact(op.seq, op.holder)),
+                        None => {}
+                    }
                 }
             }
         }
+        let mut content = self.content.lock().unwrap_or_else(PoisonError::into_inner);
+        *content = content.wrapping_add(delta);
         writes.ops.clear();
+    }
+
+    /// The multiset hash of every `(sequence hash, holder)` hold, as the writes that changed
+    /// the maps kept it. Read it when no write is under way (apply reads it between entries).
+    pub fn content(&self) -> u128 {
+        *self.content.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// [`PoolIndex::content`] recounted from the maps (in their order: a sum does not depend
+    /// on it).
+    pub fn computed_content(&self) -> u128 {
+        let mut sum = 0u128;
+        for shard in &*self.shards {
+            for (&seq, holders) in shard.read().iter() {
+                for &h in holders {
+                    sum = sum.wrapping_add(hold_fact(seq, h));
+                }
+            }
+        }
+        sum
     }
 
     /// Blocks with at least one holder.
@@ -335,11 +381,60 @@ impl PoolIndex {
     }
 }
 
-fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) {
+/// Applies one write: `Some(true)` when it added a hold, `Some(false)` when it took one off,
+/// `None` when there was none to take.
+/// Damage, for the tests that prove the digest sees it.
+#[cfg(test)]
+impl PoolIndex {
+    /// The lowest `(sequence hash, holder)` hold in the index.
+    fn lowest_hold(&self) -> Option<(u64, u64)> {
+        self.shards
+            .iter()
+            .filter_map(|s| {
+                s.read()
+                    .iter()
+                    .filter_map(|(&seq, h)| h.first().map(|&h| (seq, h)))
+                    .min()
+            })
+            .min()
+    }
+
+    /// Takes the lowest hold off as a lost write would leave the index: the maps and their
+    /// content change, the state's block facts do not.
+    pub(crate) fn lose_a_hold(&self) -> bool {
+        let Some((seq, holder)) = self.lowest_hold() else {
+            return false;
+        };
+        let mut writes = Writes::default();
+        writes.push(Op {
+            seq,
+            holder,
+            add: false,
+        });
+        self.write(&mut writes);
+        true
+    }
+
+    /// Takes the lowest hold off the maps behind their content's back.
+    pub(crate) fn corrupt_a_hold(&self) -> bool {
+        let Some((seq, holder)) = self.lowest_hold() else {
+            return false;
+        };
+        let op = Op {
+            seq,
+            holder,
+            add: false,
+        };
+        apply_op(&mut self.shards[shard_of(seq)].write(), op).is_some()
+    }
+}
+
+fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) -> Option<bool> {
     if op.add {
         let e = map.entry(op.seq).or_default();
         let at = e.partition_point(|&h| h <= op.holder);
         e.insert(at, op.holder);
+        Some(true)
     } else if let Some(e) = map.get_mut(&op.seq)
         && let Ok(at) = e.binary_search(&op.holder)
     {
@@ -347,6 +442,9 @@ fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) {
         if e.is_empty() {
             map.remove(&op.seq);
         }
+        Some(false)
+    } else {
+        None
     }
 }
 

@@ -14,6 +14,8 @@ mod blocks;
 mod command;
 mod config;
 mod digest;
+#[cfg(test)]
+mod digest_covers_index;
 mod error;
 mod index;
 mod log;

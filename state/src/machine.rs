@@ -859,15 +859,30 @@ impl StateMachine {
     /// The digest of the whole state (see [`crate::digest`] for what it covers), computed
     /// from scratch: the reference the digest apply keeps up to date must equal.
     pub fn digest(&self) -> Digest {
-        self.digest_of(self.computed_blocks(), self.computed_parts())
+        self.digest_of(
+            self.computed_blocks(),
+            self.computed_parts(),
+            Some(PoolIndex::computed_content),
+        )
     }
 
     /// The digest from the parts apply keeps up to date (what readers see in the View).
     pub(crate) fn kept_digest(&self) -> Digest {
-        self.digest_of(self.blocks_digest, self.parts)
+        self.digest_of(self.blocks_digest, self.parts, Some(PoolIndex::content))
     }
 
-    fn digest_of(&self, blocks: u128, parts: DigestParts) -> Digest {
+    /// The digest as snapshots of format 4 recorded it: without the prefix indexes' content.
+    pub(crate) fn digest_without_indexes(&self) -> Digest {
+        self.digest_of(self.computed_blocks(), self.computed_parts(), None)
+    }
+
+    /// `index`: each pool's index content, in pool order (`None`: left out).
+    fn digest_of(
+        &self,
+        blocks: u128,
+        parts: DigestParts,
+        index: Option<fn(&PoolIndex) -> u128>,
+    ) -> Digest {
         let mut h = Hasher::new();
         h.u128(blocks)
             .u64(u64::try_from(self.positions.len()).unwrap_or(u64::MAX));
@@ -878,6 +893,12 @@ impl StateMachine {
             .u128(parts.config)
             .u128(parts.workers)
             .u128(parts.quota);
+        if let Some(content) = index {
+            h.u64(self.pools.len() as u64);
+            for (name, pool) in &self.pools {
+                h.str(name).u128(content(&pool.index));
+            }
+        }
         h.finish()
     }
 

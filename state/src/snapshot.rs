@@ -5,7 +5,8 @@
 //! blocks with their tiers and sequence hashes (sorted, so equal states give equal bytes), the
 //! workers, the config, the quota ledger and the config objects' owners; the prefix indexes are
 //! rebuilt from the ranks' GPU blocks. A restored state is checked against the digest the
-//! snapshot recorded.
+//! snapshot recorded, which covers the rebuilt indexes' content (format 5; format 4's digest
+//! did not, and a format-4 snapshot is checked against that).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,7 +20,10 @@ use crate::machine::{DropReason, Pool, Worker};
 use crate::{PoolIndex, SnapshotError, StateMachine};
 
 const MAGIC: &[u8; 8] = b"KVPSNAP\0";
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
+
+/// The format before the digest covered the prefix indexes (same payload).
+const VERSION_WITHOUT_INDEX_DIGEST: u32 = 4;
 
 #[derive(Serialize, Deserialize)]
 struct Payload {
@@ -66,10 +70,14 @@ impl Captured {
 
     /// The snapshot bytes: magic, version, MessagePack payload, checksum.
     pub fn encode(self) -> Result<Vec<u8>, SnapshotError> {
+        self.encode_as(VERSION)
+    }
+
+    fn encode_as(self, version: u32) -> Result<Vec<u8>, SnapshotError> {
         let body = rmp_serde::to_vec(&self.payload)?;
         let mut out = Vec::with_capacity(body.len() + 20);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&body);
         let sum = xxh3_64(&out);
         out.extend_from_slice(&sum.to_le_bytes());
@@ -134,6 +142,14 @@ impl StateMachine {
         Ok(Captured { payload })
     }
 
+    /// A snapshot as format 4 wrote it (its digest without the indexes' content).
+    #[cfg(test)]
+    pub(crate) fn snapshot_in_format_4(&self) -> Result<Vec<u8>, SnapshotError> {
+        let mut c = self.capture()?;
+        c.payload.digest = self.digest_without_indexes().0;
+        c.encode_as(VERSION_WITHOUT_INDEX_DIGEST)
+    }
+
     /// Rebuilds a state from [`StateMachine::snapshot`] bytes.
     pub fn restore(bytes: &[u8]) -> Result<Self, SnapshotError> {
         if bytes.len() < 20 || &bytes[..8] != MAGIC {
@@ -149,7 +165,7 @@ impl StateMachine {
                 .try_into()
                 .map_err(|_| SnapshotError::BadMagic)?,
         );
-        if version != VERSION {
+        if version != VERSION && version != VERSION_WITHOUT_INDEX_DIGEST {
             return Err(SnapshotError::UnsupportedVersion(version));
         }
         let p: Payload =
@@ -243,7 +259,11 @@ impl StateMachine {
         sm.quota = Arc::new(p.quota);
         sm.parts = sm.computed_parts();
         sm.dirty.all = true;
-        let got = sm.digest();
+        let got = if version == VERSION {
+            sm.digest()
+        } else {
+            sm.digest_without_indexes()
+        };
         if got.0 != p.digest {
             return Err(SnapshotError::DigestMismatch {
                 want: crate::Digest(p.digest).to_string(),
