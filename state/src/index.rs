@@ -383,6 +383,25 @@ impl PoolIndex {
 
 /// Applies one write: `Some(true)` when it added a hold, `Some(false)` when it took one off,
 /// `None` when there was none to take.
+fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) -> Option<bool> {
+    if op.add {
+        let e = map.entry(op.seq).or_default();
+        let at = e.partition_point(|&h| h <= op.holder);
+        e.insert(at, op.holder);
+        Some(true)
+    } else if let Some(e) = map.get_mut(&op.seq)
+        && let Ok(at) = e.binary_search(&op.holder)
+    {
+        e.remove(at);
+        if e.is_empty() {
+            map.remove(&op.seq);
+        }
+        Some(false)
+    } else {
+        None
+    }
+}
+
 /// Damage, for the tests that prove the digest sees it.
 #[cfg(test)]
 impl PoolIndex {
@@ -426,25 +445,6 @@ impl PoolIndex {
             add: false,
         };
         apply_op(&mut self.shards[shard_of(seq)].write(), op).is_some()
-    }
-}
-
-fn apply_op(map: &mut FxHashMap<u64, Holders>, op: Op) -> Option<bool> {
-    if op.add {
-        let e = map.entry(op.seq).or_default();
-        let at = e.partition_point(|&h| h <= op.holder);
-        e.insert(at, op.holder);
-        Some(true)
-    } else if let Some(e) = map.get_mut(&op.seq)
-        && let Ok(at) = e.binary_search(&op.holder)
-    {
-        e.remove(at);
-        if e.is_empty() {
-            map.remove(&op.seq);
-        }
-        Some(false)
-    } else {
-        None
     }
 }
 
