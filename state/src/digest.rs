@@ -8,8 +8,8 @@
 //! thread, or rebuilt by a restore), so the digest also covers each pool's index as it is: its
 //! content hash ([`crate::PoolIndex::content`], a multiset hash of its holds kept by the
 //! writes), and [`crate::StateMachine::digest`] recounts that from the index's maps. A replica
-//! whose index lost a write reports another digest although its counts agree. Workers are a
-//! multiset hash too, kept as apply changes them; the config and the quota ledger are hashed
+//! whose index lost a write reports another digest although its block count agrees. Workers
+//! are a multiset hash too, kept as apply changes them; the config and the quota ledger are hashed
 //! when an entry changes them. Log positions (entry indexes, proposer timestamps) are
 //! deliberately left out: a node that rebuilds its state by replaying the same stream in
 //! different batches arrives at the same digest.

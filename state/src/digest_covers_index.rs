@@ -1,6 +1,7 @@
 //! The digest covers the prefix index as it is, not only the block facts it is built from: a
 //! replica whose index lost a write (the writer thread gone with a batch, a restore that
-//! rebuilt less) reports another digest than its peers although every count agrees.
+//! rebuilt less) reports another digest than its peers although its block count (counted from
+//! the facts) and stream position agree.
 
 use crate::{
     Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent, POOL_KIND,
@@ -78,7 +79,7 @@ fn replicas() -> (StateMachine, StateMachine) {
 }
 
 #[test]
-fn a_replica_whose_index_lost_a_write_reports_another_digest_although_its_counts_agree() {
+fn a_replica_whose_index_lost_a_write_reports_another_digest_although_its_block_count_agrees() {
     let (mut a, mut b) = replicas();
     assert!(a.pools["p"].index.lose_a_hold());
     // The next entry, the same on both, publishes.
