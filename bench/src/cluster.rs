@@ -1,6 +1,7 @@
 //! `kvplane bench cluster`: what Raft costs. The same stream of KV-event batches is applied by
 //! a bare state machine (the single-node ceiling) and committed through a three-node cluster of
-//! real Raft members in this process: redb logs with fsync on every append, gRPC over loopback.
+//! real Raft members in this process: redb logs that fsync every write transaction (appends
+//! that queue up while one commits share the next), gRPC over loopback.
 //! Then the leader is stopped abruptly, again and again, and the time until the new leader
 //! commits its first entry is measured. Prints one JSON document.
 
@@ -73,7 +74,9 @@ struct Rate {
 #[derive(Debug, Serialize)]
 struct ClusterRate {
     nodes: usize,
-    fsync_per_append: bool,
+    /// Per member, over the committed stream: entries its log wrote per fsynced transaction
+    /// (appends queued while one commits share the next one's fsync).
+    log_entries_per_fsync: Vec<f64>,
     transport: &'static str,
     committed: Rate,
     /// Committed events per second as a share of the bare apply rate.
@@ -222,7 +225,7 @@ impl Member {
             let _ = tonic::transport::Server::builder()
                 .add_service(service)
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                     async move {
                         let _ = stop_rx.await;
                     },
@@ -391,6 +394,14 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
     }
     let leader = wait_leader(&members, Duration::from_secs(20)).await?;
     let raft = members[leader].raft().context("leader is up")?.clone();
+    let writes = |members: &[Member]| -> Vec<(u64, u64)> {
+        members
+            .iter()
+            .filter_map(|m| m.raft.as_ref())
+            .map(|m| (m.log_writes.entries(), m.log_writes.fsyncs()))
+            .collect()
+    };
+    let writes_before = writes(&members);
     let t = Instant::now();
     let last = commit_all(&raft, &commands, a.pipeline).await?;
     let committed = rate(t.elapsed().as_secs_f64(), a.entries, events);
@@ -402,6 +413,11 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
             .await?;
         views.push(m.raft.as_ref().context("members are up")?.handle.load());
     }
+    let log_entries_per_fsync = writes(&members)
+        .iter()
+        .zip(&writes_before)
+        .map(|((e, f), (e0, f0))| (e - e0) as f64 / (f - f0).max(1) as f64)
+        .collect();
     let digests_agree = views.iter().all(|v| v.digest == bare_digest);
     let indexed_blocks = views.first().map_or(0, |v| v.indexed_blocks);
 
@@ -474,7 +490,7 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
         workload: workload_info,
         cluster: ClusterRate {
             nodes: 3,
-            fsync_per_append: true,
+            log_entries_per_fsync,
             transport: "grpc over loopback",
             ratio_to_single_node: committed.kv_events_per_s / single.kv_events_per_s.max(1e-9),
             committed,

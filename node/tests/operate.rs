@@ -294,6 +294,13 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
     assert_eq!(find("kvplane_raft_voters", None).map(value), Some(3.0));
     assert_eq!(find("kvplane_raft_ready", None).map(value), Some(1.0));
     assert!(find("kvplane_raft_term", None).is_some_and(|s| value(s) >= 1.0));
+    // The log's writer counts what it fsynced and wrote.
+    let fsyncs = find("kvplane_raft_log_fsyncs_total", None).map(value);
+    let written = find("kvplane_raft_log_entries_written_total", None).map(value);
+    assert!(
+        fsyncs.is_some_and(|f| f >= 1.0) && written.is_some_and(|w| w >= 1.0),
+        "fsyncs {fsyncs:?}, entries written {written:?}"
+    );
     // `kvplane status` shows the tenant's window.
     let out = harness::kvplane_ok(&["status", "--addr", &node.endpoint()]);
     assert!(

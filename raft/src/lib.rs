@@ -3,9 +3,11 @@
 //!
 //! - [`TypeConfig`]: node ids are `u64` and never reused; a log payload is a [`Proposal`]: the
 //!   leader's clock and one state command.
-//! - [`LogStore`]: the log and the vote in one redb file. An append is acknowledged only after
-//!   its write transaction committed with `Durability::Immediate` (fsync); the vote is durable
-//!   before `save_vote` returns; purge and truncate are transactions too.
+//! - [`LogStore`]: the log and the vote in one redb file, written by its own thread
+//!   (`log_writer`): an append returns once readable and is acknowledged only after the write
+//!   transaction holding it committed with `Durability::Immediate` (fsync); appends queued
+//!   meanwhile share the next fsync. The vote, purge and truncate are durable before they
+//!   return.
 //! - [`ReplicatedState`]: the `state/` machine behind openraft's `RaftStateMachine`; snapshots
 //!   are `StateMachine::snapshot` bytes.
 //!
@@ -27,6 +29,7 @@ mod forward;
 mod health;
 mod identity;
 mod log_store;
+mod log_writer;
 mod member;
 mod network;
 mod proposal;
@@ -40,6 +43,7 @@ pub use faults::Faults;
 pub use forward::{ForwardError, Replica};
 pub use health::{NotReady, RaftGauges};
 pub use log_store::{LogStore, LogStoreError};
+pub use log_writer::WriterCounts;
 pub use member::{MemberError, RaftLog, RaftMember, STATE_DIR, role_name};
 pub use network::{LeaderContact, Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};

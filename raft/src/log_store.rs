@@ -1,30 +1,34 @@
 //! The Raft log and vote in one redb file.
 //!
 //! Tables: `log` (index -> MessagePack entry) and `meta` (`vote`, `committed`, `purged`).
-//! Every mutation is one write transaction committed with redb's default
-//! `Durability::Immediate`, so when a method returns (or an append's callback fires) the change
-//! is on disk.
+//! Every change goes through the log's writer thread ([`crate::log_writer`]), which commits
+//! whatever has queued up in one transaction with redb's `Durability::Immediate` (fsync).
+//! An append returns as soon as its entries are readable from memory; openraft is told they
+//! are durable (its `IOFlushed` callback) only after their transaction committed. The vote,
+//! truncation and purge return only once durable; the committed log id rides along with the
+//! next transaction and is not fsynced on its own.
 
 use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use openraft::alias::{EntryOf, LogIdOf, VoteOf};
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
 use openraft::{OptionalSend, RaftLogReader};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::sync::oneshot;
 
 use crate::TypeConfig;
+use crate::log_writer::{Op, Tail, Writer, WriterCounts, lock, stage};
 
-const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
-const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-const VOTE: &str = "vote";
-const COMMITTED: &str = "committed";
-const PURGED: &str = "purged";
+pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+pub(crate) const VOTE: &str = "vote";
+pub(crate) const COMMITTED: &str = "committed";
+pub(crate) const PURGED: &str = "purged";
 
 /// Why the log cannot be opened.
 #[derive(Debug, thiserror::Error)]
@@ -33,18 +37,17 @@ pub enum LogStoreError {
     Open { path: String, reason: String },
 }
 
-/// The durable Raft log of one node. Cheap to clone (clones share the database).
+/// The durable Raft log of one node. Cheap to clone (clones share the database, the tail in
+/// memory and the writer thread; the file closes when the last clone is dropped).
 #[derive(Debug, Clone)]
 pub struct LogStore {
     db: Arc<Database>,
+    tail: Arc<Mutex<Tail>>,
+    writer: Arc<Writer>,
 }
 
 fn io_err(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
-}
-
-fn encode<T: Serialize>(v: &T) -> io::Result<Vec<u8>> {
-    rmp_serde::to_vec(v).map_err(io_err)
 }
 
 fn decode<T: DeserializeOwned>(b: &[u8]) -> io::Result<T> {
@@ -52,7 +55,7 @@ fn decode<T: DeserializeOwned>(b: &[u8]) -> io::Result<T> {
 }
 
 impl LogStore {
-    /// Opens (or creates) the log at `path`.
+    /// Opens (or creates) the log at `path` and starts its writer thread.
     pub fn open(path: &Path) -> Result<Self, LogStoreError> {
         let err = |e: &dyn std::fmt::Display| LogStoreError::Open {
             path: path.display().to_string(),
@@ -63,7 +66,19 @@ impl LogStore {
         txn.open_table(LOG).map_err(|e| err(&e))?;
         txn.open_table(META).map_err(|e| err(&e))?;
         txn.commit().map_err(|e| err(&e))?;
-        Ok(Self { db: Arc::new(db) })
+        let db = Arc::new(db);
+        let tail = Arc::new(Mutex::new(Tail::default()));
+        let writer = Writer::start(db.clone(), tail.clone()).map_err(|e| err(&e))?;
+        Ok(Self {
+            db,
+            tail,
+            writer: Arc::new(writer),
+        })
+    }
+
+    /// What the writer thread has done so far: transactions fsynced and entries written.
+    pub fn counts(&self) -> WriterCounts {
+        self.writer.counts.clone()
     }
 
     fn meta<T: DeserializeOwned>(&self, key: &str) -> io::Result<Option<T>> {
@@ -75,23 +90,24 @@ impl LogStore {
         }
     }
 
-    fn put_meta<T: Serialize>(&self, key: &str, v: &T) -> io::Result<()> {
-        let bytes = encode(v)?;
-        let txn = self.db.begin_write().map_err(io_err)?;
-        {
-            let mut table = txn.open_table(META).map_err(io_err)?;
-            table.insert(key, bytes.as_slice()).map_err(io_err)?;
-        }
-        txn.commit().map_err(io_err)
-    }
-
-    fn last_entry(&self) -> io::Result<Option<EntryOf<TypeConfig>>> {
+    fn last_written(&self) -> io::Result<Option<LogIdOf<TypeConfig>>> {
         let txn = self.db.begin_read().map_err(io_err)?;
         let table = txn.open_table(LOG).map_err(io_err)?;
         match table.last().map_err(io_err)? {
-            Some((_, v)) => decode(v.value()).map(Some),
+            Some((_, v)) => decode::<EntryOf<TypeConfig>>(v.value()).map(|e| Some(e.log_id)),
             None => Ok(None),
         }
+    }
+
+    /// Sends `op` to the writer and waits until it is durable.
+    async fn durably(
+        &self,
+        op: impl FnOnce(oneshot::Sender<io::Result<()>>) -> Op,
+    ) -> io::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.writer.send(op(tx))?;
+        rx.await
+            .map_err(|_| io::Error::other("the raft log's writer stopped"))?
     }
 }
 
@@ -100,17 +116,33 @@ fn bounds<RB: RangeBounds<u64>>(range: &RB) -> (Bound<u64>, Bound<u64>) {
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
+    /// Entries below the tail from the file, then the tail's from memory. The tail is copied
+    /// and the file's read transaction begun under the tail's lock, and the writer drops
+    /// entries from the tail only after their transaction committed: every entry is in one
+    /// or the other.
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
     ) -> Result<Vec<EntryOf<TypeConfig>>, io::Error> {
-        let txn = self.db.begin_read().map_err(io_err)?;
+        let (tail, txn) = {
+            let t = lock(&self.tail);
+            (
+                t.range(bounds(&range)),
+                self.db.begin_read().map_err(io_err)?,
+            )
+        };
+        let (start, end) = bounds(&range);
+        let end = match tail.first() {
+            Some(first) => Bound::Excluded(first.log_id.index),
+            None => end,
+        };
         let table = txn.open_table(LOG).map_err(io_err)?;
         let mut out = Vec::new();
-        for item in table.range::<u64>(bounds(&range)).map_err(io_err)? {
+        for item in table.range::<u64>((start, end)).map_err(io_err)? {
             let (_, v) = item.map_err(io_err)?;
             out.push(decode(v.value())?);
         }
+        out.extend(tail.iter().map(|e| e.as_ref().clone()));
         Ok(out)
     }
 
@@ -124,9 +156,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, io::Error> {
         let last_purged_log_id: Option<LogIdOf<TypeConfig>> = self.meta(PURGED)?;
-        let last_log_id = match self.last_entry()? {
-            Some(e) => Some(e.log_id),
-            None => last_purged_log_id,
+        let newest = lock(&self.tail).last();
+        let last_log_id = match newest {
+            Some(id) => Some(id),
+            None => self.last_written()?.or(last_purged_log_id),
         };
         Ok(LogState {
             last_purged_log_id,
@@ -139,14 +172,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &VoteOf<TypeConfig>) -> Result<(), io::Error> {
-        self.put_meta(VOTE, vote)
+        let vote = *vote;
+        self.durably(|done| Op::Vote(vote, done)).await
     }
 
+    /// Not waited for: it is written with the next transaction (openraft re-learns a committed
+    /// id that a crash lost).
     async fn save_committed(
         &mut self,
         committed: Option<LogIdOf<TypeConfig>>,
     ) -> Result<(), io::Error> {
-        self.put_meta(COMMITTED, &committed)
+        self.writer.send(Op::Committed(committed))
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogIdOf<TypeConfig>>, io::Error> {
@@ -155,6 +191,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             .flatten())
     }
 
+    /// Returns once the entries are readable; `callback` is told when they are on disk.
     async fn append<I>(
         &mut self,
         entries: I,
@@ -164,26 +201,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = EntryOf<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let result = (|| {
-            let txn = self.db.begin_write().map_err(io_err)?;
-            {
-                let mut table = txn.open_table(LOG).map_err(io_err)?;
-                for e in entries {
-                    let bytes = encode(&e)?;
-                    table
-                        .insert(e.log_id.index, bytes.as_slice())
-                        .map_err(io_err)?;
-                }
-            }
-            txn.commit().map_err(io_err)
-        })();
-        // Durable (the commit fsynced) before the callback says so.
-        let reply = result
-            .as_ref()
-            .map(|_| ())
-            .map_err(|e| io::Error::new(e.kind(), e.to_string()));
-        callback.io_completed(reply);
-        result
+        let entries = stage(&self.tail, entries);
+        self.writer.send(Op::Append {
+            entries,
+            flushed: callback,
+        })
     }
 
     async fn truncate_after(
@@ -191,27 +213,10 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         last_log_id: Option<LogIdOf<TypeConfig>>,
     ) -> Result<(), io::Error> {
         let from = last_log_id.map_or(0, |l| l.index + 1);
-        let txn = self.db.begin_write().map_err(io_err)?;
-        {
-            let mut table = txn.open_table(LOG).map_err(io_err)?;
-            table
-                .retain_in::<u64, _>(from.., |_, _| false)
-                .map_err(io_err)?;
-        }
-        txn.commit().map_err(io_err)
+        self.durably(|done| Op::Truncate(from, done)).await
     }
 
     async fn purge(&mut self, log_id: LogIdOf<TypeConfig>) -> Result<(), io::Error> {
-        let bytes = encode(&log_id)?;
-        let txn = self.db.begin_write().map_err(io_err)?;
-        {
-            let mut meta = txn.open_table(META).map_err(io_err)?;
-            meta.insert(PURGED, bytes.as_slice()).map_err(io_err)?;
-            let mut table = txn.open_table(LOG).map_err(io_err)?;
-            table
-                .retain_in::<u64, _>(..=log_id.index, |_, _| false)
-                .map_err(io_err)?;
-        }
-        txn.commit().map_err(io_err)
+        self.durably(|done| Op::Purge(log_id, done)).await
     }
 }

@@ -93,6 +93,8 @@ pub struct RaftMember {
     pub(crate) contact: LeaderContact,
     /// Failed writes and read barriers through this member, for `/metrics`.
     pub failures: crate::ProposeFailures,
+    /// What this member's log writer committed, for `/metrics`.
+    pub log_writes: crate::WriterCounts,
 }
 
 impl RaftMember {
@@ -124,6 +126,7 @@ impl RaftMember {
             membership = membership.with_id(id);
         }
         let log = LogStore::open(&dir.join("log.redb"))?;
+        let log_writes = log.counts();
         let state = ReplicatedState::open(&data_dir.join(STATE_DIR))?.observed_by(on_applied);
         let handle = state.handle();
         let config = openraft::Config {
@@ -182,6 +185,7 @@ impl RaftMember {
                 failures.clone(),
             ),
             failures,
+            log_writes,
             raft,
             handle,
             membership,

@@ -31,8 +31,10 @@ use crate::{KvRaft, Proposal, TypeConfig};
 
 const SNAPSHOT_CHUNK: usize = 1 << 20;
 
+/// MessagePack with structs as arrays, as the log stores entries (no field names: an ingest
+/// entry's messages each repeat a dozen). A peer decodes either form.
 pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
-    rmp_serde::to_vec_named(v).unwrap_or_default()
+    rmp_serde::to_vec(v).unwrap_or_default()
 }
 
 pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, PeerError> {

@@ -83,7 +83,7 @@ async fn start_in(
         tonic::transport::Server::builder()
             .add_service(svc)
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                 async {
                     let _ = rx.await;
                 },

@@ -215,7 +215,8 @@ pub enum KvEvent {
         /// vLLM's block hashes (reduced to 64 bits), one per block.
         block_hashes: Vec<u64>,
         parent_hash: Option<u64>,
-        /// The tokens of all blocks, `block_size` per block.
+        /// The tokens of all blocks, `block_size` per block (in a log entry: one binary).
+        #[serde(with = "crate::token_bytes")]
         token_ids: Vec<u32>,
         block_size: u32,
         lora_name: Option<String>,

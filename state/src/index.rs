@@ -19,7 +19,7 @@
 //! index writer thread ([`crate::writer`]), which sorts them by shard and applies a shard's
 //! run of up to [`RUN`] under one write lock (a locked instruction per block serialized the
 //! cache misses: per-block locking cost about 60% of apply). Apply waits for the writer at
-//! the entry's end. (`dashmap`, one write lock per block on apply's thread, was the index
+//! the entry's end and writes what it gathered since the last hand-off itself, the same way. (`dashmap`, one write lock per block on apply's thread, was the index
 //! before; `scc::HashIndex`, whose reads take no lock, looked blocks up no faster here and
 //! took about twice the memory per block.) It is live, not a snapshot: a reader holding the
 //! View of index N may see effects of entry N+1 while the writer applies them. Instead of

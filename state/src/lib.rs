@@ -8,7 +8,8 @@
 //! Readers never block the applier: after each entry the machine publishes an immutable
 //! [`View`] (workers, metrics, pool configs) through a [`StateHandle`], and the prefix index
 //! (sequence hash to holder ranks, in a sharded map) is read concurrently with apply, which
-//! hands its writes to a thread of their own and waits for them before it publishes.
+//! hands its writes to a thread of their own and waits for them before it publishes (what
+//! remains at an entry's end it writes itself).
 
 mod blocks;
 mod command;
@@ -23,6 +24,7 @@ mod machine;
 mod owner;
 mod quota;
 mod snapshot;
+mod token_bytes;
 mod view;
 mod writer;
 

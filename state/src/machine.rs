@@ -334,19 +334,24 @@ impl StateMachine {
         }
     }
 
-    /// Sends every gathered write and waits until all are applied (at the entry's end: a
-    /// reader of the entry's View sees all of them).
+    /// Applies every gathered write (at the entry's end: a reader of the entry's View sees all
+    /// of them). What was sent is awaited; what remains apply writes itself, after the writer
+    /// finished (so each index still takes its writes in order): sent, it would be written
+    /// while apply only waits for it, and a small entry would pay two thread hand-offs for it.
     fn flush_writes(&mut self) {
-        self.send_writes();
-        self.writes_to = None;
-        for (index, writes) in std::mem::take(&mut self.parked) {
-            if writes.is_empty() {
-                self.writer.give_back(writes);
-            } else {
-                self.writer.send(index, writes);
-            }
-        }
         self.writer.wait();
+        debug_assert!(self.writes.is_empty() || self.writes_to.is_some());
+        if let Some(index) = self.writes_to.take()
+            && !self.writes.is_empty()
+        {
+            index.write(&mut self.writes);
+        }
+        for (index, mut writes) in std::mem::take(&mut self.parked) {
+            if !writes.is_empty() {
+                index.write(&mut writes);
+            }
+            self.writer.give_back(writes);
+        }
     }
 
     fn apply_ingest(&mut self, entry: &Entry, batch: &IngestBatch, out: &mut Applied) {

@@ -2,8 +2,9 @@
 //! on with the rest of the entry (the engines' blocks, the digest), the way dynamo-kv-router's
 //! `ThreadPoolIndexer` applies events off its caller's thread. Writes reach it in the order
 //! apply made them (one channel, one thread), so each index ends an entry exactly as if apply
-//! had written it itself; apply waits for the writer at the entry's end, before it publishes
-//! the entry's View. Nothing of it is state: it is never hashed or snapshotted.
+//! had written it itself; apply waits for the writer at the entry's end, then writes the
+//! entry's last writes itself (nothing would overlap them), before it publishes the entry's
+//! View. Nothing of it is state: it is never hashed or snapshotted.
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};

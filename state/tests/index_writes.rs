@@ -1,5 +1,5 @@
-//! Apply hands the prefix index's writes to a thread of their own, many at a time, and waits
-//! for them at the entry's end. One entry of thousands of messages, two pools taking turns,
+//! Apply hands the prefix index's writes to a thread of their own, many at a time, waits for
+//! them at the entry's end and writes the rest itself. One entry of thousands of messages, two pools taking turns,
 //! stores, removals, clears and re-stores of the same blocks: once the entry is applied, every
 //! worker's match is what its messages say, in their order.
 

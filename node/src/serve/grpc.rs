@@ -87,8 +87,10 @@ pub(super) async fn serve(
         .add_service(health)
         .add_optional_service(reflection)
         .add_service(member.grpc_service())
+        // Accepted connections without Nagle: answers (AppendEntries acks, Route decisions) are
+        // small writes, and Nagle holds one back until the peer's delayed ACK, about 40 ms.
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             async move {
                 let _ = stop.wait_for(|s| *s).await;
             },

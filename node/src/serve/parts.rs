@@ -51,6 +51,7 @@ impl Parts {
         let member =
             Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
         member.failures.register(&mut registry);
+        member.log_writes.register(&mut registry);
         let url = cfg.nats_url.clone();
         let nats = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
