@@ -5,8 +5,9 @@
 //! whatever has queued up in one transaction with redb's `Durability::Immediate` (fsync).
 //! An append returns as soon as its entries are readable from memory; openraft is told they
 //! are durable (its `IOFlushed` callback) only after their transaction committed. The vote,
-//! truncation and purge return only once durable; the committed log id rides along with the
-//! next transaction and is not fsynced on its own.
+//! truncation and purge return only once durable; the committed log id is not waited for (it
+//! goes with the next transaction, and is fsynced on its own when none follows within 50 ms).
+//! After a failed write every later change is refused unwritten.
 
 use std::fmt::Debug;
 use std::io;
@@ -74,6 +75,18 @@ impl LogStore {
             tail,
             writer: Arc::new(writer),
         })
+    }
+
+    /// Keeps the writer from taking its next round while the guard lives.
+    #[cfg(test)]
+    pub(crate) fn pause_writer(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.writer.pause()
+    }
+
+    /// Makes the writer's rounds fail (or not) as a disk would.
+    #[cfg(test)]
+    pub(crate) fn fail_writes(&self, fail: bool) {
+        self.writer.fail_writes(fail);
     }
 
     /// What the writer thread has done so far: transactions fsynced and entries written.
@@ -176,8 +189,8 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.durably(|done| Op::Vote(vote, done)).await
     }
 
-    /// Not waited for: it is written with the next transaction (openraft re-learns a committed
-    /// id that a crash lost).
+    /// Not waited for: it is written with the next transaction, fsynced by it or on its own
+    /// 50 ms later (openraft re-learns a committed id that a crash lost).
     async fn save_committed(
         &mut self,
         committed: Option<LogIdOf<TypeConfig>>,

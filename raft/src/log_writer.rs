@@ -10,7 +10,8 @@
 
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::mpsc::{Receiver, Sender};
+use std::ops::Bound;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -27,6 +28,10 @@ use crate::log_store::{COMMITTED, LOG, META, PURGED, VOTE};
 
 /// Most operations one transaction takes; the rest wait for the next.
 const MAX_OPS_PER_COMMIT: usize = 1024;
+
+/// How long a committed id written without an fsync waits for a transaction that fsyncs it
+/// before the writer fsyncs it on its own (so a restart replays what was committed).
+const SYNC_COMMITTED_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Written entries the tail keeps, at most, by count and by encoded size.
 const KEEP_WRITTEN: usize = 4096;
@@ -46,12 +51,27 @@ pub(crate) struct Tail {
 }
 
 impl Tail {
-    /// Entries of `range`, in order.
-    pub(crate) fn range(&self, range: (std::ops::Bound<u64>, std::ops::Bound<u64>)) -> Vec<Entry> {
-        self.entries
-            .range(range)
-            .map(|(_, (e, _))| e.clone())
-            .collect()
+    /// Entries of `range`, in order (none for an empty or inverted range, which
+    /// `BTreeMap::range` would panic on).
+    pub(crate) fn range(&self, range: (Bound<u64>, Bound<u64>)) -> Vec<Entry> {
+        let lowest = match range.0 {
+            Bound::Included(i) => Some(i),
+            Bound::Excluded(i) => i.checked_add(1),
+            Bound::Unbounded => Some(0),
+        };
+        let highest = match range.1 {
+            Bound::Included(i) => Some(i),
+            Bound::Excluded(i) => i.checked_sub(1),
+            Bound::Unbounded => Some(u64::MAX),
+        };
+        match (lowest, highest) {
+            (Some(lo), Some(hi)) if lo <= hi => self
+                .entries
+                .range(lo..=hi)
+                .map(|(_, (e, _))| e.clone())
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// The newest entry's log id.
@@ -191,6 +211,10 @@ pub(crate) struct Writer {
     tx: Option<Sender<Op>>,
     thread: Option<JoinHandle<()>>,
     pub(crate) counts: WriterCounts,
+    #[cfg(test)]
+    gate: Arc<Mutex<()>>,
+    #[cfg(test)]
+    fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Writer {
@@ -198,14 +222,50 @@ impl Writer {
         let (tx, rx) = std::sync::mpsc::channel();
         let counts = WriterCounts::default();
         let kept = counts.clone();
+        #[cfg(test)]
+        let gate = Arc::new(Mutex::new(()));
+        #[cfg(test)]
+        let held = gate.clone();
+        #[cfg(test)]
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        #[cfg(test)]
+        let failing = fail.clone();
         let thread = std::thread::Builder::new()
             .name("raft-log".into())
-            .spawn(move || run(&db, &tail, &rx, &kept))?;
+            .spawn(move || {
+                run(&Context {
+                    db: &db,
+                    tail: &tail,
+                    rx: &rx,
+                    counts: &kept,
+                    #[cfg(test)]
+                    gate: &held,
+                    #[cfg(test)]
+                    fail: &failing,
+                })
+            })?;
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
             counts,
+            #[cfg(test)]
+            gate,
+            #[cfg(test)]
+            fail,
         })
+    }
+
+    /// Makes the writer's rounds fail (or not) as a disk would.
+    #[cfg(test)]
+    pub(crate) fn fail_writes(&self, fail: bool) {
+        self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Keeps the writer from taking its next round until the guard is dropped (what is sent
+    /// meanwhile goes into that round together).
+    #[cfg(test)]
+    pub(crate) fn pause(&self) -> MutexGuard<'_, ()> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn send(&self, op: Op) -> io::Result<()> {
@@ -244,50 +304,123 @@ pub(crate) fn stage(
     entries
 }
 
-fn run(db: &Database, tail: &Mutex<Tail>, rx: &Receiver<Op>, counts: &WriterCounts) {
-    while let Ok(first) = rx.recv() {
+/// What the thread works with.
+struct Context<'a> {
+    db: &'a Database,
+    tail: &'a Mutex<Tail>,
+    rx: &'a Receiver<Op>,
+    counts: &'a WriterCounts,
+    /// Held by a test to keep the writer from starting its next round.
+    #[cfg(test)]
+    gate: &'a Mutex<()>,
+    /// Set by a test to make the next rounds fail as a disk would.
+    #[cfg(test)]
+    fail: &'a std::sync::atomic::AtomicBool,
+}
+
+fn run(cx: &Context<'_>) {
+    // Set by the first round that failed: every later op is refused unwritten, so the file
+    // never gets entries (or a committed id) past a hole.
+    let mut failed: Option<(io::ErrorKind, String)> = None;
+    // The committed id was last written without an fsync.
+    let mut unsynced = false;
+    loop {
+        let first = if unsynced {
+            match cx.rx.recv_timeout(SYNC_COMMITTED_AFTER) {
+                Ok(op) => op,
+                Err(RecvTimeoutError::Timeout) => {
+                    // Nothing followed: the committed id is made durable on its own.
+                    if failed.is_none() {
+                        match sync(cx.db) {
+                            Ok(()) => {
+                                cx.counts.fsyncs.inc();
+                            }
+                            Err(e) => {
+                                tracing::error!(error = %e, "the raft log could not be written");
+                                failed = Some((e.kind(), e.to_string()));
+                            }
+                        }
+                    }
+                    unsynced = false;
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            match cx.rx.recv() {
+                Ok(op) => op,
+                Err(_) => return,
+            }
+        };
+        #[cfg(test)]
+        let gate = cx.gate.lock().unwrap_or_else(|p| p.into_inner());
         let mut ops = vec![first];
         while ops.len() < MAX_OPS_PER_COMMIT
-            && let Ok(op) = rx.try_recv()
+            && let Ok(op) = cx.rx.try_recv()
         {
             ops.push(op);
         }
-        let durable = ops.iter().any(Op::needs_fsync);
-        let result = write(db, &ops, durable);
-        if let Ok(sizes) = &result {
-            // The file holds the round now: the tail follows it, op by op, before anyone is
-            // answered (a truncation returns with its entries gone from both).
-            let mut written = 0;
-            let mut sizes = sizes.iter();
-            let mut t = lock(tail);
-            for op in &ops {
-                match op {
-                    Op::Append { entries, .. } => {
-                        written += entries.len() as u64;
-                        for e in entries {
-                            t.mark_written(e, sizes.next().copied().unwrap_or(0));
-                        }
-                    }
-                    Op::Truncate(from, _) => t.truncate(*from),
-                    Op::Purge(log_id, _) => t.purge(log_id.index),
-                    Op::Committed(_) | Op::Vote(..) => {}
-                }
-            }
-            t.trim();
-            drop(t);
-            counts.entries.inc_by(written);
-            if durable {
-                counts.fsyncs.inc();
-            }
-        }
-        let result = result.map(|_| ()).map_err(|e| (e.kind(), e.to_string()));
-        if let Err((_, e)) = &result {
-            tracing::error!(error = %e, "the raft log could not be written");
+        #[cfg(test)]
+        drop(gate);
+        let result = match &failed {
+            Some(e) => Err(e.clone()),
+            None => round(cx, &ops, &mut unsynced),
+        };
+        if let Err(e) = &result
+            && failed.is_none()
+        {
+            tracing::error!(error = %e.1, "the raft log could not be written; it takes no more writes");
+            failed = Some(e.clone());
         }
         for op in ops {
             op.answer(&result);
         }
     }
+}
+
+/// Writes one round and brings the tail in line with the file; a panic in the write is an
+/// error like any other (the ops are still answered).
+fn round(cx: &Context<'_>, ops: &[Op], unsynced: &mut bool) -> Result<(), (io::ErrorKind, String)> {
+    let durable = ops.iter().any(Op::needs_fsync);
+    #[cfg(test)]
+    if cx.fail.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err((io::ErrorKind::Other, "injected write failure".into()));
+    }
+    let written =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| write(cx.db, ops, durable)))
+            .unwrap_or_else(|_| Err(io::Error::other("the raft log's writer panicked")));
+    let sizes = written.map_err(|e| (e.kind(), e.to_string()))?;
+    // The file holds the round now: the tail follows it, op by op, before anyone is answered
+    // (a truncation returns with its entries gone from both).
+    let mut entries = 0;
+    let mut sizes = sizes.iter();
+    let mut t = lock(cx.tail);
+    for op in ops {
+        match op {
+            Op::Append { entries: es, .. } => {
+                entries += es.len() as u64;
+                for e in es {
+                    t.mark_written(e, sizes.next().copied().unwrap_or(0));
+                }
+            }
+            Op::Truncate(from, _) => t.truncate(*from),
+            Op::Purge(log_id, _) => t.purge(log_id.index),
+            Op::Committed(_) | Op::Vote(..) => {}
+        }
+    }
+    t.trim();
+    drop(t);
+    cx.counts.entries.inc_by(entries);
+    if durable {
+        cx.counts.fsyncs.inc();
+    }
+    *unsynced = !durable;
+    Ok(())
+}
+
+/// An empty durable transaction: makes every earlier one durable.
+fn sync(db: &Database) -> io::Result<()> {
+    db.begin_write().map_err(io_err)?.commit().map_err(io_err)
 }
 
 fn io_err(e: impl std::fmt::Display) -> io::Error {
@@ -350,4 +483,194 @@ fn apply(txn: &WriteTransaction, op: &Op, sizes: &mut Vec<usize>) -> io::Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use kvplane_state::Command;
+    use openraft::alias::EntryOf;
+    use openraft::entry::RaftEntry;
+    use openraft::storage::{IOFlushed, RaftLogStorage};
+    use openraft::testing::log_id;
+    use openraft::type_config::TypeConfigExt;
+    use openraft::{RaftLogReader, Vote};
+
+    use crate::{LogStore, Proposal, TypeConfig};
+
+    fn entry(term: u64, index: u64) -> EntryOf<TypeConfig> {
+        EntryOf::<TypeConfig>::new_normal(
+            log_id::<TypeConfig>(term, 1, index),
+            Proposal::now(Command::Noop),
+        )
+    }
+
+    type Ack =
+        openraft::type_config::alias::OneshotReceiverOf<TypeConfig, Result<(), std::io::Error>>;
+
+    async fn append(log: &mut LogStore, from: u64, to: u64) -> Vec<Ack> {
+        let mut acks = Vec::new();
+        for i in from..=to {
+            let (tx, rx) = TypeConfig::oneshot();
+            log.append([entry(1, i)], IOFlushed::signal(tx))
+                .await
+                .unwrap();
+            acks.push(rx);
+        }
+        acks
+    }
+
+    fn indexes(entries: &[EntryOf<TypeConfig>]) -> Vec<u64> {
+        entries.iter().map(|e| e.log_id.index).collect()
+    }
+
+    #[tokio::test]
+    #[expect(
+        clippy::await_holding_lock,
+        reason = "the gate holds the writer thread, not a task: nothing awaited here waits for it"
+    )]
+    async fn queued_appends_are_readable_before_their_flush_and_share_one_fsync() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = LogStore::open(&dir.path().join("log.redb")).unwrap();
+        let holder = log.clone();
+        let paused = holder.pause_writer();
+        let mut acks = append(&mut log, 1, 100).await;
+        // Nothing is on disk yet, and every entry reads back, from memory.
+        assert!(acks.iter_mut().all(|a| a.try_recv().is_err()));
+        assert_eq!(log.counts().fsyncs(), 0);
+        let read = log.try_get_log_entries(1..=100).await.unwrap();
+        assert_eq!(indexes(&read), (1..=100).collect::<Vec<_>>());
+        assert_eq!(
+            log.get_log_state().await.unwrap().last_log_id,
+            Some(log_id::<TypeConfig>(1, 1, 100))
+        );
+        drop(paused);
+        for a in acks {
+            a.await.unwrap().unwrap();
+        }
+        assert_eq!((log.counts().entries(), log.counts().fsyncs()), (100, 1));
+    }
+
+    #[tokio::test]
+    #[expect(
+        clippy::await_holding_lock,
+        reason = "the gate holds the writer thread, not a task: nothing awaited here waits for it"
+    )]
+    async fn a_truncation_queued_behind_unflushed_appends_leaves_only_what_came_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.redb");
+        {
+            let mut log = LogStore::open(&path).unwrap();
+            let holder = log.clone();
+            let paused = holder.pause_writer();
+            let acks = append(&mut log, 1, 50).await;
+            let mut other = log.clone();
+            let mut truncate =
+                std::pin::pin!(other.truncate_after(Some(log_id::<TypeConfig>(1, 1, 20))));
+            // Sent behind the appends; it cannot finish while the writer waits.
+            assert!(futures::poll!(&mut truncate).is_pending());
+            drop(paused);
+            truncate.await.unwrap();
+            assert_eq!(
+                log.counts().fsyncs(),
+                1,
+                "appends and truncation in one round"
+            );
+            for a in acks {
+                a.await.unwrap().unwrap();
+            }
+            let read = log.try_get_log_entries(1..).await.unwrap();
+            assert_eq!(indexes(&read), (1..=20).collect::<Vec<_>>());
+            // The next entries come under a new term, after the cut.
+            let (tx, rx) = TypeConfig::oneshot();
+            log.append([entry(2, 21)], IOFlushed::signal(tx))
+                .await
+                .unwrap();
+            rx.await.unwrap().unwrap();
+        }
+        let mut log = LogStore::open(&path).unwrap();
+        let read = log.try_get_log_entries(1..).await.unwrap();
+        assert_eq!(indexes(&read), (1..=21).collect::<Vec<_>>());
+        assert_eq!(read[20].log_id, log_id::<TypeConfig>(2, 1, 21));
+    }
+
+    #[tokio::test]
+    async fn a_purge_reads_the_rest_across_memory_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = LogStore::open(&dir.path().join("log.redb")).unwrap();
+        // Beyond what the tail keeps written: the oldest are read from the file.
+        let n = super::KEEP_WRITTEN as u64 + 500;
+        for a in append(&mut log, 1, n).await {
+            a.await.unwrap().unwrap();
+        }
+        log.purge(log_id::<TypeConfig>(1, 1, 300)).await.unwrap();
+        let read = log.try_get_log_entries(1..=n).await.unwrap();
+        assert_eq!(indexes(&read), (301..=n).collect::<Vec<_>>());
+        let read = log.try_get_log_entries(400..600).await.unwrap();
+        assert_eq!(indexes(&read), (400..600).collect::<Vec<_>>());
+        let state = log.get_log_state().await.unwrap();
+        assert_eq!(
+            state.last_purged_log_id,
+            Some(log_id::<TypeConfig>(1, 1, 300))
+        );
+        assert_eq!(state.last_log_id, Some(log_id::<TypeConfig>(1, 1, n)));
+    }
+
+    #[tokio::test]
+    async fn after_a_failed_write_every_later_change_is_refused_unwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.redb");
+        {
+            let mut log = LogStore::open(&path).unwrap();
+            for a in append(&mut log, 1, 3).await {
+                a.await.unwrap().unwrap();
+            }
+            log.fail_writes(true);
+            for a in append(&mut log, 4, 5).await {
+                assert!(a.await.unwrap().is_err());
+            }
+            // The disk is back, but the log behind the failed entries has a hole: it takes
+            // nothing more, not even the committed id.
+            log.fail_writes(false);
+            for a in append(&mut log, 6, 6).await {
+                assert!(a.await.unwrap().is_err());
+            }
+            log.save_committed(Some(log_id::<TypeConfig>(1, 1, 6)))
+                .await
+                .unwrap();
+            assert!(log.save_vote(&Vote::new(2, 1)).await.is_err());
+        }
+        let mut log = LogStore::open(&path).unwrap();
+        let read = log.try_get_log_entries(1..).await.unwrap();
+        assert_eq!(indexes(&read), vec![1, 2, 3]);
+        assert_eq!(log.read_committed().await.unwrap(), None);
+        assert_eq!(log.read_vote().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_committed_id_nothing_follows_is_fsynced_on_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = LogStore::open(&dir.path().join("log.redb")).unwrap();
+        log.save_vote(&Vote::new(1, 1)).await.unwrap();
+        for a in append(&mut log, 1, 1).await {
+            a.await.unwrap().unwrap();
+        }
+        let before = log.counts().fsyncs();
+        log.save_committed(Some(log_id::<TypeConfig>(1, 1, 1)))
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while log.counts().fsyncs() == before {
+            assert!(
+                Instant::now() < deadline,
+                "the committed id was never fsynced"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            log.read_committed().await.unwrap(),
+            Some(log_id::<TypeConfig>(1, 1, 1))
+        );
+    }
 }
