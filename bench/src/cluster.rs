@@ -1,7 +1,8 @@
 //! `kvplane bench cluster`: what Raft costs. The same stream of KV-event batches is applied by
 //! a bare state machine (the single-node ceiling) and committed through a three-node cluster of
-//! real Raft members in this process: redb logs that fsync every write transaction (appends
-//! that queue up while one commits share the next), gRPC over loopback.
+//! real Raft members in this process: redb logs that fsync every write transaction but those
+//! that only move the committed id (appends that queue up while one commits share the next),
+//! gRPC over loopback.
 //! Then the leader is stopped abruptly, again and again, and the time until the new leader
 //! commits its first entry is measured. Prints one JSON document.
 

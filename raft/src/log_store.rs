@@ -2,12 +2,13 @@
 //!
 //! Tables: `log` (index -> MessagePack entry) and `meta` (`vote`, `committed`, `purged`).
 //! Every change goes through the log's writer thread ([`crate::log_writer`]), which commits
-//! whatever has queued up in one transaction with redb's `Durability::Immediate` (fsync).
+//! whatever has queued up in one transaction with redb's `Durability::Immediate` (fsync), but
+//! for a transaction that only moves the committed log id.
 //! An append returns as soon as its entries are readable from memory; openraft is told they
 //! are durable (its `IOFlushed` callback) only after their transaction committed. The vote,
 //! truncation and purge return only once durable; the committed log id is not waited for (it
-//! goes with the next transaction, and is fsynced on its own when none follows within 50 ms).
-//! After a failed write every later change is refused unwritten.
+//! reads back at once, goes with the next transaction, and is fsynced within 50 ms). After a
+//! failed write every later change is refused.
 
 use std::fmt::Debug;
 use std::io;
@@ -189,16 +190,26 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         self.durably(|done| Op::Vote(vote, done)).await
     }
 
-    /// Not waited for: it is written with the next transaction, fsynced by it or on its own
-    /// 50 ms later (openraft re-learns a committed id that a crash lost).
+    /// Not waited for: it is written with the next transaction and fsynced within 50 ms
+    /// (openraft re-learns a committed id that a crash lost).
     async fn save_committed(
         &mut self,
         committed: Option<LogIdOf<TypeConfig>>,
     ) -> Result<(), io::Error> {
+        if self.writer.failed() {
+            return Err(io::Error::other(
+                "the raft log failed a write and takes no more",
+            ));
+        }
+        lock(&self.tail).committed = Some(committed);
         self.writer.send(Op::Committed(committed))
     }
 
+    /// The last one saved, written yet or not.
     async fn read_committed(&mut self) -> Result<Option<LogIdOf<TypeConfig>>, io::Error> {
+        if let Some(c) = lock(&self.tail).committed {
+            return Ok(c);
+        }
         Ok(self
             .meta::<Option<LogIdOf<TypeConfig>>>(COMMITTED)?
             .flatten())
@@ -214,6 +225,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = EntryOf<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        if self.writer.failed() {
+            return Err(io::Error::other(
+                "the raft log failed a write and takes no more",
+            ));
+        }
         let entries = stage(&self.tail, entries);
         self.writer.send(Op::Append {
             entries,

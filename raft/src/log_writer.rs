@@ -11,9 +11,11 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::ops::Bound;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use openraft::alias::{EntryOf, LogIdOf, VoteOf};
 use openraft::storage::IOFlushed;
@@ -29,8 +31,9 @@ use crate::log_store::{COMMITTED, LOG, META, PURGED, VOTE};
 /// Most operations one transaction takes; the rest wait for the next.
 const MAX_OPS_PER_COMMIT: usize = 1024;
 
-/// How long a committed id written without an fsync waits for a transaction that fsyncs it
-/// before the writer fsyncs it on its own (so a restart replays what was committed).
+/// How long a committed id written without an fsync waits, at most, for a transaction that
+/// fsyncs it: then the writer fsyncs it on its own, or fsyncs the next round (so a restart
+/// replays what was committed but for the last 50 ms).
 const SYNC_COMMITTED_AFTER: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Written entries the tail keeps, at most, by count and by encoded size.
@@ -48,6 +51,8 @@ pub(crate) struct Tail {
     entries: BTreeMap<u64, (Entry, Option<usize>)>,
     written: usize,
     written_bytes: usize,
+    /// The last committed id handed to the writer, written or not (read back at once).
+    pub(crate) committed: Option<Option<LogIdOf<TypeConfig>>>,
 }
 
 impl Tail {
@@ -120,6 +125,11 @@ impl Tail {
         {
             self.remove(i);
         }
+    }
+
+    /// Drops every entry not written (after a failed write: they never will be).
+    fn drop_unwritten(&mut self) {
+        self.entries.retain(|_, (_, size)| size.is_some());
     }
 
     /// Drops the oldest written entries beyond the bounds.
@@ -214,7 +224,8 @@ pub(crate) struct Writer {
     #[cfg(test)]
     gate: Arc<Mutex<()>>,
     #[cfg(test)]
-    fail: Arc<std::sync::atomic::AtomicBool>,
+    fail: Arc<AtomicBool>,
+    failed: Arc<AtomicBool>,
 }
 
 impl Writer {
@@ -227,7 +238,9 @@ impl Writer {
         #[cfg(test)]
         let held = gate.clone();
         #[cfg(test)]
-        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fail = Arc::new(AtomicBool::new(false));
+        let failed = Arc::new(AtomicBool::new(false));
+        let latched = failed.clone();
         #[cfg(test)]
         let failing = fail.clone();
         let thread = std::thread::Builder::new()
@@ -242,6 +255,7 @@ impl Writer {
                     gate: &held,
                     #[cfg(test)]
                     fail: &failing,
+                    failed: &latched,
                 })
             })?;
         Ok(Self {
@@ -252,17 +266,24 @@ impl Writer {
             gate,
             #[cfg(test)]
             fail,
+            failed,
         })
+    }
+
+    /// Whether a write failed: the log takes no more.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
     }
 
     /// Makes the writer's rounds fail (or not) as a disk would.
     #[cfg(test)]
     pub(crate) fn fail_writes(&self, fail: bool) {
-        self.fail.store(fail, std::sync::atomic::Ordering::SeqCst);
+        self.fail.store(fail, Ordering::SeqCst);
     }
 
     /// Keeps the writer from taking its next round until the guard is dropped (what is sent
-    /// meanwhile goes into that round together).
+    /// meanwhile goes into that round together). It holds neither a round already past the
+    /// gate nor the idle fsync of a committed id.
     #[cfg(test)]
     pub(crate) fn pause(&self) -> MutexGuard<'_, ()> {
         self.gate.lock().unwrap_or_else(|p| p.into_inner())
@@ -315,42 +336,44 @@ struct Context<'a> {
     gate: &'a Mutex<()>,
     /// Set by a test to make the next rounds fail as a disk would.
     #[cfg(test)]
-    fail: &'a std::sync::atomic::AtomicBool,
+    fail: &'a AtomicBool,
+    /// Set once a round failed (appends are refused from then on).
+    failed: &'a AtomicBool,
 }
 
 fn run(cx: &Context<'_>) {
     // Set by the first round that failed: every later op is refused unwritten, so the file
     // never gets entries (or a committed id) past a hole.
     let mut failed: Option<(io::ErrorKind, String)> = None;
-    // The committed id was last written without an fsync.
-    let mut unsynced = false;
+    // When the committed id written without an fsync must be fsynced at the latest.
+    let mut sync_by: Option<Instant> = None;
     loop {
-        let first = if unsynced {
-            match cx.rx.recv_timeout(SYNC_COMMITTED_AFTER) {
+        let first = match sync_by {
+            Some(at) => match cx
+                .rx
+                .recv_timeout(at.saturating_duration_since(Instant::now()))
+            {
                 Ok(op) => op,
                 Err(RecvTimeoutError::Timeout) => {
-                    // Nothing followed: the committed id is made durable on its own.
+                    // Nothing followed in time: the committed id is made durable on its own.
+                    sync_by = None;
                     if failed.is_none() {
                         match sync(cx.db) {
-                            Ok(()) => {
-                                cx.counts.fsyncs.inc();
-                            }
+                            Ok(()) => cx.counts.fsyncs.inc(),
                             Err(e) => {
-                                tracing::error!(error = %e, "the raft log could not be written");
-                                failed = Some((e.kind(), e.to_string()));
+                                fail(cx, &mut failed, (e.kind(), e.to_string()));
+                                continue;
                             }
-                        }
+                        };
                     }
-                    unsynced = false;
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
-            }
-        } else {
-            match cx.rx.recv() {
+            },
+            None => match cx.rx.recv() {
                 Ok(op) => op,
                 Err(_) => return,
-            }
+            },
         };
         #[cfg(test)]
         let gate = cx.gate.lock().unwrap_or_else(|p| p.into_inner());
@@ -362,28 +385,48 @@ fn run(cx: &Context<'_>) {
         }
         #[cfg(test)]
         drop(gate);
+        let overdue = sync_by.is_some_and(|at| Instant::now() >= at);
         let result = match &failed {
             Some(e) => Err(e.clone()),
-            None => round(cx, &ops, &mut unsynced),
+            None => round(cx, &ops, overdue),
         };
-        if let Err(e) = &result
-            && failed.is_none()
-        {
-            tracing::error!(error = %e.1, "the raft log could not be written; it takes no more writes");
-            failed = Some(e.clone());
+        match &result {
+            Ok(true) => sync_by = None,
+            Ok(false) => {
+                sync_by.get_or_insert_with(|| Instant::now() + SYNC_COMMITTED_AFTER);
+            }
+            Err(e) => fail(cx, &mut failed, e.clone()),
         }
+        let result = result.map(|_| ());
         for op in ops {
             op.answer(&result);
         }
     }
 }
 
-/// Writes one round and brings the tail in line with the file; a panic in the write is an
-/// error like any other (the ops are still answered).
-fn round(cx: &Context<'_>, ops: &[Op], unsynced: &mut bool) -> Result<(), (io::ErrorKind, String)> {
-    let durable = ops.iter().any(Op::needs_fsync);
+/// Latches the first failure: appends are refused from now on, and the entries the tail
+/// holds unwritten (they never will be) leave it.
+fn fail(
+    cx: &Context<'_>,
+    failed: &mut Option<(io::ErrorKind, String)>,
+    e: (io::ErrorKind, String),
+) {
+    if failed.is_some() {
+        return;
+    }
+    tracing::error!(error = %e.1, "the raft log could not be written; it takes no more writes");
+    cx.failed.store(true, Ordering::SeqCst);
+    lock(cx.tail).drop_unwritten();
+    *failed = Some(e);
+}
+
+/// Writes one round (fsynced when an op needs it or `overdue`) and brings the tail in line
+/// with the file; returns whether it fsynced. A panic in the write is an error like any other
+/// (the ops are still answered).
+fn round(cx: &Context<'_>, ops: &[Op], overdue: bool) -> Result<bool, (io::ErrorKind, String)> {
+    let durable = overdue || ops.iter().any(Op::needs_fsync);
     #[cfg(test)]
-    if cx.fail.load(std::sync::atomic::Ordering::SeqCst) {
+    if cx.fail.load(Ordering::SeqCst) {
         return Err((io::ErrorKind::Other, "injected write failure".into()));
     }
     let written =
@@ -414,8 +457,7 @@ fn round(cx: &Context<'_>, ops: &[Op], unsynced: &mut bool) -> Result<(), (io::E
     if durable {
         cx.counts.fsyncs.inc();
     }
-    *unsynced = !durable;
-    Ok(())
+    Ok(durable)
 }
 
 /// An empty durable transaction: makes every earlier one durable.
@@ -604,15 +646,16 @@ mod tests {
         for a in append(&mut log, 1, n).await {
             a.await.unwrap().unwrap();
         }
-        log.purge(log_id::<TypeConfig>(1, 1, 300)).await.unwrap();
+        // Purged into what memory holds (the tail starts at 501).
+        log.purge(log_id::<TypeConfig>(1, 1, 600)).await.unwrap();
         let read = log.try_get_log_entries(1..=n).await.unwrap();
-        assert_eq!(indexes(&read), (301..=n).collect::<Vec<_>>());
-        let read = log.try_get_log_entries(400..600).await.unwrap();
-        assert_eq!(indexes(&read), (400..600).collect::<Vec<_>>());
+        assert_eq!(indexes(&read), (601..=n).collect::<Vec<_>>());
+        let read = log.try_get_log_entries(400..700).await.unwrap();
+        assert_eq!(indexes(&read), (601..700).collect::<Vec<_>>());
         let state = log.get_log_state().await.unwrap();
         assert_eq!(
             state.last_purged_log_id,
-            Some(log_id::<TypeConfig>(1, 1, 300))
+            Some(log_id::<TypeConfig>(1, 1, 600))
         );
         assert_eq!(state.last_log_id, Some(log_id::<TypeConfig>(1, 1, n)));
     }
@@ -627,18 +670,35 @@ mod tests {
                 a.await.unwrap().unwrap();
             }
             log.fail_writes(true);
-            for a in append(&mut log, 4, 5).await {
-                assert!(a.await.unwrap().is_err());
-            }
+            // Two entries in one append, the round that takes them fails.
+            let (tx, rx) = TypeConfig::oneshot();
+            log.append([entry(1, 4), entry(1, 5)], IOFlushed::signal(tx))
+                .await
+                .unwrap();
+            assert!(rx.await.unwrap().is_err());
+            // The failed entries are gone from memory too: readers see the log as written.
+            assert_eq!(
+                indexes(&log.try_get_log_entries(1..).await.unwrap()),
+                vec![1, 2, 3]
+            );
+            assert_eq!(
+                log.get_log_state().await.unwrap().last_log_id,
+                Some(log_id::<TypeConfig>(1, 1, 3))
+            );
             // The disk is back, but the log behind the failed entries has a hole: it takes
             // nothing more, not even the committed id.
             log.fail_writes(false);
-            for a in append(&mut log, 6, 6).await {
-                assert!(a.await.unwrap().is_err());
-            }
-            log.save_committed(Some(log_id::<TypeConfig>(1, 1, 6)))
-                .await
-                .unwrap();
+            let (tx, _rx) = TypeConfig::oneshot();
+            assert!(
+                log.append([entry(1, 6)], IOFlushed::signal(tx))
+                    .await
+                    .is_err()
+            );
+            assert!(
+                log.save_committed(Some(log_id::<TypeConfig>(1, 1, 3)))
+                    .await
+                    .is_err()
+            );
             assert!(log.save_vote(&Vote::new(2, 1)).await.is_err());
         }
         let mut log = LogStore::open(&path).unwrap();
@@ -668,9 +728,21 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        assert_eq!(
-            log.read_committed().await.unwrap(),
-            Some(log_id::<TypeConfig>(1, 1, 1))
-        );
+    }
+
+    #[tokio::test]
+    #[expect(
+        clippy::await_holding_lock,
+        reason = "the gate holds the writer thread, not a task: nothing awaited here waits for it"
+    )]
+    async fn a_committed_id_reads_back_before_it_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = LogStore::open(&dir.path().join("log.redb")).unwrap();
+        let holder = log.clone();
+        let paused = holder.pause_writer();
+        let id = Some(log_id::<TypeConfig>(1, 1, 7));
+        log.save_committed(id).await.unwrap();
+        assert_eq!(log.read_committed().await.unwrap(), id);
+        drop(paused);
     }
 }

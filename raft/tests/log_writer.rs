@@ -1,6 +1,6 @@
-//! The log's writer thread, through the public log: appends queued without waiting share
-//! fsyncs, read back in one run across memory and file (beyond the 4,096 written entries it
-//! keeps), survive reopening, and the last handle dropped closes the file. (Rounds held on
+//! The log's writer thread, through the public log: appends queued without waiting read back
+//! in one run across memory and file (beyond the 4,096 written entries it keeps), are all
+//! written once acknowledged, survive reopening, and the last handle dropped closes the file. (Rounds held on
 //! purpose, truncation, purge and failures are tested in `raft/src/log_writer.rs`.)
 
 #![allow(clippy::unwrap_used)]
@@ -39,7 +39,7 @@ async fn append_all(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn appends_that_queue_up_share_fsyncs_and_every_acknowledged_one_survives_reopening() {
+async fn appends_queued_without_waiting_read_back_across_memory_and_file_and_survive_reopening() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("raft-log.redb");
     {
@@ -70,9 +70,10 @@ async fn appends_that_queue_up_share_fsyncs_and_every_acknowledged_one_survives_
         assert_eq!(read.len(), 10);
         let counts = log.counts();
         assert_eq!(counts.entries(), APPENDS);
-        // One fsync per append would be APPENDS; the appends queued while one committed.
+        // At most one fsync per append (how many share one depends on timing: the writer
+        // held between rounds shows them sharing, in `raft/src/log_writer.rs`).
         assert!(
-            counts.fsyncs() < APPENDS / 2,
+            counts.fsyncs() >= 1 && counts.fsyncs() <= APPENDS,
             "{} fsyncs for {APPENDS} appends",
             counts.fsyncs()
         );

@@ -1,7 +1,7 @@
 //! A stored event's token ids in an entry: one MessagePack binary (four bytes per id, little
-//! endian) rather than an array of integers, so that encoding and decoding an entry copies its
-//! tokens instead of visiting each one (an ingest entry is mostly token ids; every member encodes
-//! it for its log and decodes it off the wire). Entries written as an array still decode, and a
+//! endian) rather than an array of integers: one byte string instead of a MessagePack integer and a serde
+//! visit per id (an ingest entry is mostly token ids; every member encodes it for its log and
+//! decodes it off the wire). Entries written as an array still decode, and a
 //! human-readable format (JSON) keeps the array.
 
 use serde::de::{Error, SeqAccess, Visitor};
