@@ -24,7 +24,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::oneshot;
 
 use crate::TypeConfig;
-use crate::log_writer::{Op, Tail, Writer, WriterCounts, lock, stage};
+use crate::log_writer::{Op, Tail, Writer, WriterCounts, lock, lowest, stage};
 
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
@@ -92,7 +92,7 @@ impl LogStore {
 
     /// What the writer thread has done so far: transactions fsynced and entries written.
     pub fn counts(&self) -> WriterCounts {
-        self.writer.counts.clone()
+        self.writer.counts().clone()
     }
 
     fn meta<T: DeserializeOwned>(&self, key: &str) -> io::Result<Option<T>> {
@@ -130,31 +130,40 @@ fn bounds<RB: RangeBounds<u64>>(range: &RB) -> (Bound<u64>, Bound<u64>) {
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
-    /// Entries below the tail from the file, then the tail's from memory. The tail is copied
-    /// and the file's read transaction begun under the tail's lock, and the writer drops
-    /// entries from the tail only after their transaction committed: every entry is in one
-    /// or the other.
+    /// Entries below the tail from the file, then the tail's from memory (a range the tail
+    /// holds from its start, as apply's and replication's usually are, does not open the
+    /// file). The tail is copied and the file's read transaction begun under the tail's lock,
+    /// and the writer drops entries from the tail only after their transaction committed:
+    /// every entry is in one or the other.
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
     ) -> Result<Vec<EntryOf<TypeConfig>>, io::Error> {
+        let (start, end) = bounds(&range);
         let (tail, txn) = {
             let t = lock(&self.tail);
-            (
-                t.range(bounds(&range)),
-                self.db.begin_read().map_err(io_err)?,
-            )
+            let tail = t.range((start, end));
+            let from_start = tail
+                .first()
+                .is_some_and(|e| Some(e.log_id.index) == lowest(start));
+            let txn = if from_start {
+                None
+            } else {
+                Some(self.db.begin_read().map_err(io_err)?)
+            };
+            (tail, txn)
         };
-        let (start, end) = bounds(&range);
-        let end = match tail.first() {
-            Some(first) => Bound::Excluded(first.log_id.index),
-            None => end,
-        };
-        let table = txn.open_table(LOG).map_err(io_err)?;
         let mut out = Vec::new();
-        for item in table.range::<u64>((start, end)).map_err(io_err)? {
-            let (_, v) = item.map_err(io_err)?;
-            out.push(decode(v.value())?);
+        if let Some(txn) = txn {
+            let end = match tail.first() {
+                Some(first) => Bound::Excluded(first.log_id.index),
+                None => end,
+            };
+            let table = txn.open_table(LOG).map_err(io_err)?;
+            for item in table.range::<u64>((start, end)).map_err(io_err)? {
+                let (_, v) = item.map_err(io_err)?;
+                out.push(decode(v.value())?);
+            }
         }
         out.extend(tail.iter().map(|e| e.as_ref().clone()));
         Ok(out)
@@ -196,11 +205,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogIdOf<TypeConfig>>,
     ) -> Result<(), io::Error> {
-        if self.writer.failed() {
-            return Err(io::Error::other(
-                "the raft log failed a write and takes no more",
-            ));
-        }
+        self.writer.refuse_after_failure()?;
         lock(&self.tail).committed = Some(committed);
         self.writer.send(Op::Committed(committed))
     }
@@ -225,11 +230,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = EntryOf<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        if self.writer.failed() {
-            return Err(io::Error::other(
-                "the raft log failed a write and takes no more",
-            ));
-        }
+        self.writer.refuse_after_failure()?;
         let entries = stage(&self.tail, entries);
         self.writer.send(Op::Append {
             entries,

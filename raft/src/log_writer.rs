@@ -59,17 +59,12 @@ impl Tail {
     /// Entries of `range`, in order (none for an empty or inverted range, which
     /// `BTreeMap::range` would panic on).
     pub(crate) fn range(&self, range: (Bound<u64>, Bound<u64>)) -> Vec<Entry> {
-        let lowest = match range.0 {
-            Bound::Included(i) => Some(i),
-            Bound::Excluded(i) => i.checked_add(1),
-            Bound::Unbounded => Some(0),
-        };
         let highest = match range.1 {
             Bound::Included(i) => Some(i),
             Bound::Excluded(i) => i.checked_sub(1),
             Bound::Unbounded => Some(u64::MAX),
         };
-        match (lowest, highest) {
+        match (lowest(range.0), highest) {
             (Some(lo), Some(hi)) if lo <= hi => self
                 .entries
                 .range(lo..=hi)
@@ -113,17 +108,25 @@ impl Tail {
     }
 
     fn truncate(&mut self, from: u64) {
-        let cut: Vec<u64> = self.entries.range(from..).map(|(i, _)| *i).collect();
-        for i in cut {
-            self.remove(i);
-        }
+        let cut = self.entries.split_off(&from);
+        self.forget(cut);
     }
 
     fn purge(&mut self, upto: u64) {
-        while let Some((&i, _)) = self.entries.first_key_value()
-            && i <= upto
-        {
-            self.remove(i);
+        let kept = match upto.checked_add(1) {
+            Some(next) => self.entries.split_off(&next),
+            None => BTreeMap::new(),
+        };
+        let gone = std::mem::replace(&mut self.entries, kept);
+        self.forget(gone);
+    }
+
+    /// Takes entries that left the tail off its written counts.
+    fn forget(&mut self, gone: BTreeMap<u64, (Entry, Option<usize>)>) {
+        for (_, (_, size)) in gone {
+            if let Some(size) = size {
+                self.forget_written(size);
+            }
         }
     }
 
@@ -214,35 +217,34 @@ impl WriterCounts {
     }
 }
 
+/// What the writer thread and the log's handles share besides the tail.
+#[derive(Debug, Default)]
+struct Shared {
+    counts: WriterCounts,
+    /// Set once a round failed: the log takes no more.
+    failed: AtomicBool,
+    /// Held by a test to keep the writer from starting its next round.
+    #[cfg(test)]
+    gate: Mutex<()>,
+    /// Set by a test to make the next rounds fail as a disk would.
+    #[cfg(test)]
+    fail: AtomicBool,
+}
+
 /// The writer thread and the way to it; the thread stops (after what it was given) and is
 /// joined when this is dropped, so the log file is closed once the last handle is gone.
 #[derive(Debug)]
 pub(crate) struct Writer {
     tx: Option<Sender<Op>>,
     thread: Option<JoinHandle<()>>,
-    pub(crate) counts: WriterCounts,
-    #[cfg(test)]
-    gate: Arc<Mutex<()>>,
-    #[cfg(test)]
-    fail: Arc<AtomicBool>,
-    failed: Arc<AtomicBool>,
+    shared: Arc<Shared>,
 }
 
 impl Writer {
     pub(crate) fn start(db: Arc<Database>, tail: Arc<Mutex<Tail>>) -> io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
-        let counts = WriterCounts::default();
-        let kept = counts.clone();
-        #[cfg(test)]
-        let gate = Arc::new(Mutex::new(()));
-        #[cfg(test)]
-        let held = gate.clone();
-        #[cfg(test)]
-        let fail = Arc::new(AtomicBool::new(false));
-        let failed = Arc::new(AtomicBool::new(false));
-        let latched = failed.clone();
-        #[cfg(test)]
-        let failing = fail.clone();
+        let shared = Arc::new(Shared::default());
+        let kept = shared.clone();
         let thread = std::thread::Builder::new()
             .name("raft-log".into())
             .spawn(move || {
@@ -250,35 +252,34 @@ impl Writer {
                     db: &db,
                     tail: &tail,
                     rx: &rx,
-                    counts: &kept,
-                    #[cfg(test)]
-                    gate: &held,
-                    #[cfg(test)]
-                    fail: &failing,
-                    failed: &latched,
+                    shared: &kept,
                 })
             })?;
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
-            counts,
-            #[cfg(test)]
-            gate,
-            #[cfg(test)]
-            fail,
-            failed,
+            shared,
         })
     }
 
-    /// Whether a write failed: the log takes no more.
-    pub(crate) fn failed(&self) -> bool {
-        self.failed.load(Ordering::SeqCst)
+    pub(crate) fn counts(&self) -> &WriterCounts {
+        &self.shared.counts
+    }
+
+    /// An error once a write failed: the log takes no more.
+    pub(crate) fn refuse_after_failure(&self) -> io::Result<()> {
+        if self.shared.failed.load(Ordering::SeqCst) {
+            return Err(io::Error::other(
+                "the raft log failed a write and takes no more",
+            ));
+        }
+        Ok(())
     }
 
     /// Makes the writer's rounds fail (or not) as a disk would.
     #[cfg(test)]
     pub(crate) fn fail_writes(&self, fail: bool) {
-        self.fail.store(fail, Ordering::SeqCst);
+        self.shared.fail.store(fail, Ordering::SeqCst);
     }
 
     /// Keeps the writer from taking its next round until the guard is dropped (what is sent
@@ -286,7 +287,7 @@ impl Writer {
     /// gate nor the idle fsync of a committed id.
     #[cfg(test)]
     pub(crate) fn pause(&self) -> MutexGuard<'_, ()> {
-        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+        self.shared.gate.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn send(&self, op: Op) -> io::Result<()> {
@@ -305,6 +306,15 @@ impl Drop for Writer {
         {
             tracing::error!("the raft log's writer thread panicked");
         }
+    }
+}
+
+/// The lowest index a range's start admits (`None`: none).
+pub(crate) fn lowest(start: Bound<u64>) -> Option<u64> {
+    match start {
+        Bound::Included(i) => Some(i),
+        Bound::Excluded(i) => i.checked_add(1),
+        Bound::Unbounded => Some(0),
     }
 }
 
@@ -330,15 +340,7 @@ struct Context<'a> {
     db: &'a Database,
     tail: &'a Mutex<Tail>,
     rx: &'a Receiver<Op>,
-    counts: &'a WriterCounts,
-    /// Held by a test to keep the writer from starting its next round.
-    #[cfg(test)]
-    gate: &'a Mutex<()>,
-    /// Set by a test to make the next rounds fail as a disk would.
-    #[cfg(test)]
-    fail: &'a AtomicBool,
-    /// Set once a round failed (appends are refused from then on).
-    failed: &'a AtomicBool,
+    shared: &'a Shared,
 }
 
 fn run(cx: &Context<'_>) {
@@ -359,12 +361,11 @@ fn run(cx: &Context<'_>) {
                     sync_by = None;
                     if failed.is_none() {
                         match sync(cx.db) {
-                            Ok(()) => cx.counts.fsyncs.inc(),
-                            Err(e) => {
-                                fail(cx, &mut failed, (e.kind(), e.to_string()));
-                                continue;
+                            Ok(()) => {
+                                cx.shared.counts.fsyncs.inc();
                             }
-                        };
+                            Err(e) => fail(cx, &mut failed, (e.kind(), e.to_string())),
+                        }
                     }
                     continue;
                 }
@@ -376,7 +377,7 @@ fn run(cx: &Context<'_>) {
             },
         };
         #[cfg(test)]
-        let gate = cx.gate.lock().unwrap_or_else(|p| p.into_inner());
+        let gate = cx.shared.gate.lock().unwrap_or_else(|p| p.into_inner());
         let mut ops = vec![first];
         while ops.len() < MAX_OPS_PER_COMMIT
             && let Ok(op) = cx.rx.try_recv()
@@ -415,7 +416,7 @@ fn fail(
         return;
     }
     tracing::error!(error = %e.1, "the raft log could not be written; it takes no more writes");
-    cx.failed.store(true, Ordering::SeqCst);
+    cx.shared.failed.store(true, Ordering::SeqCst);
     lock(cx.tail).drop_unwritten();
     *failed = Some(e);
 }
@@ -426,7 +427,7 @@ fn fail(
 fn round(cx: &Context<'_>, ops: &[Op], overdue: bool) -> Result<bool, (io::ErrorKind, String)> {
     let durable = overdue || ops.iter().any(Op::needs_fsync);
     #[cfg(test)]
-    if cx.fail.load(Ordering::SeqCst) {
+    if cx.shared.fail.load(Ordering::SeqCst) {
         return Err((io::ErrorKind::Other, "injected write failure".into()));
     }
     let written =
@@ -453,9 +454,9 @@ fn round(cx: &Context<'_>, ops: &[Op], overdue: bool) -> Result<bool, (io::Error
     }
     t.trim();
     drop(t);
-    cx.counts.entries.inc_by(entries);
+    cx.shared.counts.entries.inc_by(entries);
     if durable {
-        cx.counts.fsyncs.inc();
+        cx.shared.counts.fsyncs.inc();
     }
     Ok(durable)
 }
