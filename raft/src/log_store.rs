@@ -205,14 +205,13 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogIdOf<TypeConfig>>,
     ) -> Result<(), io::Error> {
-        self.writer.refuse_after_failure()?;
-        lock(&self.tail).committed = Some(committed);
+        lock(&self.tail).commit(committed)?;
         self.writer.send(Op::Committed(committed))
     }
 
     /// The last one saved, written yet or not.
     async fn read_committed(&mut self) -> Result<Option<LogIdOf<TypeConfig>>, io::Error> {
-        if let Some(c) = lock(&self.tail).committed {
+        if let Some(c) = lock(&self.tail).committed() {
             return Ok(c);
         }
         Ok(self
@@ -230,8 +229,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I: IntoIterator<Item = EntryOf<TypeConfig>> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        self.writer.refuse_after_failure()?;
-        let entries = stage(&self.tail, entries);
+        let entries = stage(&self.tail, entries)?;
         self.writer.send(Op::Append {
             entries,
             flushed: callback,

@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::ops::Bound;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -52,7 +51,10 @@ pub(crate) struct Tail {
     written: usize,
     written_bytes: usize,
     /// The last committed id handed to the writer, written or not (read back at once).
-    pub(crate) committed: Option<Option<LogIdOf<TypeConfig>>>,
+    committed: Option<Option<LogIdOf<TypeConfig>>>,
+    /// Set (with the unwritten entries dropped, under the same lock) once a write failed:
+    /// nothing more is staged.
+    failed: bool,
 }
 
 impl Tail {
@@ -80,6 +82,12 @@ impl Tail {
     }
 
     fn stage(&mut self, e: &Entry) {
+        debug_assert!(
+            self.entries
+                .last_key_value()
+                .is_none_or(|(&last, _)| e.log_id.index <= last + 1),
+            "appends keep the tail contiguous"
+        );
         if let Some((_, Some(size))) = self.entries.insert(e.log_id.index, (e.clone(), None)) {
             self.forget_written(size);
         }
@@ -130,9 +138,23 @@ impl Tail {
         }
     }
 
-    /// Drops every entry not written (after a failed write: they never will be).
-    fn drop_unwritten(&mut self) {
+    /// After a failed write: every entry not written leaves (it never will be), and nothing
+    /// more is staged.
+    fn fail(&mut self) {
+        self.failed = true;
         self.entries.retain(|_, (_, size)| size.is_some());
+    }
+
+    /// Records the committed id handed to the writer (refused after a failed write).
+    pub(crate) fn commit(&mut self, committed: Option<LogIdOf<TypeConfig>>) -> io::Result<()> {
+        refuse_if(self.failed)?;
+        self.committed = Some(committed);
+        Ok(())
+    }
+
+    /// The last committed id handed to the writer, if any was.
+    pub(crate) fn committed(&self) -> Option<Option<LogIdOf<TypeConfig>>> {
+        self.committed
     }
 
     /// Drops the oldest written entries beyond the bounds.
@@ -221,14 +243,12 @@ impl WriterCounts {
 #[derive(Debug, Default)]
 struct Shared {
     counts: WriterCounts,
-    /// Set once a round failed: the log takes no more.
-    failed: AtomicBool,
     /// Held by a test to keep the writer from starting its next round.
     #[cfg(test)]
     gate: Mutex<()>,
     /// Set by a test to make the next rounds fail as a disk would.
     #[cfg(test)]
-    fail: AtomicBool,
+    fail: std::sync::atomic::AtomicBool,
 }
 
 /// The writer thread and the way to it; the thread stops (after what it was given) and is
@@ -266,20 +286,12 @@ impl Writer {
         &self.shared.counts
     }
 
-    /// An error once a write failed: the log takes no more.
-    pub(crate) fn refuse_after_failure(&self) -> io::Result<()> {
-        if self.shared.failed.load(Ordering::SeqCst) {
-            return Err(io::Error::other(
-                "the raft log failed a write and takes no more",
-            ));
-        }
-        Ok(())
-    }
-
     /// Makes the writer's rounds fail (or not) as a disk would.
     #[cfg(test)]
     pub(crate) fn fail_writes(&self, fail: bool) {
-        self.shared.fail.store(fail, Ordering::SeqCst);
+        self.shared
+            .fail
+            .store(fail, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Keeps the writer from taking its next round until the guard is dropped (what is sent
@@ -322,17 +334,29 @@ pub(crate) fn lock(tail: &Mutex<Tail>) -> MutexGuard<'_, Tail> {
     tail.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Adds entries to the tail; returns them as the writer takes them.
+/// An error when a write failed: the log takes no more.
+fn refuse_if(failed: bool) -> io::Result<()> {
+    if failed {
+        return Err(io::Error::other(
+            "the raft log failed a write and takes no more",
+        ));
+    }
+    Ok(())
+}
+
+/// Adds entries to the tail (refused after a failed write); returns them as the writer takes
+/// them.
 pub(crate) fn stage(
     tail: &Mutex<Tail>,
     entries: impl IntoIterator<Item = EntryOf<TypeConfig>>,
-) -> Vec<Entry> {
+) -> io::Result<Vec<Entry>> {
     let entries: Vec<Entry> = entries.into_iter().map(Arc::new).collect();
     let mut t = lock(tail);
+    refuse_if(t.failed)?;
     for e in &entries {
         t.stage(e);
     }
-    entries
+    Ok(entries)
 }
 
 /// What the thread works with.
@@ -416,8 +440,7 @@ fn fail(
         return;
     }
     tracing::error!(error = %e.1, "the raft log could not be written; it takes no more writes");
-    cx.shared.failed.store(true, Ordering::SeqCst);
-    lock(cx.tail).drop_unwritten();
+    lock(cx.tail).fail();
     *failed = Some(e);
 }
 
@@ -427,7 +450,7 @@ fn fail(
 fn round(cx: &Context<'_>, ops: &[Op], overdue: bool) -> Result<bool, (io::ErrorKind, String)> {
     let durable = overdue || ops.iter().any(Op::needs_fsync);
     #[cfg(test)]
-    if cx.shared.fail.load(Ordering::SeqCst) {
+    if cx.shared.fail.load(std::sync::atomic::Ordering::SeqCst) {
         return Err((io::ErrorKind::Other, "injected write failure".into()));
     }
     let written =
@@ -647,7 +670,13 @@ mod tests {
         for a in append(&mut log, 1, n).await {
             a.await.unwrap().unwrap();
         }
-        // Purged into what memory holds (the tail starts at 501).
+        // Purged in the file only (the tail starts at 501): a read spans both.
+        log.purge(log_id::<TypeConfig>(1, 1, 300)).await.unwrap();
+        let read = log.try_get_log_entries(1..=n).await.unwrap();
+        assert_eq!(indexes(&read), (301..=n).collect::<Vec<_>>());
+        let read = log.try_get_log_entries(400..600).await.unwrap();
+        assert_eq!(indexes(&read), (400..600).collect::<Vec<_>>());
+        // Purged into what memory holds.
         log.purge(log_id::<TypeConfig>(1, 1, 600)).await.unwrap();
         let read = log.try_get_log_entries(1..=n).await.unwrap();
         assert_eq!(indexes(&read), (601..=n).collect::<Vec<_>>());
@@ -721,7 +750,8 @@ mod tests {
         log.save_committed(Some(log_id::<TypeConfig>(1, 1, 1)))
             .await
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let saved = Instant::now();
+        let deadline = saved + Duration::from_secs(10);
         while log.counts().fsyncs() == before {
             assert!(
                 Instant::now() < deadline,
@@ -729,6 +759,12 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        // Written unfsynced first, fsynced once the 50 ms ran out (never sooner).
+        assert!(
+            saved.elapsed() >= super::SYNC_COMMITTED_AFTER,
+            "{:?}",
+            saved.elapsed()
+        );
     }
 
     #[tokio::test]
