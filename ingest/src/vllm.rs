@@ -274,8 +274,12 @@ fn tier(f: &Fields<'_>) -> Result<Tier, SkippedEvent> {
         Some(m) => match m.as_str() {
             Some("GPU") => Ok(Tier::Gpu),
             Some("CPU") => Ok(Tier::Cpu),
-            Some("STORAGE" | "DISK") => Ok(Tier::Storage),
-            _ => Err(malformed("medium", "must be GPU, CPU, STORAGE or nil")),
+            // FS and OBJ were STORAGE's names for a while.
+            Some("STORAGE" | "FS" | "OBJ" | "DISK") => Ok(Tier::Storage),
+            _ => Err(malformed(
+                "medium",
+                "must be GPU, CPU, STORAGE (FS, OBJ) or nil",
+            )),
         },
     }
 }
