@@ -45,6 +45,10 @@ pub struct ClusterBenchArgs {
     /// Where the nodes keep their logs (default: a fresh temporary directory, removed after).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Policy objects in the large catalog of the catalog-size measurement (the same stream
+    /// applied bare with one object and with this many).
+    #[arg(long, default_value_t = 500)]
+    pub catalog_objects: usize,
     #[command(flatten)]
     pub grants: super::grants::GrantArgs,
 }
@@ -53,6 +57,8 @@ pub struct ClusterBenchArgs {
 struct Report {
     workload: Workload,
     single_node_apply: Rate,
+    /// Bare apply with a catalog of one policy object and of many: apply cost and catalog size.
+    catalog_size: super::catalog_size::CatalogReport,
     cluster: ClusterRate,
     grants: super::grants::GrantReport,
     failover: Failover,
@@ -379,6 +385,7 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
     // The ceiling: a bare state machine applying the same entries.
     let (seconds, bare_digest) = apply_bare(&commands, 0)?;
     let single = rate(seconds, a.entries, events);
+    let catalog_size = super::catalog_size::measure(&commands, events, a.catalog_objects)?;
 
     // Three members on loopback.
     let election = [500, 1000];
@@ -499,6 +506,7 @@ pub async fn run(a: ClusterBenchArgs) -> anyhow::Result<()> {
             indexed_blocks,
         },
         single_node_apply: single,
+        catalog_size,
         grants,
         failover: Failover {
             heartbeat_ms: 100,

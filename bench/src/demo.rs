@@ -8,14 +8,15 @@
 //! everything.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use futures::StreamExt;
 use kvplane_sim::workload::{Kind, Spec, WorkItem, generate};
 use kvplane_testkit::process;
+
+use crate::procs::{Procs, field, raft_peers, start_nats, wait_status};
 use serde_json::{Value, json};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -46,45 +47,6 @@ pub struct DemoArgs {
     /// Also write the summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-}
-
-/// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
-struct Procs {
-    dir: PathBuf,
-    children: Vec<Child>,
-}
-
-impl Procs {
-    /// Starts `program` with its stderr in `<dir>/<name>.log`; returns its ready line.
-    fn spawn(
-        &mut self,
-        name: &str,
-        program: &Path,
-        args: &[String],
-        ready: Option<&str>,
-    ) -> anyhow::Result<String> {
-        let (child, line) = process::start(process::Spec {
-            program,
-            args,
-            env: &[],
-            log: &self.dir.join(format!("{name}.log")),
-            ready,
-        })?;
-        self.children.push(child);
-        Ok(line)
-    }
-}
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        process::stop_all(&mut self.children, Duration::from_secs(5));
-    }
-}
-
-fn field(line: &str, key: &str) -> anyhow::Result<String> {
-    process::field(line, key)
-        .map(str::to_owned)
-        .with_context(|| format!("no {key}= in {line:?}"))
 }
 
 /// One request's result, as the client saw it.
@@ -248,33 +210,12 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         bail!("speedup, rate and requests must be positive");
     }
     let exe = process::kvplane_binary();
-    let nats = process::which("nats-server")
-        .context("nats-server is not installed (run scripts/install-deps)")?;
     let dir = std::env::temp_dir().join(format!("kvplane-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let mut procs = Procs {
-        dir: dir.clone(),
-        children: Vec::new(),
-    };
+    let mut procs = Procs::new(&dir);
     println!("kvplane demo: logs in {}", dir.display());
 
-    let nats_port = process::free_port()?;
-    procs.spawn(
-        "nats",
-        &nats,
-        &[
-            "-js".into(),
-            "-a".into(),
-            "127.0.0.1".into(),
-            "-p".into(),
-            nats_port.to_string(),
-            "-sd".into(),
-            dir.join("nats").display().to_string(),
-        ],
-        None,
-    )?;
-    let nats_url = format!("nats://127.0.0.1:{nats_port}");
-    process::wait_tcp(nats_port, Duration::from_secs(15)).await?;
+    let nats_url = start_nats(&mut procs, &dir).await?;
     println!("started nats-server (jetstream) on {nats_url}");
 
     // The fleet as a policy: one worker set (the engines' pool), predicted TTFT from their
@@ -294,15 +235,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     )?;
     let cost = crate::routing::engine_cost(&engine);
     // Three Raft members; the first initializes the cluster.
-    let addrs: Vec<String> = (0..NODES)
-        .map(|_| process::free_port().map(|p| format!("127.0.0.1:{p}")))
-        .collect::<Result<_, _>>()?;
-    let peers = addrs
-        .iter()
-        .enumerate()
-        .map(|(i, a)| format!("{{ id = {}, addr = \"{a}\" }}", i + 1))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let (addrs, peers) = raft_peers(NODES)?;
     let mut nodes = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
         let config = dir.join(format!("kvplane-{i}.toml"));
@@ -602,61 +535,41 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn status(grpc: &str) -> Option<kvplane_proto::v1::StatusResponse> {
-    let mut c = kvplane_proto::v1::admin_client::AdminClient::connect(grpc.to_owned())
-        .await
-        .ok()?;
-    Some(
-        c.status(kvplane_proto::v1::StatusRequest::default())
-            .await
-            .ok()?
-            .into_inner(),
-    )
-}
-
 async fn wait_policy(grpc: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(s) = status(grpc).await
-            && s.policy_objects.get("InferenceWorkerSet") == Some(&1)
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("kvplane did not apply the demo's policy within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_status(
+        grpc,
+        "applying the demo's policy",
+        Duration::from_secs(30),
+        |s| s.policy_objects.get("InferenceWorkerSet") == Some(&1),
+    )
+    .await
+    .map(drop)
 }
 
 async fn wait_workers(grpc: &str, n: usize) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(s) = status(grpc).await
-            && s.workers
+    wait_status(
+        grpc,
+        &format!("seeing {n} workers"),
+        Duration::from_secs(30),
+        |s| {
+            s.workers
                 .iter()
                 .filter(|w| w.up && !w.address.is_empty())
                 .count()
                 >= n
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("kvplane did not see {n} workers within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        },
+    )
+    .await
+    .map(drop)
 }
 
 async fn wait_blocks_cleared(grpc: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if status(grpc).await.is_some_and(|s| s.indexed_blocks == 0) {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("kvplane did not see the engines' caches cleared within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_status(
+        grpc,
+        "seeing the engines' caches cleared",
+        Duration::from_secs(30),
+        |s| s.indexed_blocks == 0,
+    )
+    .await
+    .map(drop)
 }

@@ -12,7 +12,7 @@ pub mod vllm;
 
 pub use consumer::{IngestConfig, Ingestor, ensure_stream};
 pub use error::{DecodeError, IngestError};
-pub use message::{MetricsMessage, WorkerMessage};
+pub use message::{MetricsMessage, WorkerMessage, WorkerStatus};
 pub use metrics::{IngestMetrics, RejectReason};
 pub use subject::{
     MessageKind, STREAM_SUBJECTS, Subject, kv_rank_subject, kv_subject, metrics_subject,

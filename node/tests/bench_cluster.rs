@@ -18,6 +18,9 @@ fn the_cluster_benchmark_commits_everything_and_measures_failover() {
             > 0.0
     );
     assert!(r["single_node_apply"]["kv_events_per_s"].as_f64().unwrap() > 0.0);
+    // The catalog-size measurement ran on the same stream with 1 and 500 policy objects.
+    assert_eq!(r["catalog_size"]["objects"], serde_json::json!([1, 500]));
+    assert!(r["catalog_size"]["ratio"].as_f64().unwrap() > 0.0);
     let kills = r["failover"]["kill_to_first_commit_ms"].as_array().unwrap();
     assert_eq!(kills.len(), 2);
     // A new leader needs at least one election timeout and commits within a few.

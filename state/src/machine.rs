@@ -949,50 +949,34 @@ impl StateMachine {
         h.finish().0
     }
 
-    /// Publishes the current state to readers. Pools nothing changed keep their published view.
+    /// Publishes the current state to readers. Pools nothing changed keep their published view,
+    /// and the map of views is the previous View's with only the changed pools replaced.
     pub(crate) fn publish(&mut self) {
         let dirty = std::mem::take(&mut self.dirty);
-        let previous = self.handle.load();
-        let mut pools = BTreeMap::new();
-        for (name, pool) in &self.pools {
-            if !dirty.all
-                && !dirty.pools.contains(name)
-                && let Some(v) = previous.pools.get(name)
-            {
-                pools.insert(name.clone(), v.clone());
-                continue;
+        let pools = if dirty.all {
+            self.pools
+                .iter()
+                .map(|(name, pool)| (name.clone(), Arc::new(self.pool_view(name, pool))))
+                .collect()
+        } else {
+            let mut pools = self.handle.load().pools.clone();
+            for name in &dirty.pools {
+                match self.pools.get(name) {
+                    Some(pool) => {
+                        pools.insert(name.clone(), Arc::new(self.pool_view(name, pool)));
+                    }
+                    None => {
+                        pools.remove(name);
+                    }
+                }
             }
-            let workers = self
-                .workers
-                .range((name.clone(), String::new())..)
-                .take_while(|((p, _), _)| p == name)
-                .map(|((p, n), w)| WorkerView {
-                    pool: p.clone(),
-                    name: n.as_str().into(),
-                    id: w.id,
-                    up: w.up,
-                    address: w.address.as_deref().map(Into::into),
-                    metrics: w.metrics,
-                    metrics_index: w.metrics_index,
-                    metrics_at_ms: w.metrics_at_ms,
-                    heard_ms: w.heard_ms,
-                    indexed_blocks: self
-                        .ranks
-                        .range((w.id, 0)..=(w.id, u32::MAX))
-                        .map(|(_, r)| r.gpu_blocks)
-                        .sum(),
-                })
-                .collect();
-            pools.insert(
-                name.clone(),
-                Arc::new(PoolView {
-                    name: name.clone(),
-                    config: pool.config.clone(),
-                    index: pool.index.clone(),
-                    workers,
-                }),
-            );
-        }
+            pools
+        };
+        debug_assert_eq!(
+            pools.len(),
+            self.pools.len(),
+            "a pool came or went without dirty.all"
+        );
         self.handle.store(View {
             applied_index: self.applied_index,
             config_index: self.config_index,
@@ -1006,6 +990,37 @@ impl StateMachine {
             owners: self.owners.clone(),
             quota: self.quota.clone(),
         });
+    }
+
+    /// What readers see of pool `name`: its config, index and workers.
+    fn pool_view(&self, name: &str, pool: &Pool) -> PoolView {
+        let workers = self
+            .workers
+            .range((name.to_owned(), String::new())..)
+            .take_while(|((p, _), _)| p == name)
+            .map(|((p, n), w)| WorkerView {
+                pool: p.clone(),
+                name: n.as_str().into(),
+                id: w.id,
+                up: w.up,
+                address: w.address.as_deref().map(Into::into),
+                metrics: w.metrics,
+                metrics_index: w.metrics_index,
+                metrics_at_ms: w.metrics_at_ms,
+                heard_ms: w.heard_ms,
+                indexed_blocks: self
+                    .ranks
+                    .range((w.id, 0)..=(w.id, u32::MAX))
+                    .map(|(_, r)| r.gpu_blocks)
+                    .sum(),
+            })
+            .collect();
+        PoolView {
+            name: name.to_owned(),
+            config: pool.config.clone(),
+            index: pool.index.clone(),
+            workers,
+        }
     }
 }
 

@@ -20,8 +20,10 @@ pub struct View {
     pub positions: BTreeMap<crate::Source, u64>,
     pub digest: Digest,
     pub indexed_blocks: u64,
-    /// Shared with earlier Views while nothing in the pool changed.
-    pub pools: BTreeMap<String, Arc<PoolView>>,
+    /// Shared with earlier Views while nothing in the pool changed; the map itself is
+    /// persistent, so publishing an entry that changed one pool costs the same however many
+    /// pools there are.
+    pub pools: imbl::OrdMap<String, Arc<PoolView>>,
     pub dropped: BTreeMap<&'static str, u64>,
     /// The policy objects (always consistent); `config_index` is their generation.
     pub catalog: Arc<kvplane_policy::Catalog>,
@@ -67,7 +69,7 @@ impl View {
             positions: BTreeMap::new(),
             digest: Digest::default(),
             indexed_blocks: 0,
-            pools: BTreeMap::new(),
+            pools: imbl::OrdMap::new(),
             dropped: BTreeMap::new(),
             catalog: Arc::default(),
             owners: Arc::default(),

@@ -1,0 +1,199 @@
+//! What the drivers share: child processes by name (started with a ready line, killed and
+//! restarted with the same arguments, all stopped when dropped) and a node's Status.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kvplane_proto::v1::{StatusRequest, StatusResponse, admin_client::AdminClient};
+use kvplane_testkit::process;
+
+/// One started program.
+struct Proc {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    ready: Option<String>,
+    child: Option<Child>,
+    starts: u32,
+}
+
+/// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
+pub(crate) struct Procs {
+    dir: PathBuf,
+    procs: Vec<Proc>,
+}
+
+impl Procs {
+    /// Logs go to `dir/<name>.log` (`<name>.<n>.log` for the n-th restart).
+    pub(crate) fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            procs: Vec::new(),
+        }
+    }
+
+    /// Starts `program` as `name` and waits for its `ready` line (when given); returns it.
+    pub(crate) fn spawn(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        ready: Option<&str>,
+    ) -> anyhow::Result<String> {
+        self.procs.push(Proc {
+            name: name.to_owned(),
+            program: program.to_owned(),
+            args: args.to_vec(),
+            ready: ready.map(str::to_owned),
+            child: None,
+            starts: 0,
+        });
+        let i = self.procs.len() - 1;
+        self.start(i)
+    }
+
+    fn start(&mut self, i: usize) -> anyhow::Result<String> {
+        let p = &mut self.procs[i];
+        p.starts += 1;
+        let log = match p.starts {
+            1 => self.dir.join(format!("{}.log", p.name)),
+            n => self.dir.join(format!("{}.{n}.log", p.name)),
+        };
+        let (child, line) = process::start(process::Spec {
+            program: &p.program,
+            args: &p.args,
+            env: &[],
+            log: &log,
+            ready: p.ready.as_deref(),
+        })
+        .with_context(|| format!("starting {} (log {})", p.name, log.display()))?;
+        p.child = Some(child);
+        Ok(line)
+    }
+
+    fn find(&mut self, name: &str) -> anyhow::Result<usize> {
+        self.procs
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("no process named {name}"))
+    }
+
+    /// SIGKILL: no shutdown work at all.
+    pub(crate) fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        let i = self.find(name)?;
+        process::kill(&mut self.procs[i].child);
+        Ok(())
+    }
+
+    /// Starts a killed process again with the same arguments; returns its ready line.
+    pub(crate) fn restart(&mut self, name: &str) -> anyhow::Result<String> {
+        let i = self.find(name)?;
+        if self.procs[i].child.is_some() {
+            bail!("{name} is still running");
+        }
+        self.start(i)
+    }
+
+    /// How often `name` was started (0: no such process).
+    pub(crate) fn starts(&self, name: &str) -> u32 {
+        self.procs
+            .iter()
+            .find(|p| p.name == name)
+            .map_or(0, |p| p.starts)
+    }
+
+    /// The process id of `name` while it runs.
+    pub(crate) fn pid(&self, name: &str) -> Option<u32> {
+        self.procs
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| p.child.as_ref())
+            .map(Child::id)
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        let mut children: Vec<Child> = self
+            .procs
+            .iter_mut()
+            .filter_map(|p| p.child.take())
+            .collect();
+        process::stop_all(&mut children, Duration::from_secs(5));
+    }
+}
+
+/// `key=value` of a ready line.
+pub(crate) fn field(line: &str, key: &str) -> anyhow::Result<String> {
+    process::field(line, key)
+        .map(str::to_owned)
+        .with_context(|| format!("no {key}= in {line:?}"))
+}
+
+/// A node's Status, or `None` while it does not answer.
+pub(crate) async fn status(grpc: &str) -> Option<StatusResponse> {
+    let mut c = AdminClient::connect(grpc.to_owned()).await.ok()?;
+    Some(c.status(StatusRequest::default()).await.ok()?.into_inner())
+}
+
+/// Polls `grpc`'s Status until `ok` holds, for up to `timeout`.
+pub(crate) async fn wait_status(
+    grpc: &str,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&StatusResponse) -> bool,
+) -> anyhow::Result<StatusResponse> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = status(grpc).await
+            && ok(&s)
+        {
+            return Ok(s);
+        }
+        if Instant::now() > deadline {
+            bail!("{grpc}: {what} did not happen within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Starts a JetStream-enabled `nats-server` on a free loopback port, its store in
+/// `dir/nats`; returns its URL once it accepts connections.
+pub(crate) async fn start_nats(procs: &mut Procs, dir: &Path) -> anyhow::Result<String> {
+    let nats = process::which("nats-server")
+        .context("nats-server is not installed (run scripts/install-deps)")?;
+    let port = process::free_port()?;
+    procs.spawn(
+        "nats",
+        &nats,
+        &[
+            "-js".into(),
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            port.to_string(),
+            "-sd".into(),
+            dir.join("nats").display().to_string(),
+        ],
+        None,
+    )?;
+    process::wait_tcp(port, Duration::from_secs(15)).await?;
+    Ok(format!("nats://127.0.0.1:{port}"))
+}
+
+/// `n` free loopback addresses for Raft members, and the `[raft] peers` list naming them
+/// (ids 1..=n in order).
+pub(crate) fn raft_peers(n: usize) -> anyhow::Result<(Vec<String>, String)> {
+    let addrs: Vec<String> = (0..n)
+        .map(|_| process::free_port().map(|p| format!("127.0.0.1:{p}")))
+        .collect::<Result<_, _>>()?;
+    let peers = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{{ id = {}, addr = \"{a}\" }}", i + 1))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok((addrs, peers))
+}
