@@ -74,11 +74,20 @@ impl ApiMetrics {
     }
 
     /// Counts the filters that removed candidates and the sources of the tags of a decision.
-    pub(crate) fn stages(&self, d: &crate::Decision) {
+    pub(crate) fn stages(&self, d: &crate::Decision<'_>) {
+        // Counted per filter first: one metric update per filter that refused, not per
+        // candidate.
+        let mut by: Vec<(kvplane_policy::FilterId, u64)> = Vec::new();
         for f in d.candidates.iter().filter_map(|c| c.filtered.as_ref()) {
+            match by.iter_mut().find(|(id, _)| *id == f.by) {
+                Some((_, n)) => *n += 1,
+                None => by.push((f.by, 1)),
+            }
+        }
+        for (id, n) in by {
             self.filtered
-                .get_or_create(&FilterLabel { filter: f.by.0 })
-                .inc();
+                .get_or_create(&FilterLabel { filter: id.0 })
+                .inc_by(n);
         }
         for s in &d.tags.sources {
             let source = match s {

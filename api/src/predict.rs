@@ -108,21 +108,90 @@ struct HistogramWindow {
     last_report_ms: u64,
 }
 
-impl Inner {
-    fn queue(&mut self, worker_set: &str, worker: &str) -> &mut Queue {
-        self.queues
-            .entry(worker_set.to_owned())
-            .or_default()
-            .entry(worker.to_owned())
-            .or_default()
+/// One worker set's queues.
+#[derive(Debug, Default)]
+struct SetQueues {
+    /// Each worker's queue, by its slot.
+    queues: Vec<Queue>,
+    /// The slot of each worker's queue, by name (a slot is never reused).
+    slots: FxHashMap<String, usize>,
+    /// The workers of the last list a decision asked about, in its order, with their slots.
+    /// A view shares its workers' names with the views after it, so while the list stays the
+    /// same (the same names, pointer for pointer), a decision finds each worker's queue by
+    /// its position: no name hashed or compared per candidate. Holding the names keeps a
+    /// pointer from meaning another name.
+    roster: Vec<(Arc<str>, usize)>,
+    /// The highest metrics index whose TTFT histograms were folded in: a worker whose
+    /// metrics are no newer has nothing new to fold.
+    histograms_through: Option<u64>,
+}
+
+impl SetQueues {
+    fn slot(&mut self, worker: &str) -> usize {
+        if let Some(&i) = self.slots.get(worker) {
+            return i;
+        }
+        self.queues.push(Queue::default());
+        self.slots.insert(worker.to_owned(), self.queues.len() - 1);
+        self.queues.len() - 1
     }
+
+    fn queue(&mut self, worker: &str) -> &mut Queue {
+        let i = self.slot(worker);
+        &mut self.queues[i]
+    }
+
+    /// Makes the roster `workers`' slots, in their order (nothing to do when it is the same
+    /// list).
+    fn follow(&mut self, workers: &[Ask<'_>]) {
+        let same = self.roster.len() == workers.len()
+            && self
+                .roster
+                .iter()
+                .zip(workers)
+                .all(|((n, _), a)| Arc::ptr_eq(n, a.worker));
+        if !same {
+            self.roster = workers
+                .iter()
+                .map(|a| (a.worker.clone(), self.slot(a.worker)))
+                .collect();
+        }
+    }
+}
+
+impl Inner {
+    fn set(&mut self, worker_set: &str) -> &mut SetQueues {
+        if !self.queues.contains_key(worker_set) {
+            self.queues
+                .insert(worker_set.to_owned(), SetQueues::default());
+        }
+        self.queues
+            .get_mut(worker_set)
+            .unwrap_or_else(|| unreachable!())
+    }
+
+    fn queue(&mut self, worker_set: &str, worker: &str) -> &mut Queue {
+        self.set(worker_set).queue(worker)
+    }
+}
+
+/// One worker as a decision asks about it (see [`Predictor::pending_set`]): its name as the
+/// view shares it, and its last metrics sample.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    pub worker: &'a Arc<str>,
+    /// The index of the entry that carried the sample (it grows with every new sample).
+    pub metrics_index: u64,
+    pub metrics_at_ms: u64,
+    pub waiting: u32,
+    /// The engine's TTFT histogram: (sum in seconds, count).
+    pub ttft_histogram: (f64, u64),
 }
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// By worker set, then worker (looked up by `&str` on the request path, once per
-    /// candidate: a hash map; nothing iterates it).
-    queues: FxHashMap<String, FxHashMap<String, Queue>>,
+    /// By worker set (looked up once per worker set a decision reads; nothing iterates it).
+    queues: FxHashMap<String, SetQueues>,
     /// By worker set: observed / predicted.
     calibration: BTreeMap<String, f64>,
     /// Recently reported requests: (request id, predicted ms, observed ms).
@@ -247,89 +316,82 @@ impl Predictor {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// This replica's requests to `worker` that have not started: how many, their prefill
-    /// tokens, and how many of them the metrics sampled at `metrics_at_ms` (showing
-    /// `metrics_waiting` waiting) may count.
-    pub fn pending(
-        &self,
-        worker_set: &str,
-        worker: &str,
-        metrics_at_ms: u64,
-        metrics_waiting: u32,
-        ttft_histogram: (f64, u64),
-    ) -> InFlight {
-        self.one(
-            worker_set,
-            (worker, metrics_at_ms, metrics_waiting, ttft_histogram),
-            true,
-        )
+    /// This replica's requests to `ask.worker` that have not started: how many, their prefill
+    /// tokens, and how many of them its metrics sample may count; folds the sample's TTFT
+    /// histogram into the set's calibration.
+    pub fn pending(&self, worker_set: &str, ask: Ask<'_>) -> InFlight {
+        self.one(worker_set, ask, true)
     }
 
     /// What [`Self::pending`] would say, changing nothing (Explain).
-    pub fn peek_pending(
-        &self,
-        worker_set: &str,
-        worker: &str,
-        metrics_at_ms: u64,
-        metrics_waiting: u32,
-    ) -> InFlight {
-        self.one(
-            worker_set,
-            (worker, metrics_at_ms, metrics_waiting, (0.0, 0)),
-            false,
-        )
+    pub fn peek_pending(&self, worker_set: &str, ask: Ask<'_>) -> InFlight {
+        self.one(worker_set, ask, false)
+    }
+
+    fn one(&self, worker_set: &str, ask: Ask<'_>, update: bool) -> InFlight {
+        let mut out = InFlight::default();
+        self.pending_set(worker_set, &[ask], update, |_, f| out = f);
+        out
     }
 
     /// [`Self::pending`] (`update`) or [`Self::peek_pending`] for every worker of a set, under
-    /// one lock and one clock read: `(worker, metrics_at_ms, metrics_waiting, ttft_histogram)`.
+    /// one lock and one clock read: `each(i, in_flight)` for the `i`th of `workers`, in order.
     pub fn pending_set(
         &self,
         worker_set: &str,
-        workers: &[(&str, u64, u32, (f64, u64))],
+        workers: &[Ask<'_>],
         update: bool,
-    ) -> Vec<InFlight> {
+        mut each: impl FnMut(usize, InFlight),
+    ) {
         let now = self.now_ms();
         let mut g = self.lock();
         if update {
-            // Engines whose TTFT histogram moved since it was last seen (most did not).
-            let set = g.queues.get(worker_set);
-            let moved: Vec<(&str, (f64, u64))> = workers
-                .iter()
-                .filter(|&&(w, _, _, hist)| {
-                    hist.1 > 0
-                        && set
-                            .and_then(|s| s.get(w))
-                            .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != hist.1))
-                })
-                .map(|&(w, _, _, hist)| (w, hist))
-                .collect();
-            for (w, hist) in moved {
-                g.engine_histogram(worker_set, w, now, hist);
+            // Engines whose metrics are newer than those folded in, and whose TTFT histogram
+            // moved since it was last seen (most did not).
+            let through = g.queues.get(worker_set).and_then(|s| s.histograms_through);
+            let newer = |a: &&Ask<'_>| through.is_none_or(|t| a.metrics_index > t);
+            if workers.iter().any(|a| newer(&a)) {
+                for a in workers.iter().filter(newer) {
+                    let (w, hist) = (&**a.worker, a.ttft_histogram);
+                    let moved = hist.1 > 0
+                        && g.queues
+                            .get(worker_set)
+                            .and_then(|s| s.slots.get(w).map(|&i| &s.queues[i]))
+                            .is_none_or(|q| q.histogram.is_none_or(|h| h.1 != hist.1));
+                    if moved {
+                        g.engine_histogram(worker_set, w, now, hist);
+                    }
+                }
+                let top = workers.iter().map(|a| a.metrics_index).max();
+                let set = g.set(worker_set);
+                set.histograms_through = set.histograms_through.max(top);
             }
         }
-        // The set looked up once; each worker's queue by name.
         let Some(set) = g.queues.get_mut(worker_set) else {
-            return vec![InFlight::default(); workers.len()];
+            for i in 0..workers.len() {
+                each(i, InFlight::default());
+            }
+            return;
         };
-        workers
-            .iter()
-            .map(|&(w, at, waiting, _)| {
-                set.get_mut(w)
-                    .map(|q| Self::in_flight(q, now, at, waiting, update))
-                    .unwrap_or_default()
-            })
-            .collect()
-    }
-
-    fn one(
-        &self,
-        worker_set: &str,
-        worker: (&str, u64, u32, (f64, u64)),
-        update: bool,
-    ) -> InFlight {
-        self.pending_set(worker_set, &[worker], update)
-            .pop()
-            .unwrap_or_default()
+        if !update {
+            // A peek adds no queue: the workers without one have nothing in flight.
+            for (i, a) in workers.iter().enumerate() {
+                let f = set
+                    .slots
+                    .get(&**a.worker)
+                    .map_or_else(InFlight::default, |&k| {
+                        Self::in_flight(&mut set.queues[k], now, a.metrics_at_ms, a.waiting, false)
+                    });
+                each(i, f);
+            }
+            return;
+        }
+        set.follow(workers);
+        for (i, a) in workers.iter().enumerate() {
+            let k = set.roster[i].1;
+            let f = Self::in_flight(&mut set.queues[k], now, a.metrics_at_ms, a.waiting, true);
+            each(i, f);
+        }
     }
 
     /// One worker's requests in flight (`update`: forgetting those that no longer are).
@@ -512,6 +574,33 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    /// Worker `w` as a metrics sample taken at `at` shows it, handed to `f` (the samples of a
+    /// test come in time order, so the time stands for the sample's index).
+    fn asking<R>(
+        w: &str,
+        at: u64,
+        waiting: u32,
+        hist: (f64, u64),
+        f: impl FnOnce(Ask<'_>) -> R,
+    ) -> R {
+        let name: Arc<str> = w.into();
+        f(Ask {
+            worker: &name,
+            metrics_index: at,
+            metrics_at_ms: at,
+            waiting,
+            ttft_histogram: hist,
+        })
+    }
+
+    fn pending(p: &Predictor, w: &str, at: u64, waiting: u32, hist: (f64, u64)) -> InFlight {
+        asking(w, at, waiting, hist, |a| p.pending("ws", a))
+    }
+
+    fn peek(p: &Predictor, w: &str, at: u64, waiting: u32) -> InFlight {
+        asking(w, at, waiting, (0.0, 0), |a| p.peek_pending("ws", a))
+    }
+
     fn predictor() -> (Predictor, Arc<AtomicU64>) {
         let now = Arc::new(AtomicU64::new(1_000));
         let n = now.clone();
@@ -526,14 +615,14 @@ mod tests {
         let (p, now) = predictor();
         p.routed("ws", "w0", "a", (1000, 100.0), 150.0);
         p.routed("ws", "w0", "b", (1000, 100.0), 260.0);
-        let f = p.pending("ws", "w0", 0, 0, (0.0, 0));
+        let f = pending(&p, "w0", 0, 0, (0.0, 0));
         assert_eq!((f.requests, f.prefill_tokens, f.busy_ms), (2, 2000, 260));
         now.store(1_100, Ordering::Relaxed);
-        assert_eq!(p.pending("ws", "w0", 0, 0, (0.0, 0)).busy_ms, 160);
+        assert_eq!(pending(&p, "w0", 0, 0, (0.0, 0)).busy_ms, 160);
         // The first is reported: it leaves the queue; metrics sampled before it was routed
         // cannot have counted it, one sampled after may.
         p.observed("ws", "w0", "a", 150.0, 140.0);
-        let f = p.pending("ws", "w0", 1_050, 1, (0.0, 0));
+        let f = pending(&p, "w0", 1_050, 1, (0.0, 0));
         assert_eq!((f.requests, f.in_metrics), (1, 2));
         assert!(
             p.outcome("a")
@@ -542,11 +631,53 @@ mod tests {
     }
 
     #[test]
+    fn a_decision_finds_each_workers_queue_by_name_whatever_the_list_it_asks_with() {
+        let (p, _) = predictor();
+        p.routed("ws", "b", "1", (10, 1.0), 100.0);
+        p.routed("ws", "b", "2", (10, 1.0), 100.0);
+        p.routed("ws", "d", "3", (10, 1.0), 100.0);
+        let names: Vec<Arc<str>> = ["a", "b", "c", "d"].iter().map(|&n| n.into()).collect();
+        let requests = |list: &[&Arc<str>], update: bool| {
+            let asks: Vec<Ask<'_>> = list
+                .iter()
+                .map(|&n| Ask {
+                    worker: n,
+                    metrics_index: 0,
+                    metrics_at_ms: 0,
+                    waiting: 0,
+                    ttft_histogram: (0.0, 0),
+                })
+                .collect();
+            let mut out = vec![u32::MAX; list.len()];
+            p.pending_set("ws", &asks, update, |i, f| out[i] = f.requests);
+            out
+        };
+        let [a, b, c, d] = [&names[0], &names[1], &names[2], &names[3]];
+        // The same list twice (the second by position), then workers added, removed and
+        // reordered, then the same names in new allocations: always by name.
+        assert_eq!(requests(&[a, b, d], true), [0, 2, 1]);
+        assert_eq!(requests(&[a, b, d], true), [0, 2, 1]);
+        assert_eq!(requests(&[a, c, b, d], true), [0, 0, 2, 1]);
+        assert_eq!(requests(&[d, b], true), [1, 2]);
+        let fresh: Vec<Arc<str>> = ["d", "b", "a"].iter().map(|&n| n.into()).collect();
+        assert_eq!(
+            requests(&[&fresh[0], &fresh[1], &fresh[2]], true),
+            [1, 2, 0]
+        );
+        assert_eq!(requests(&[b, c], false), [2, 0], "a peek finds them too");
+        p.observed("ws", "b", "1", 100.0, 100.0);
+        assert_eq!(
+            requests(&[&fresh[0], &fresh[1], &fresh[2]], true),
+            [1, 1, 0]
+        );
+    }
+
+    #[test]
     fn without_reports_a_request_leaves_once_metrics_after_its_due_time_show_no_queue() {
         let (p, _) = predictor();
         p.routed("ws", "w0", "", (500, 50.0), 100.0);
-        assert_eq!(p.pending("ws", "w0", 1_050, 0, (0.0, 0)).requests, 1);
-        assert_eq!(p.pending("ws", "w0", 1_200, 0, (0.0, 0)).requests, 0);
+        assert_eq!(pending(&p, "w0", 1_050, 0, (0.0, 0)).requests, 1);
+        assert_eq!(pending(&p, "w0", 1_200, 0, (0.0, 0)).requests, 0);
     }
 
     #[test]
@@ -558,14 +689,10 @@ mod tests {
         }
         // A sample taken after all five were due shows two waiting: at most two still wait.
         now.store(2_000, Ordering::Relaxed);
-        assert_eq!(p.peek_pending("ws", "w0", 0, 0).requests, 5);
-        let f = p.pending("ws", "w0", 1_500, 2, (0.0, 0));
+        assert_eq!(peek(&p, "w0", 0, 0).requests, 5);
+        let f = pending(&p, "w0", 1_500, 2, (0.0, 0));
         assert_eq!(f.requests, 2);
-        assert_eq!(
-            p.peek_pending("ws", "w0", 0, 0).requests,
-            2,
-            "the others are gone"
-        );
+        assert_eq!(peek(&p, "w0", 0, 0).requests, 2, "the others are gone");
     }
 
     #[test]
@@ -576,15 +703,15 @@ mod tests {
         // What is stored, seen from before anything was due.
         let stored = |p: &Predictor| {
             let t = now.swap(1_000, Ordering::Relaxed);
-            let n = p.peek_pending("ws", "w0", 0, 0).requests;
+            let n = peek(p, "w0", 0, 0).requests;
             now.store(t, Ordering::Relaxed);
             n
         };
         now.store(1_500, Ordering::Relaxed);
-        let peeked = p.peek_pending("ws", "w0", 1_400, 0);
+        let peeked = peek(&p, "w0", 1_400, 0);
         assert_eq!(peeked.requests, 0);
         assert_eq!(stored(&p), 2, "a peek prunes nothing");
-        assert_eq!(p.pending("ws", "w0", 1_400, 0, (0.0, 0)), peeked);
+        assert_eq!(pending(&p, "w0", 1_400, 0, (0.0, 0)), peeked);
         assert_eq!(stored(&p), 0, "pending prunes");
     }
 
@@ -592,9 +719,9 @@ mod tests {
     fn other_replicas_requests_count_until_due_and_calibration_follows_observations() {
         let (p, now) = predictor();
         p.routed_elsewhere("ws", "w1", 990, 1_300);
-        assert_eq!(p.pending("ws", "w1", 0, 0, (0.0, 0)).busy_ms, 300);
+        assert_eq!(pending(&p, "w1", 0, 0, (0.0, 0)).busy_ms, 300);
         now.store(1_301, Ordering::Relaxed);
-        assert_eq!(p.pending("ws", "w1", 0, 0, (0.0, 0)).requests, 0);
+        assert_eq!(pending(&p, "w1", 0, 0, (0.0, 0)).requests, 0);
         for i in 0..50 {
             let id = format!("r{i}");
             p.routed("ws", "w0", &id, (0, 0.0), 100.0);
@@ -609,14 +736,14 @@ mod tests {
         let (p, now) = predictor();
         // Requests predicted at 100 ms; the engine's histogram says 200 ms on average.
         let mut count = 1u64;
-        p.pending("ws", "w0", 0, 0, (0.0, count));
+        pending(&p, "w0", 0, 0, (0.0, count));
         let mut run = |tag: &str, step_ms: u64| {
             for i in 0..64 {
                 p.routed("ws", "w0", &format!("{tag}{i}"), (0, 0.0), 100.0);
                 count += 1;
                 now.fetch_add(step_ms, Ordering::Relaxed);
                 let at = now.load(Ordering::Relaxed);
-                p.pending("ws", "w0", at, 0, (0.2 * (count - 1) as f64, count));
+                pending(&p, "w0", at, 0, (0.2 * (count - 1) as f64, count));
             }
             p.calibration("ws")
         };

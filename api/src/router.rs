@@ -137,7 +137,8 @@ impl RouterService {
     async fn route_in(&self, req: RouteRequest) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         self.fresh_enough(&req).await?;
-        let mut d = self.decide(&req, Mode::Route);
+        let view = self.state.load();
+        let mut d = self.decide(&view, &req, Mode::Route);
         let reservations = crate::pipeline::admit(self.escrow.as_deref(), &mut d).await;
         if let Some(c) = d.chosen() {
             let mut worker = None;
@@ -145,7 +146,7 @@ impl RouterService {
                 if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
                     let note = self.predictor.routed(
                         worker_set,
-                        &state.worker,
+                        state.worker,
                         &req.request_id,
                         crate::pipeline::signals::uncached(
                             d.prompted.total_tokens(),
@@ -230,7 +231,8 @@ impl RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
-        let mut d = self.decide(&req, Mode::Explain);
+        let view = self.state.load();
+        let mut d = self.decide(&view, &req, Mode::Explain);
         if let Some((p, o)) = self.predictor.outcome(&req.request_id) {
             d.steps.push(format!(
                 "request {:?} was routed here: predicted {p:.1} ms to first token, observed {o:.1} ms",
@@ -239,7 +241,7 @@ impl RouterService {
         }
         for m in d.view.catalog.limits_for(&d.tenant, &d.prompted.model) {
             d.steps.push(crate::quota::explain_limit(
-                &d.view,
+                d.view,
                 &m,
                 self.escrow.as_deref(),
             ));

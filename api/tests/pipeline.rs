@@ -171,7 +171,20 @@ fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
     // would drop r1 from the queue; Explain must not.
     clock.store(20_000, Ordering::Relaxed);
     f.at(10_000).load("default", &worker, 0, 0.1);
-    let stored = |p: &Predictor| p.peek_pending("default", &worker, 0, 0).requests;
+    let name: std::sync::Arc<str> = worker.as_str().into();
+    let stored = |p: &Predictor| {
+        p.peek_pending(
+            "default",
+            kvplane_api::predict::Ask {
+                worker: &name,
+                metrics_index: 0,
+                metrics_at_ms: 0,
+                waiting: 0,
+                ttft_histogram: (0.0, 0),
+            },
+        )
+        .requests
+    };
     assert_eq!(stored(&predictor), 1);
     let s = f.service().with_predictor(predictor.clone());
     let a = explain(&s, request("x", "m", &[], prompt.clone()));

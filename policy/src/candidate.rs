@@ -1,14 +1,15 @@
 //! What a decision considers: workers of worker sets and providers, the signals read for each,
 //! and what the filters and the objective made of them.
-
-use std::sync::Arc;
+//!
+//! A candidate borrows its names from the state it was built from (`'v`: the view and its
+//! catalog): a decision over 64 workers copies no string and counts no reference.
 
 /// One worker of a worker set as the replicated state shows it, with this prompt's overlap.
 #[derive(Debug, Clone, PartialEq)]
-pub struct WorkerState {
-    /// Shared with the view's worker record (no copy per request).
-    pub worker: Arc<str>,
-    pub address: Option<Arc<str>>,
+pub struct WorkerState<'v> {
+    /// The view's worker record's.
+    pub worker: &'v str,
+    pub address: Option<&'v str>,
     pub up: bool,
     pub dp_rank: u32,
     pub waiting: u32,
@@ -65,15 +66,15 @@ pub struct Prediction {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Target {
+pub enum Target<'v> {
     Worker {
-        /// Shared by the set's candidates (one allocation per set, not per worker).
-        worker_set: Arc<str>,
-        state: WorkerState,
+        /// The catalog's name of the set.
+        worker_set: &'v str,
+        state: WorkerState<'v>,
     },
     Provider {
-        name: String,
-        endpoint: String,
+        name: &'v str,
+        endpoint: &'v str,
     },
 }
 
@@ -95,20 +96,19 @@ impl std::fmt::Display for FilterId {
     }
 }
 
-/// Why a candidate was filtered out: the filter, and its words.
+/// Why a candidate was filtered out: the filter, and its words (written only when the
+/// decision keeps words: Explain; empty otherwise).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Filtered {
     pub by: FilterId,
     pub text: String,
 }
 
-/// One candidate and what the decision made of it.
+/// One candidate and what the decision made of it. The model it serves the request as is the
+/// decision's to look up for the one it picks ([`crate::Catalog::model_of`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Candidate {
-    pub target: Target,
-    /// The model it serves for this request (what the body is rewritten to when it wins);
-    /// shared by the set's candidates.
-    pub model: Arc<str>,
+pub struct Candidate<'v> {
+    pub target: Target<'v>,
     pub external: bool,
     /// The prediction (zero parts when no filter or objective asked for it).
     pub prediction: Prediction,
@@ -124,14 +124,14 @@ pub struct Candidate {
     pub chosen: bool,
 }
 
-impl Candidate {
+impl<'v> Candidate<'v> {
     pub fn predicted_ttft_ms(&self) -> f64 {
         self.prediction.ttft_ms
     }
 
-    pub fn worker(&self) -> Option<(&str, &WorkerState)> {
+    pub fn worker(&self) -> Option<(&'v str, &WorkerState<'v>)> {
         match &self.target {
-            Target::Worker { worker_set, state } => Some((worker_set, state)),
+            Target::Worker { worker_set, state } => Some((*worker_set, state)),
             Target::Provider { .. } => None,
         }
     }
@@ -159,16 +159,17 @@ impl RejectKind {
     }
 }
 
-/// The live fleet, as the caller (the routing service) sees it.
-pub trait Fleet {
-    /// Every worker of `worker_set`, in a stable order; the prompt's cached prefix on each
-    /// only when `signals.overlap`.
-    fn workers(&self, worker_set: &str, signals: Signals) -> Vec<WorkerState>;
+/// The live fleet, as the caller (the routing service) sees it: `'v` is the state its
+/// workers' names are borrowed from.
+pub trait Fleet<'v> {
+    /// Appends every worker of `worker_set` to `out`, in a stable order; the prompt's cached
+    /// prefix on each only when `signals.overlap`.
+    fn workers(&self, worker_set: &str, signals: Signals, out: &mut Vec<WorkerState<'v>>);
     /// The predicted time to first token on `w` of worker set `name`, and its parts.
     fn predict(
         &self,
         name: &str,
         set: &crate::kinds::InferenceWorkerSetSpec,
-        w: &WorkerState,
+        w: &WorkerState<'v>,
     ) -> Prediction;
 }

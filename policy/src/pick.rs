@@ -9,21 +9,22 @@ use crate::candidate::Candidate;
 pub const TIE: f64 = 0.01;
 
 /// The index of the pick among the unfiltered candidates, if any is left.
-pub fn pick(cands: &[Candidate], tie_break: u64) -> Option<usize> {
+pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
     let best = cands
         .iter()
         .filter(|c| c.filtered.is_none())
         .map(|c| c.objective)
         .min_by(f64::total_cmp)?;
-    let near: Vec<usize> = cands
+    let near = |c: &Candidate<'_>| {
+        c.filtered.is_none()
+            && (c.objective == best || (best > 0.0 && c.objective <= best * (1.0 + TIE)))
+    };
+    let n = cands.iter().filter(|c| near(c)).count();
+    let k = usize::try_from(tie_break % n.max(1) as u64).unwrap_or(0);
+    cands
         .iter()
         .enumerate()
-        .filter(|(_, c)| {
-            c.filtered.is_none()
-                && (c.objective == best || (best > 0.0 && c.objective <= best * (1.0 + TIE)))
-        })
+        .filter(|(_, c)| near(c))
+        .nth(k)
         .map(|(i, _)| i)
-        .collect();
-    let k = usize::try_from(tie_break % near.len().max(1) as u64).unwrap_or(0);
-    near.get(k).copied()
 }

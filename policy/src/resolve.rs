@@ -11,7 +11,7 @@
 //! backend's. No other policy applies, so naming the model never escapes a backend's policies.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
 use crate::candidate::{Candidate, Fleet, Prediction, RejectKind, Signals, Target, WorkerState};
 use crate::catalog::Catalog;
@@ -224,17 +224,18 @@ impl Catalog {
         })
     }
 
-    fn pool_state_holds(&self, fleet: &dyn Fleet, m: &Match) -> bool {
+    fn pool_state_holds<'v>(&self, fleet: &dyn Fleet<'v>, m: &Match) -> bool {
         m.pool_state.iter().all(|c| {
-            let up: Vec<WorkerState> = self
+            let mut up: Vec<WorkerState<'v>> = Vec::new();
+            for ws in self
                 .pools
                 .get(&c.pool)
                 .map(|p| p.worker_sets.as_slice())
                 .unwrap_or(&[])
-                .iter()
-                .flat_map(|ws| fleet.workers(ws, Signals::NONE))
-                .filter(|w| w.up)
-                .collect();
+            {
+                fleet.workers(ws, Signals::NONE, &mut up);
+            }
+            up.retain(|w| w.up);
             let n = up.len() as f64;
             let mean = |f: fn(&WorkerState) -> f64| {
                 if up.is_empty() {
@@ -251,7 +252,7 @@ impl Catalog {
         })
     }
 
-    fn rule_matches(&self, fleet: &dyn Fleet, req: &Request<'_>, m: &Match) -> bool {
+    fn rule_matches<'v>(&self, fleet: &dyn Fleet<'v>, req: &Request<'_>, m: &Match) -> bool {
         (m.tenants.is_empty() || m.tenants.iter().any(|t| t == req.tenant))
             && (m.models.is_empty() || m.models.iter().any(|x| x == req.model))
             && m.tags.iter().all(|t| req.tags.contains(t))
@@ -259,10 +260,10 @@ impl Catalog {
     }
 
     /// The first rule of the attached policies whose `match` holds, else the default rule.
-    pub fn select_rule<'a>(
+    pub fn select_rule<'a, 'v>(
         &'a self,
         resolved: &Resolved<'a>,
-        fleet: &dyn Fleet,
+        fleet: &dyn Fleet<'v>,
         req: &Request<'_>,
     ) -> RuleChoice<'a> {
         for a in &resolved.policies {
@@ -317,52 +318,43 @@ impl Catalog {
     }
 
     /// The candidates of a rule (its `candidates`, else the model's worker sets), or of its
-    /// fallback, with the signals asked for.
-    pub fn candidates(
-        &self,
-        fleet: &dyn Fleet,
+    /// fallback, with the signals asked for. Their names are the catalog's and the fleet's.
+    pub fn candidates<'v>(
+        &'v self,
+        fleet: &dyn Fleet<'v>,
         req: &Request<'_>,
         resolved: &Resolved<'_>,
         targets: &Targets,
         fallback: bool,
         signals: Signals,
-    ) -> Vec<Candidate> {
-        let default_targets;
-        let targets = if targets.is_empty() && !fallback {
-            default_targets = Targets {
-                worker_sets: resolved.sets.keys().cloned().collect(),
-                ..Targets::default()
-            };
-            &default_targets
+    ) -> Vec<Candidate<'v>> {
+        let sets = if targets.is_empty() && !fallback {
+            resolved.sets.keys().map(String::as_str).collect()
         } else {
-            targets
+            self.target_sets(targets)
         };
         let mut out = Vec::new();
-        for name in self.target_sets(targets) {
-            let Some(spec) = self.worker_sets.get(name) else {
+        let mut workers = Vec::new();
+        for name in sets {
+            let Some((name, spec)) = self.worker_sets.get_key_value(name) else {
                 continue;
             };
-            let (weight, model) = resolved
-                .sets
-                .get(name)
-                .map_or((1.0, self.served_model(name, req.model)), |s| {
-                    (s.weight, s.model.clone())
-                });
-            let model: Arc<str> = model.into();
-            let set_name: Arc<str> = name.into();
-            for w in fleet.workers(name, signals) {
+            let weight = resolved.sets.get(name).map_or(1.0, |s| s.weight);
+            let price = spec
+                .cost
+                .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens));
+            fleet.workers(name, signals, &mut workers);
+            out.reserve(workers.len());
+            for w in workers.drain(..) {
                 let prediction = if signals.prediction {
                     fleet.predict(name, spec, &w)
                 } else {
                     Prediction::default()
                 };
                 out.push(Candidate {
-                    model: model.clone(),
                     external: false,
                     prediction,
-                    price: spec
-                        .cost
-                        .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens)),
+                    price,
                     load: w.waiting + w.running,
                     weight,
                     objective: 0.0,
@@ -370,22 +362,21 @@ impl Catalog {
                     fallback,
                     chosen: false,
                     target: Target::Worker {
-                        worker_set: set_name.clone(),
+                        worker_set: name,
                         state: w,
                     },
                 });
             }
         }
         for name in &targets.providers {
-            let Some(p) = self.providers.get(name) else {
+            let Some((name, p)) = self.providers.get_key_value(name) else {
                 continue;
             };
             out.push(Candidate {
                 target: Target::Provider {
-                    name: name.clone(),
-                    endpoint: p.endpoint.clone(),
+                    name,
+                    endpoint: &p.endpoint,
                 },
-                model: p.model.as_str().into(),
                 external: true,
                 prediction: Prediction {
                     ttft_ms: p.expected_ttft_ms,
@@ -403,5 +394,22 @@ impl Catalog {
             });
         }
         out
+    }
+
+    /// The model `c` serves the request as (what the body must name when it wins): for a
+    /// worker, the one its set runs the request as (see [`SetRef::model`]), else what the set
+    /// serves `requested` as; for a provider, the provider's.
+    pub fn model_of(&self, c: &Candidate<'_>, resolved: &Resolved<'_>, requested: &str) -> String {
+        match &c.target {
+            Target::Worker { worker_set, .. } => resolved.sets.get(*worker_set).map_or_else(
+                || self.served_model(worker_set, requested),
+                |s| s.model.clone(),
+            ),
+            Target::Provider { name, .. } => self
+                .providers
+                .get(*name)
+                .map(|p| p.model.clone())
+                .unwrap_or_default(),
+        }
     }
 }

@@ -73,6 +73,28 @@ impl Overlap {
             .unwrap_or((0, 0))
     }
 
+    /// [`Self::best_for`] of each of `workers` (ids), in their order. When the ids lie close
+    /// together (a pool's workers, numbered as they came), one pass over the matches into a
+    /// table by id instead of a search per worker.
+    pub fn best_for_each(&self, workers: &[u64]) -> Vec<(u32, u32)> {
+        let (Some(&lo), Some(&hi)) = (workers.iter().min(), workers.iter().max()) else {
+            return Vec::new();
+        };
+        let span = hi - lo + 1;
+        if span > 4 * workers.len() as u64 + 64 {
+            return workers.iter().map(|&w| self.best_for(w)).collect();
+        }
+        let mut by_id = vec![(0u32, 0u32); span as usize];
+        for &(h, blocks) in &self.matched {
+            let (w, rank) = unpack(h);
+            // Within a worker the ranks come in order: the first of equal matches stays.
+            if (lo..=hi).contains(&w) && blocks > by_id[(w - lo) as usize].0 {
+                by_id[(w - lo) as usize] = (blocks, rank);
+            }
+        }
+        workers.iter().map(|&w| by_id[(w - lo) as usize]).collect()
+    }
+
     /// The longest match of any worker rank.
     pub fn best_blocks(&self) -> u32 {
         self.matched.iter().map(|&(_, n)| n).max().unwrap_or(0)
@@ -518,5 +540,31 @@ mod tests {
         .into_iter()
         .collect();
         assert_eq!(o.by_rank(), expected);
+    }
+
+    #[test]
+    fn best_for_each_is_best_for_of_each_worker_in_order() {
+        let index = PoolIndex::new(4);
+        for (w, rank, blocks) in [
+            (1, 0, 1),
+            (1, 2, 3),
+            (1, 1, 3),
+            (2, 5, 2),
+            (3, 0, 8),
+            (9, 3, 4),
+        ] {
+            hold(&index, w, rank, blocks);
+        }
+        let o = index.overlaps(&prompt(6), None);
+        // Close ids (a table), far ids (a search each), none, a worker absent, order kept.
+        for ids in [
+            vec![3, 1, 2, 4, 9],
+            vec![9, 1, 3, 2, 1_000_000],
+            vec![],
+            vec![7],
+        ] {
+            let each: Vec<(u32, u32)> = ids.iter().map(|&w| o.best_for(w)).collect();
+            assert_eq!(o.best_for_each(&ids), each, "{ids:?}");
+        }
     }
 }

@@ -7,7 +7,7 @@ use tracing::field::Empty;
 use super::{Decision, Outcome, Reject};
 use crate::quota::{Escrow, Reservation};
 
-pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision) -> Vec<Reservation> {
+pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision<'_>) -> Vec<Reservation> {
     let Some(escrow) = escrow else {
         return Vec::new();
     };

@@ -10,21 +10,21 @@ use kvplane_proto::v1::{
 use super::{Decision, Outcome};
 use crate::quota::Reservation;
 
-fn endpoint(t: &Target) -> Endpoint {
+fn endpoint(t: &Target<'_>) -> Endpoint {
     match t {
         Target::Worker { worker_set, state } => Endpoint {
-            address: state.address.as_deref().unwrap_or_default().to_owned(),
-            worker_id: state.worker.to_string(),
+            address: state.address.unwrap_or_default().to_owned(),
+            worker_id: state.worker.to_owned(),
             pool: worker_set.to_string(),
             dp_rank: state.dp_rank,
             provider: String::new(),
         },
         Target::Provider { name, endpoint } => Endpoint {
-            address: endpoint.clone(),
+            address: (*endpoint).to_owned(),
             worker_id: String::new(),
             pool: String::new(),
             dp_rank: 0,
-            provider: name.clone(),
+            provider: (*name).to_owned(),
         },
     }
 }
@@ -38,7 +38,11 @@ fn rewrite_body(body: &[u8], model: &str) -> Option<Vec<u8>> {
 }
 
 /// The Route answer.
-pub(crate) fn response(d: &Decision, body: &[u8], reservations: &[Reservation]) -> RouteResponse {
+pub(crate) fn response(
+    d: &Decision<'_>,
+    body: &[u8],
+    reservations: &[Reservation],
+) -> RouteResponse {
     let mut out = RouteResponse {
         applied_index: d.view.applied_index,
         // Loaded after every lookup of the decision: an upper bound on what they saw.
@@ -51,12 +55,12 @@ pub(crate) fn response(d: &Decision, body: &[u8], reservations: &[Reservation]) 
             let c = &d.candidates[*i];
             out.decision = Some(route_response::Decision::Endpoint(endpoint(&c.target)));
             out.predicted_ttft_ms = c.prediction.ttft_ms;
-            out.model = c.model.to_string();
+            out.model.clone_from(&d.model);
             if let Target::Worker { state, .. } = &c.target {
                 out.matched_blocks = state.overlap_blocks;
                 out.prompt_blocks = state.prompt_blocks;
             }
-            if let Some(m) = &d.rewrite_model
+            if let Some(m) = d.rewrite_model()
                 && !body.is_empty()
             {
                 out.rewritten_body = rewrite_body(body, m);
@@ -84,7 +88,7 @@ pub(crate) fn response(d: &Decision, body: &[u8], reservations: &[Reservation]) 
 }
 
 /// Explain's answer: the Route answer it would give, every candidate, every stage's words.
-pub(crate) fn explanation(d: &Decision, body: &[u8]) -> ExplainResponse {
+pub(crate) fn explanation(d: &Decision<'_>, body: &[u8]) -> ExplainResponse {
     let candidates = d
         .candidates
         .iter()

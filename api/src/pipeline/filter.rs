@@ -5,32 +5,39 @@
 use kvplane_policy::kinds::{EmptyAction, Rule};
 use kvplane_policy::{Candidate, Catalog, Fleet, Request, Resolved, Signals, filters};
 
-/// Filters `cands`; adds the fallback's when nothing is left. Returns the explanation.
-pub(crate) fn filter(
-    catalog: &Catalog,
-    fleet: &dyn Fleet,
+/// Filters `cands`; adds the fallback's when nothing is left. Returns the explanation
+/// (`explain`: the words of every refusal and of the stage; nothing is formatted otherwise).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn filter<'v>(
+    catalog: &'v Catalog,
+    fleet: &dyn Fleet<'v>,
     req: &Request<'_>,
     resolved: &Resolved<'_>,
     rule: &Rule,
     signals: Signals,
-    cands: &mut Vec<Candidate>,
+    explain: bool,
+    cands: &mut Vec<Candidate<'v>>,
 ) -> Vec<String> {
     let mut steps = Vec::new();
-    filters::apply(catalog, &rule.filter, cands, false);
+    filters::apply(catalog, &rule.filter, cands, false, explain);
     let survivors = cands.iter().filter(|c| c.filtered.is_none()).count();
-    steps.push(format!(
-        "{survivors} of {} candidates pass the filter",
-        cands.len()
-    ));
+    if explain {
+        steps.push(format!(
+            "{survivors} of {} candidates pass the filter",
+            cands.len()
+        ));
+    }
     if survivors == 0 && rule.on_empty.action == EmptyAction::Fallback {
         let mut fb =
             catalog.candidates(fleet, req, resolved, &rule.on_empty.fallback, true, signals);
-        filters::apply(catalog, &rule.filter, &mut fb, true);
-        steps.push(format!(
-            "nothing left: falling back to {} candidates ({} pass)",
-            fb.len(),
-            fb.iter().filter(|c| c.filtered.is_none()).count()
-        ));
+        filters::apply(catalog, &rule.filter, &mut fb, true, explain);
+        if explain {
+            steps.push(format!(
+                "nothing left: falling back to {} candidates ({} pass)",
+                fb.len(),
+                fb.iter().filter(|c| c.filtered.is_none()).count()
+            ));
+        }
         cands.extend(fb);
     }
     steps

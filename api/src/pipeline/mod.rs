@@ -26,8 +26,6 @@ mod rule;
 mod score;
 pub(crate) mod signals;
 
-use std::sync::Arc;
-
 use kvplane_policy::kinds::Objective;
 use kvplane_policy::{Candidate, RejectKind, Signals, filters};
 use kvplane_proto::v1::{RejectCode, RouteRequest};
@@ -110,31 +108,37 @@ impl Outcome {
     }
 }
 
-/// One request's decision and how it was reached.
+/// One request's decision and how it was reached. It borrows the state it was decided on
+/// and the request (`'v`): its candidates' names are the view's.
 #[derive(Debug, Clone)]
-pub struct Decision {
-    pub view: Arc<View>,
-    pub prompted: Prompted,
+pub struct Decision<'v> {
+    pub view: &'v View,
+    pub prompted: Prompted<'v>,
     pub tenant: String,
     pub tags: Tags,
     pub backend: Option<String>,
     /// `policy/rule` of the rule that applied (`None`: the default rule).
     pub rule: Option<String>,
     pub objective: Objective,
-    pub candidates: Vec<Candidate>,
+    pub candidates: Vec<Candidate<'v>>,
     pub outcome: Outcome,
-    /// The model the body must name, when it differs from the requested one.
-    pub rewrite_model: Option<String>,
+    /// The model the chosen candidate serves the request as (empty when none was chosen).
+    pub model: String,
     /// Each stage's words (Explain only).
     pub steps: Vec<String>,
 }
 
-impl Decision {
-    pub fn chosen(&self) -> Option<&Candidate> {
+impl<'v> Decision<'v> {
+    pub fn chosen(&self) -> Option<&Candidate<'v>> {
         match self.outcome {
             Outcome::Routed(i) => self.candidates.get(i),
             Outcome::Rejected { .. } => None,
         }
+    }
+
+    /// The model the body must name, when it differs from the requested one.
+    pub fn rewrite_model(&self) -> Option<&str> {
+        (!self.model.is_empty() && self.model != self.prompted.model).then_some(&*self.model)
     }
 
     fn refuse(mut self, kind: Reject, reason: String, explain: bool) -> Self {
@@ -151,14 +155,18 @@ impl Decision {
 }
 
 impl RouterService {
-    /// Runs stages 1-8 for `req` (admission is the caller's, Route only).
-    pub(crate) fn decide(&self, req: &RouteRequest, mode: Mode) -> Decision {
+    /// Runs stages 1-8 for `req` on `view` (admission is the caller's, Route only).
+    pub(crate) fn decide<'v>(
+        &self,
+        view: &'v View,
+        req: &'v RouteRequest,
+        mode: Mode,
+    ) -> Decision<'v> {
         let explain = mode == Mode::Explain;
-        let view = self.state.load();
         let mut d = Decision {
-            view: view.clone(),
+            view,
             prompted: Prompted::unreadable(req),
-            tenant: req.tenant.clone(),
+            tenant: String::new(),
             tags: Tags::default(),
             backend: None,
             rule: None,
@@ -169,41 +177,29 @@ impl RouterService {
                 reason: String::new(),
                 retry_after_ms: 0,
             },
-            rewrite_model: None,
+            model: String::new(),
             steps: Vec::new(),
-        };
-        // Explain's words, formatted only for Explain.
-        let step = |d: &mut Decision, s: &dyn Fn() -> String| {
-            if explain {
-                d.steps.push(s());
-            }
         };
         // 1. prompt: what the request says; its tokens once its model resolved
         let fields = match prompt::fields(req) {
             Ok(f) => f,
             Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
         };
-        d.prompted.model = fields.model.clone();
+        d.prompted.model.clone_from(&fields.model);
         // 2. resolve
-        let catalog = view.catalog.as_ref();
+        let catalog: &'v kvplane_policy::Catalog = &view.catalog;
         let resolved = match resolve::resolve(catalog, &fields.model) {
             Ok(r) => r,
             Err((kind, reason)) => return d.refuse(kind.into(), reason, explain),
         };
-        d.prompted = match prompt::prompt(
-            req,
-            fields,
-            &view,
-            &self.tokenizers,
-            &resolved.sets,
-            explain,
-        ) {
-            Ok(p) => p,
-            Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
-        };
-        let p = d.prompted.clone();
-        step(&mut d, &|| {
-            format!(
+        d.prompted =
+            match prompt::prompt(req, fields, view, &self.tokenizers, &resolved.sets, explain) {
+                Ok(p) => p,
+                Err(e) => return d.refuse(Reject::InvalidRequest, e.to_string(), explain),
+            };
+        let p = &d.prompted;
+        if explain {
+            d.steps.push(format!(
                 "prompt: {} tokens ({}{}), model {:?}",
                 p.total_tokens(),
                 p.source.as_str(),
@@ -216,17 +212,14 @@ impl RouterService {
                     String::new()
                 },
                 p.model
-            )
-        });
-        if explain {
+            ));
             d.steps.extend(resolve::describe(&p.model, &resolved));
         }
         d.backend = resolved.backend.map(|(n, _)| n.to_owned());
-        let tenant = resolve::tenant(req, &resolved);
-        d.tenant = tenant.clone();
+        d.tenant = resolve::tenant(req, &resolved);
         // 3. classify
         let read: Vec<&str> = kvplane_policy::Catalog::tags_read(&resolved).collect();
-        let tags = classify::classify(
+        d.tags = classify::classify(
             &req.tags,
             &req.headers,
             resolved.backend.map(|(_, b)| b),
@@ -237,20 +230,21 @@ impl RouterService {
                     .any(|r| *r == t || (t.ends_with('=') && r.starts_with(t)))
             },
         );
-        for (t, s) in tags.tags.iter().zip(&tags.sources) {
-            step(&mut d, &|| format!("tag {t} from {s}"));
+        if explain {
+            for (t, s) in d.tags.tags.iter().zip(&d.tags.sources) {
+                d.steps.push(format!("tag {t} from {s}"));
+            }
         }
-        d.tags = tags.clone();
         let preq = kvplane_policy::Request {
-            tenant: &tenant,
+            tenant: &d.tenant,
             model: &p.model,
-            tags: &tags.tags,
+            tags: &d.tags.tags,
             prompt_tokens: p.prompt_tokens(),
             max_output_tokens: req.max_output_tokens,
             tie_break: pick::tie_break(&req.request_id),
         };
         let fleet = signals::ViewFleet::new(
-            &view,
+            view,
             &p.tokens,
             p.total_tokens(),
             signals::HashKeys {
@@ -265,7 +259,7 @@ impl RouterService {
         // 4. the rule
         let span = tracing::debug_span!(
             "policy.evaluate",
-            tenant = %tenant,
+            tenant = %d.tenant,
             model = %p.model,
             rule = tracing::field::Empty,
             candidates = tracing::field::Empty
@@ -273,12 +267,14 @@ impl RouterService {
         let _in = span.enter();
         let choice = rule::rule(catalog, &resolved, &fleet, &preq);
         let rule = choice.rule;
-        d.rule = choice.id.map(|_| choice.name());
-        d.objective = rule.minimize;
-        if let Some(r) = &d.rule {
+        let rule_name = choice.id.map(|_| choice.name());
+        if let Some(r) = &rule_name {
             span.record("rule", tracing::field::display(r));
         }
-        step(&mut d, &|| rule::describe(&choice));
+        let mut steps = Vec::new();
+        if explain {
+            steps.push(rule::describe(&choice));
+        }
         // 5. signals
         let signals = if explain {
             Signals::ALL
@@ -289,34 +285,39 @@ impl RouterService {
             catalog.candidates(&fleet, &preq, &resolved, &rule.candidates, false, signals);
         span.record("candidates", cands.len());
         // No worker at all: a rule that falls back still gets its fallback (the filter stage).
-        if cands.is_empty() && rule.on_empty.action != kvplane_policy::kinds::EmptyAction::Fallback
-        {
-            d.candidates = cands;
-            return d.refuse(
-                Reject::NoCapacity,
-                format!("model {:?} has no workers", p.model),
-                explain,
+        let no_workers = cands.is_empty()
+            && rule.on_empty.action != kvplane_policy::kinds::EmptyAction::Fallback;
+        let mut picked = None;
+        if !no_workers {
+            // 6. filter
+            let words = filter::filter(
+                catalog, &fleet, &preq, &resolved, rule, signals, explain, &mut cands,
             );
+            steps.extend(words);
+            // 7. score, 8. pick
+            score::score(rule.minimize, &mut cands);
+            picked = pick::pick(&mut cands, preq.tie_break);
+            if let Some(i) = picked
+                && !signals.prediction
+            {
+                // The rule read no prediction, but the predictor's queues and the answer need
+                // the chosen worker's: computed for it alone.
+                signals::complete(&fleet, catalog, &mut cands[i]);
+            }
         }
-        // 6. filter
-        let words = filter::filter(catalog, &fleet, &preq, &resolved, rule, signals, &mut cands);
-        if explain {
-            d.steps.extend(words);
-        }
-        // 7. score, 8. pick
-        score::score(rule.minimize, &mut cands);
-        let picked = pick::pick(&mut cands, &req.request_id);
-        if let Some(i) = picked
-            && !signals.prediction
-        {
-            // The rule read no prediction, but the predictor's queues and the answer need the
-            // chosen worker's: computed for it alone.
-            signals::complete(&fleet, catalog, &mut cands[i]);
-        }
+        let model = picked.map(|i| catalog.model_of(&cands[i], &resolved, &p.model));
         drop(_in);
+        d.rule = rule_name;
+        d.objective = rule.minimize;
+        d.steps.append(&mut steps);
         d.candidates = cands;
+        if no_workers {
+            let reason = format!("model {:?} has no workers", d.prompted.model);
+            return d.refuse(Reject::NoCapacity, reason, explain);
+        }
         match picked {
             Some(i) => {
+                d.model = model.unwrap_or_default();
                 if explain {
                     let c = &d.candidates[i];
                     let line = format!(
@@ -326,12 +327,10 @@ impl RouterService {
                         c.objective
                     );
                     d.steps.push(line);
-                }
-                let c = &d.candidates[i];
-                d.rewrite_model =
-                    (!c.model.is_empty() && *c.model != *p.model).then(|| c.model.to_string());
-                if explain && let Some(m) = &d.rewrite_model {
-                    d.steps.push(format!("body model rewritten to {m:?}"));
+                    if let Some(m) = d.rewrite_model() {
+                        let line = format!("body model rewritten to {m:?}");
+                        d.steps.push(line);
+                    }
                 }
                 d.outcome = Outcome::Routed(i);
                 d
@@ -343,7 +342,7 @@ impl RouterService {
                         .is_some_and(|f| f.by == filters::WORKER_DOWN)
                 });
                 if no_worker_up && choice.id.is_none() {
-                    let reason = format!("model {:?} has no worker that is up", p.model);
+                    let reason = format!("model {:?} has no worker that is up", d.prompted.model);
                     d.refuse(Reject::NoCapacity, reason, explain)
                 } else {
                     let reason = rule

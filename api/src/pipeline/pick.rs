@@ -3,8 +3,9 @@
 
 use kvplane_policy::Candidate;
 
-pub(crate) fn pick(cands: &mut [Candidate], request_id: &str) -> Option<usize> {
-    let i = kvplane_policy::pick::pick(cands, tie_break(request_id))?;
+/// `tie_break`: the request's ([`tie_break`]).
+pub(crate) fn pick(cands: &mut [Candidate<'_>], tie_break: u64) -> Option<usize> {
+    let i = kvplane_policy::pick::pick(cands, tie_break)?;
     cands[i].chosen = true;
     Some(i)
 }

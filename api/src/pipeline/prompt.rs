@@ -7,6 +7,7 @@
 //! rest is only counted (estimated from its length; usage settles it). Where a prefix matches,
 //! the ids are exactly the engine's.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use kvplane_policy::SetRef;
@@ -16,11 +17,12 @@ use kvplane_tokenize::{PromptSource, prompt_from_body_until};
 
 use crate::Tokenizers;
 
-/// A request's prompt as the service resolved it.
+/// A request's prompt as the service resolved it (`'r`: the request, whose ids it borrows
+/// when the request gave them).
 #[derive(Debug, Clone)]
-pub struct Prompted {
+pub struct Prompted<'r> {
     /// The prompt's ids, exact; they may stop before the prompt's end (see `estimated_rest`).
-    pub tokens: Vec<u32>,
+    pub tokens: Cow<'r, [u32]>,
     /// Tokens after `tokens` that no engine can have cached, so were only counted (estimated
     /// from their length).
     pub estimated_rest: usize,
@@ -34,11 +36,11 @@ pub struct Prompted {
     pub cache_salt: Option<String>,
 }
 
-impl Prompted {
+impl Prompted<'_> {
     /// What is known of a request whose prompt could not be read.
     pub(crate) fn unreadable(req: &RouteRequest) -> Self {
         Self {
-            tokens: Vec::new(),
+            tokens: Cow::Borrowed(&[]),
             estimated_rest: 0,
             source: PromptSource::TokenIds,
             model: req.model.clone(),
@@ -110,14 +112,14 @@ pub(crate) fn fields(req: &RouteRequest) -> Result<Fields, PromptError> {
 
 /// The prompt of `req`, for the worker sets it resolved to (their model's tokenizer; the
 /// adapter each runs it under, for the prefix lookups).
-pub(crate) fn prompt(
-    req: &RouteRequest,
+pub(crate) fn prompt<'r>(
+    req: &'r RouteRequest,
     f: Fields,
     view: &View,
     tokenizers: &Tokenizers,
     sets: &BTreeMap<String, SetRef>,
     explain: bool,
-) -> Result<Prompted, PromptError> {
+) -> Result<Prompted<'r>, PromptError> {
     let Fields {
         model,
         max_tokens,
@@ -126,7 +128,7 @@ pub(crate) fn prompt(
     } = f;
     if !req.token_ids.is_empty() {
         return Ok(Prompted {
-            tokens: req.token_ids.clone(),
+            tokens: Cow::Borrowed(&req.token_ids),
             estimated_rest: 0,
             source: PromptSource::TokenIds,
             model,
@@ -152,7 +154,7 @@ pub(crate) fn prompt(
         !explain,
     )?;
     Ok(Prompted {
-        tokens: p.tokens,
+        tokens: Cow::Owned(p.tokens),
         estimated_rest: p.estimated_rest,
         source: p.source,
         model,

@@ -4,10 +4,10 @@
 
 use kvplane_policy::{Catalog, Fleet, Request, Resolved, RuleChoice};
 
-pub(crate) fn rule<'a>(
+pub(crate) fn rule<'a, 'v>(
     catalog: &'a Catalog,
     resolved: &Resolved<'a>,
-    fleet: &dyn Fleet,
+    fleet: &dyn Fleet<'v>,
     req: &Request<'_>,
 ) -> RuleChoice<'a> {
     catalog.select_rule(resolved, fleet, req)

@@ -4,7 +4,7 @@
 use kvplane_policy::kinds::Objective;
 use kvplane_policy::{Candidate, Signals, objectives};
 
-pub(crate) fn score(objective: Objective, cands: &mut [Candidate]) {
+pub(crate) fn score(objective: Objective, cands: &mut [Candidate<'_>]) {
     objectives::score(objective, cands);
 }
 

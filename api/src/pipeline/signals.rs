@@ -11,7 +11,7 @@ use kvplane_policy::{Fleet, Prediction, Signals, WorkerState};
 use kvplane_state::{Overlap, View};
 
 use crate::CostModel;
-use crate::predict::Predictor;
+use crate::predict::{Ask, Predictor};
 
 /// What besides the tokens a request's block hashes depend on, as the engines hash them.
 #[derive(Debug, Clone, Copy)]
@@ -27,9 +27,13 @@ pub(crate) struct HashKeys<'a> {
 /// A worker set's calibration, and what a waiting request of another replica costs there.
 type Factors = (f64, Option<f64>);
 
-/// The fleet of one view, for one prompt. Each worker set's overlap is looked up once.
-pub(crate) struct ViewFleet<'a> {
-    view: &'a View,
+/// A worker set's overlap, and the best match of each of its workers `(blocks, dp rank)`, in
+/// the pool's order.
+type Matched = (Overlap, Vec<(u32, u32)>);
+
+/// The fleet of one view (`'v`), for one prompt. Each worker set's overlap is looked up once.
+pub(crate) struct ViewFleet<'a, 'v> {
+    view: &'v View,
     /// The prompt's exact ids (perhaps not all of it), and its whole length in tokens.
     tokens: &'a [u32],
     prompt_tokens: usize,
@@ -38,7 +42,8 @@ pub(crate) struct ViewFleet<'a> {
     predictor: &'a Predictor,
     /// Explain: read the predictor, change nothing.
     peek: bool,
-    overlaps: RefCell<BTreeMap<String, Overlap>>,
+    /// Each looked-up worker set's.
+    overlaps: RefCell<BTreeMap<String, Matched>>,
     /// Each worker set's calibration and typical waiting cost, read once (a decision reads a
     /// few sets, each for all its workers in a row: the newest first).
     factors: RefCell<Vec<(String, Factors)>>,
@@ -48,7 +53,7 @@ pub(crate) struct ViewFleet<'a> {
 pub(crate) fn uncached(
     prompt_tokens: usize,
     set: &InferenceWorkerSetSpec,
-    w: &WorkerState,
+    w: &WorkerState<'_>,
     cost: &CostModel,
 ) -> (u64, f64) {
     let cached = u64::from(w.overlap_blocks) * u64::from(set.block_size);
@@ -59,9 +64,9 @@ pub(crate) fn uncached(
     (tokens, tokens as f64 / rate * 1000.0)
 }
 
-impl<'a> ViewFleet<'a> {
+impl<'a, 'v> ViewFleet<'a, 'v> {
     pub(crate) fn new(
-        view: &'a View,
+        view: &'v View,
         tokens: &'a [u32],
         prompt_tokens: usize,
         keys: HashKeys<'a>,
@@ -115,14 +120,19 @@ impl<'a> ViewFleet<'a> {
             .index
             .overlaps_keyed(self.tokens, lora, self.keys.cache_salt);
         span.record("best_overlap_blocks", o.best_blocks());
-        self.overlaps.borrow_mut().insert(worker_set.to_owned(), o);
+        let ids: Vec<u64> = pool.workers.iter().map(|w| w.id).collect();
+        let best = o.best_for_each(&ids);
+        self.overlaps
+            .borrow_mut()
+            .insert(worker_set.to_owned(), (o, best));
     }
 }
 
-impl Fleet for ViewFleet<'_> {
-    fn workers(&self, worker_set: &str, signals: Signals) -> Vec<WorkerState> {
-        let Some(pool) = self.view.pools.get(worker_set) else {
-            return Vec::new();
+impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
+    fn workers(&self, worker_set: &str, signals: Signals, out: &mut Vec<WorkerState<'v>>) {
+        let view: &'v View = self.view;
+        let Some(pool) = view.pools.get(worker_set) else {
+            return;
         };
         let lookup = signals.overlap || signals.prediction;
         if lookup {
@@ -130,28 +140,27 @@ impl Fleet for ViewFleet<'_> {
         }
         let cache = self.overlaps.borrow();
         let overlap = cache.get(worker_set).filter(|_| lookup);
-        let asks: Vec<(&str, u64, u32, (f64, u64))> = pool
+        let asks: Vec<Ask<'v>> = pool
             .workers
             .iter()
-            .map(|w| {
-                (
-                    &*w.name,
-                    w.metrics_at_ms,
-                    w.metrics.waiting,
-                    (w.metrics.ttft_sum_s, w.metrics.ttft_count),
-                )
+            .map(|w| Ask {
+                worker: &w.name,
+                metrics_index: w.metrics_index,
+                metrics_at_ms: w.metrics_at_ms,
+                waiting: w.metrics.waiting,
+                ttft_histogram: (w.metrics.ttft_sum_s, w.metrics.ttft_count),
             })
             .collect();
-        let in_flight = self.predictor.pending_set(worker_set, &asks, !self.peek);
-        pool.workers
-            .iter()
-            .zip(in_flight)
-            .map(|(w, f)| {
-                let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |o| o.best_for(w.id));
+        out.reserve(pool.workers.len());
+        let prompt_blocks = overlap.map_or(0, |(o, _)| o.prompt_blocks);
+        self.predictor
+            .pending_set(worker_set, &asks, !self.peek, |i, f| {
+                let w = &pool.workers[i];
+                let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |(_, best)| best[i]);
                 let others = w.metrics.waiting.saturating_sub(f.in_metrics);
-                WorkerState {
-                    worker: w.name.clone(),
-                    address: w.address.clone(),
+                out.push(WorkerState {
+                    worker: &w.name,
+                    address: w.address.as_deref(),
                     up: w.up,
                     dp_rank,
                     waiting: others + f.requests,
@@ -160,15 +169,14 @@ impl Fleet for ViewFleet<'_> {
                     running: w.metrics.running,
                     kv_cache_usage: w.metrics.kv_cache_usage,
                     overlap_blocks,
-                    prompt_blocks: overlap.map_or(0, |o| o.prompt_blocks),
-                }
-            })
-            .collect()
+                    prompt_blocks,
+                });
+            });
     }
 
     /// See [`crate::predict`]. The queue ahead (this replica's pending requests) is already
     /// calibrated: it is made of earlier predictions.
-    fn predict(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState) -> Prediction {
+    fn predict(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState<'v>) -> Prediction {
         let (calibration, typical_ms) = self.factors(name);
         let uncached_ms = uncached(self.prompt_tokens, set, w, self.cost).1;
         let others = f64::from(w.waiting - w.pending);
@@ -185,22 +193,20 @@ impl Fleet for ViewFleet<'_> {
 }
 
 /// Fills in the cached prefix and the prediction of a candidate chosen without them.
-pub(crate) fn complete(
-    fleet: &ViewFleet<'_>,
+pub(crate) fn complete<'v>(
+    fleet: &ViewFleet<'_, 'v>,
     catalog: &kvplane_policy::Catalog,
-    c: &mut kvplane_policy::Candidate,
+    c: &mut kvplane_policy::Candidate<'v>,
 ) {
     let kvplane_policy::Target::Worker { worker_set, state } = &mut c.target else {
         return;
     };
-    let Some(spec) = catalog.worker_sets.get(&**worker_set) else {
+    let Some(spec) = catalog.worker_sets.get(*worker_set) else {
         return;
     };
-    if let Some(w) = fleet
-        .workers(worker_set, Signals::ALL)
-        .into_iter()
-        .find(|w| w.worker == state.worker)
-    {
+    let mut all = Vec::new();
+    fleet.workers(worker_set, Signals::ALL, &mut all);
+    if let Some(w) = all.into_iter().find(|w| w.worker == state.worker) {
         c.prediction = fleet.predict(worker_set, spec, &w);
         *state = w;
     }

@@ -1,6 +1,6 @@
 //! `filter.excludeExternal`: external providers are not candidates.
 
-use super::CandidateFilter;
+use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId};
 use crate::catalog::Catalog;
 use crate::kinds::Filter;
@@ -12,7 +12,11 @@ impl CandidateFilter for ExcludeExternal {
         FilterId("exclude_external")
     }
 
-    fn check(&self, f: &Filter, c: &Candidate, _catalog: &Catalog) -> Option<String> {
-        (f.exclude_external && c.external).then(|| "external providers are excluded".into())
+    fn refuses(&self, f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+        let refused = f.exclude_external && c.external;
+        if refused {
+            why.say(format_args!("external providers are excluded"));
+        }
+        refused
     }
 }

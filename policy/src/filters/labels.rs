@@ -1,6 +1,6 @@
 //! `filter.labels`: only candidates whose worker set or provider carries every label.
 
-use super::CandidateFilter;
+use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId, Target};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
@@ -12,20 +12,25 @@ impl CandidateFilter for LabelsMatch {
         FilterId("labels")
     }
 
-    fn check(&self, f: &Filter, c: &Candidate, catalog: &Catalog) -> Option<String> {
+    fn refuses(&self, f: &Filter, c: &Candidate<'_>, catalog: &Catalog, why: &mut Words) -> bool {
         if f.labels.is_empty() {
-            return None;
+            return false;
         }
         let labels = match &c.target {
             Target::Worker { worker_set, .. } => {
-                catalog.worker_sets.get(&**worker_set).map(|w| &w.labels)
+                catalog.worker_sets.get(*worker_set).map(|w| &w.labels)
             }
-            Target::Provider { name, .. } => catalog.providers.get(name).map(|p| &p.labels),
+            Target::Provider { name, .. } => catalog.providers.get(*name).map(|p| &p.labels),
         };
-        f.labels
+        let Some((k, v)) = f
+            .labels
             .iter()
             .find(|(k, v)| labels.and_then(|l| l.get(*k)) != Some(*v))
-            .map(|(k, v)| format!("label {k}={v} does not match"))
+        else {
+            return false;
+        };
+        why.say(format_args!("label {k}={v} does not match"));
+        true
     }
 
     fn problems(&self, f: &Filter, at: &str, c: &mut Check<'_>) {

@@ -1,7 +1,7 @@
 //! `filter.maxKvCacheUsage`: workers whose GPU KV cache is fuller are not candidates. A load
 //! limit: fallbacks ignore it.
 
-use super::CandidateFilter;
+use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
@@ -17,17 +17,19 @@ impl CandidateFilter for MaxKvCacheUsage {
         true
     }
 
-    fn check(&self, f: &Filter, c: &Candidate, _catalog: &Catalog) -> Option<String> {
-        let (_, w) = c.worker()?;
-        f.max_kv_cache_usage
-            .filter(|max| w.kv_cache_usage > *max)
-            .map(|max| {
-                format!(
-                    "KV cache {:.0}% > maxKvCacheUsage {:.0}%",
-                    w.kv_cache_usage * 100.0,
-                    max * 100.0
-                )
-            })
+    fn refuses(&self, f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+        let (Some((_, w)), Some(max)) = (c.worker(), f.max_kv_cache_usage) else {
+            return false;
+        };
+        let refused = w.kv_cache_usage > max;
+        if refused {
+            why.say(format_args!(
+                "KV cache {:.0}% > maxKvCacheUsage {:.0}%",
+                w.kv_cache_usage * 100.0,
+                max * 100.0
+            ));
+        }
+        refused
     }
 
     fn problems(&self, f: &Filter, at: &str, c: &mut Check<'_>) {

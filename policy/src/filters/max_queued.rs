@@ -1,7 +1,7 @@
 //! `filter.maxQueued`: workers with more waiting requests (the engine's queue and what this
 //! replica sent there since) are not candidates. A load limit: fallbacks ignore it.
 
-use super::CandidateFilter;
+use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId};
 use crate::catalog::Catalog;
 use crate::kinds::Filter;
@@ -17,10 +17,14 @@ impl CandidateFilter for MaxQueued {
         true
     }
 
-    fn check(&self, f: &Filter, c: &Candidate, _catalog: &Catalog) -> Option<String> {
-        let (_, w) = c.worker()?;
-        f.max_queued
-            .filter(|max| w.waiting > *max)
-            .map(|max| format!("{} queued > maxQueued {max}", w.waiting))
+    fn refuses(&self, f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+        let (Some((_, w)), Some(max)) = (c.worker(), f.max_queued) else {
+            return false;
+        };
+        let refused = w.waiting > max;
+        if refused {
+            why.say(format_args!("{} queued > maxQueued {max}", w.waiting));
+        }
+        refused
     }
 }

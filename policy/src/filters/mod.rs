@@ -12,11 +12,36 @@ mod max_kv_cache_usage;
 mod max_queued;
 mod worker_down;
 
+use std::fmt::Write as _;
+
 use crate::candidate::{Candidate, FilterId, Filtered, Signals};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
 
 pub use worker_down::WORKER_DOWN;
+
+/// A refusal's words: written only when the decision keeps words (Explain), so that Route
+/// formats nothing for the candidates it filters.
+#[derive(Debug, Default)]
+pub struct Words(Option<String>);
+
+impl Words {
+    /// Words that are kept (`true`) or dropped.
+    pub fn kept(keep: bool) -> Self {
+        Self(keep.then(String::new))
+    }
+
+    pub fn say(&mut self, args: std::fmt::Arguments<'_>) {
+        if let Some(s) = &mut self.0 {
+            // Writing to a String does not fail.
+            let _ = s.write_fmt(args);
+        }
+    }
+
+    fn take(&mut self) -> String {
+        self.0.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+}
 
 /// One eligibility check.
 pub trait CandidateFilter: Sync {
@@ -30,8 +55,8 @@ pub trait CandidateFilter: Sync {
     fn needs(&self, _f: &Filter) -> Signals {
         Signals::NONE
     }
-    /// Why `c` is not eligible under `f`, or `None`.
-    fn check(&self, f: &Filter, c: &Candidate, catalog: &Catalog) -> Option<String>;
+    /// Whether `c` is not eligible under `f`; when it is not, why, said to `why`.
+    fn refuses(&self, f: &Filter, c: &Candidate<'_>, catalog: &Catalog, why: &mut Words) -> bool;
     /// Problems with `f` (at `at`, e.g. `spec.rules[0].filter`).
     fn problems(&self, _f: &Filter, _at: &str, _c: &mut Check<'_>) {}
 }
@@ -45,15 +70,24 @@ pub static REGISTERED: &[&dyn CandidateFilter] = &[
     &max_kv_cache_usage::MaxKvCacheUsage,
 ];
 
-/// Marks the candidates `f` removes (`fallback`: only the filters that are no load limits).
-pub fn apply(catalog: &Catalog, f: &Filter, cands: &mut [Candidate], fallback: bool) {
+/// Marks the candidates `f` removes (`fallback`: only the filters that are no load limits),
+/// with their words when `words` (Explain).
+pub fn apply(
+    catalog: &Catalog,
+    f: &Filter,
+    cands: &mut [Candidate<'_>],
+    fallback: bool,
+    words: bool,
+) {
+    let mut why = Words::kept(words);
     for c in cands.iter_mut().filter(|c| c.filtered.is_none()) {
         c.filtered = REGISTERED
             .iter()
             .filter(|u| !(fallback && u.load_limit()))
-            .find_map(|u| {
-                u.check(f, c, catalog)
-                    .map(|text| Filtered { by: u.id(), text })
+            .find(|u| u.refuses(f, c, catalog, &mut why))
+            .map(|u| Filtered {
+                by: u.id(),
+                text: why.take(),
             });
     }
 }
@@ -83,12 +117,12 @@ mod tests {
     use crate::candidate::{Prediction, Target, WorkerState};
     use crate::kinds::Filter;
 
-    fn worker(waiting: u32, kv: f64, up: bool) -> Candidate {
+    fn worker(waiting: u32, kv: f64, up: bool) -> Candidate<'static> {
         Candidate {
             target: Target::Worker {
-                worker_set: "ws".into(),
+                worker_set: "ws",
                 state: WorkerState {
-                    worker: "w".into(),
+                    worker: "w",
                     address: None,
                     up,
                     dp_rank: 0,
@@ -101,7 +135,6 @@ mod tests {
                     pending_ms: 0.0,
                 },
             },
-            model: "m".into(),
             external: false,
             prediction: Prediction::default(),
             price: 0.0,
@@ -135,11 +168,34 @@ mod tests {
             worker(0, 0.1, false),
             worker(0, 0.1, true),
         ];
-        apply(&cat, &f, &mut cands, false);
+        apply(&cat, &f, &mut cands, false, true);
         let by: Vec<Option<&str>> = cands
             .iter()
             .map(|c| c.filtered.as_ref().map(|x| x.by.0))
             .collect();
+        let words: Vec<&str> = cands
+            .iter()
+            .map(|c| c.filtered.as_ref().map_or("", |x| x.text.as_str()))
+            .collect();
+        assert_eq!(
+            words,
+            [
+                "3 queued > maxQueued 2",
+                "KV cache 90% > maxKvCacheUsage 70%",
+                "worker is down",
+                ""
+            ]
+        );
+        let mut quiet = vec![worker(3, 0.9, true)];
+        apply(&cat, &f, &mut quiet, false, false);
+        assert_eq!(
+            quiet[0].filtered,
+            Some(Filtered {
+                by: FilterId("max_queued"),
+                text: String::new()
+            }),
+            "without words a refusal names its filter only"
+        );
         assert_eq!(
             by,
             [
@@ -150,7 +206,7 @@ mod tests {
             ]
         );
         let mut fb = vec![worker(3, 0.9, true)];
-        apply(&cat, &f, &mut fb, true);
+        apply(&cat, &f, &mut fb, true, false);
         assert!(
             fb[0].filtered.is_none(),
             "load limits do not apply to fallbacks"

@@ -1,6 +1,6 @@
 //! A worker that is down (announced down, or never up) is never a candidate.
 
-use super::CandidateFilter;
+use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId, Target};
 use crate::catalog::Catalog;
 use crate::kinds::Filter;
@@ -14,10 +14,11 @@ impl CandidateFilter for WorkerDown {
         WORKER_DOWN
     }
 
-    fn check(&self, _f: &Filter, c: &Candidate, _catalog: &Catalog) -> Option<String> {
-        match &c.target {
-            Target::Worker { state, .. } if !state.up => Some("worker is down".into()),
-            _ => None,
+    fn refuses(&self, _f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+        let refused = matches!(&c.target, Target::Worker { state, .. } if !state.up);
+        if refused {
+            why.say(format_args!("worker is down"));
         }
+        refused
     }
 }
