@@ -312,9 +312,10 @@ fn entries_of(events: &[(u64, KvEvent)], seq: &mut u64) -> Vec<Command> {
                 seq: *seq,
                 pool: "p".into(),
                 worker: format!("w{w}"),
+                // As the leader proposes it: hashed once, compact.
                 payload: IngestPayload::Kv(KvBatch {
                     dp_rank: 0,
-                    events: vec![ev.clone()],
+                    events: vec![ev.clone().compact()],
                 }),
             });
         }

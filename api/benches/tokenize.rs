@@ -96,15 +96,18 @@ fn state(tok: &ModelTokenizer, systems: &[String]) -> StateMachine {
         });
         items.push(IngestPayload::Kv(KvBatch {
             dp_rank: 0,
-            events: vec![KvEvent::Stored {
-                block_hashes: (0..blocks as u64).map(|b| (w as u64) << 32 | b).collect(),
-                parent_hash: None,
-                token_ids: tokens[..blocks * BS as usize].to_vec(),
-                block_size: BS,
-                lora_name: None,
-                cache_salt: None,
-                tier: Tier::Gpu,
-            }],
+            events: vec![
+                KvEvent::Stored {
+                    block_hashes: (0..blocks as u64).map(|b| (w as u64) << 32 | b).collect(),
+                    parent_hash: None,
+                    token_ids: tokens[..blocks * BS as usize].to_vec(),
+                    block_size: BS,
+                    lora_name: None,
+                    cache_salt: None,
+                    tier: Tier::Gpu,
+                }
+                .compact(),
+            ],
         }));
     }
     let items: Vec<IngestItem> = items

@@ -130,17 +130,21 @@ fn workload(a: &ClusterBenchArgs) -> Vec<Command> {
                     worker: format!("w{}", seq % 8),
                     payload: IngestPayload::Kv(KvBatch {
                         dp_rank: 0,
-                        events: vec![KvEvent::Stored {
-                            block_hashes: (base..base + a.blocks_per_event).collect(),
-                            parent_hash: None,
-                            token_ids: (0..a.blocks_per_event * u64::from(block_size))
-                                .map(|t| u32::try_from((base * 16 + t) % 50_000).unwrap_or(0))
-                                .collect(),
-                            block_size,
-                            lora_name: None,
-                            cache_salt: None,
-                            tier: Tier::Gpu,
-                        }],
+                        events: vec![
+                            KvEvent::Stored {
+                                block_hashes: (base..base + a.blocks_per_event).collect(),
+                                parent_hash: None,
+                                token_ids: (0..a.blocks_per_event * u64::from(block_size))
+                                    .map(|t| u32::try_from((base * 16 + t) % 50_000).unwrap_or(0))
+                                    .collect(),
+                                block_size,
+                                lora_name: None,
+                                cache_salt: None,
+                                tier: Tier::Gpu,
+                            }
+                            // As the leader proposes it: hashed once, compact.
+                            .compact(),
+                        ],
                     }),
                 }
             })

@@ -237,7 +237,8 @@ impl<P: Proposer> Ingestor<P> {
                             self.metrics.skipped(skipped.reason());
                             tracing::debug!(seq, subject, ?skipped, "vllm event skipped");
                         }
-                        IngestPayload::Kv(d.batch)
+                        // Hashed here, once, for every member (the log's compact form).
+                        IngestPayload::Kv(d.batch.compact())
                     }
                     Err(e) => {
                         return self.reject(

@@ -336,9 +336,11 @@ fn kind_name(v: &Value) -> &'static str {
 }
 
 /// Encodes events in vLLM's current wire format (array batch, map-shaped events, u64 hashes,
-/// defaults omitted): what vLLM >= 0.24 sends. Used by the engine simulator and tests.
+/// defaults omitted): what vLLM >= 0.24 sends. Used by the engine simulator and tests. A
+/// compact store ([`KvEvent::StoredBlocks`], the leader's form) has no token ids, so no vLLM
+/// form: it is left out.
 pub fn encode_batch(ts: f64, batch: &KvBatch) -> Vec<u8> {
-    let events = batch.events.iter().map(encode_event).collect();
+    let events = batch.events.iter().filter_map(encode_event).collect();
     let root = Value::Array(vec![
         Value::F64(ts),
         Value::Array(events),
@@ -377,10 +379,10 @@ fn medium(tier: Tier) -> Value {
     }
 }
 
-fn encode_event(ev: &KvEvent) -> Value {
+fn encode_event(ev: &KvEvent) -> Option<Value> {
     let s = |k: &str| Value::from(k);
     let hashes = |h: &[u64]| Value::Array(h.iter().map(|x| Value::from(*x)).collect());
-    match ev {
+    Some(match ev {
         KvEvent::Stored {
             block_hashes,
             parent_hash,
@@ -437,5 +439,6 @@ fn encode_event(ev: &KvEvent) -> Value {
             (s("kv_cache_spec_kind"), s("sliding_window")),
         ]),
         KvEvent::Cleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
-    }
+        KvEvent::StoredBlocks { .. } => return None,
+    })
 }

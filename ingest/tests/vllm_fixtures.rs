@@ -138,7 +138,8 @@ impl Applier {
 
     fn ingest(&mut self, worker: &str, payload: &[u8]) {
         self.seq += 1;
-        let batch = decode_batch(payload).unwrap().batch;
+        // As the leader proposes it: hashed once, compact.
+        let batch = decode_batch(payload).unwrap().batch.compact();
         self.command(Command::Ingest(IngestBatch {
             source: Default::default(),
             first_seq: self.seq,

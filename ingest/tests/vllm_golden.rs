@@ -203,7 +203,8 @@ fn replay(name: &str) {
                 seq,
                 pool: "p".into(),
                 worker: batch["worker"].as_str().unwrap().into(),
-                payload: IngestPayload::Kv(decoded.batch),
+                // As the leader proposes it: hashed once, compact.
+                payload: IngestPayload::Kv(decoded.batch.compact()),
             }],
         }));
         for (q, query) in queries.iter().enumerate() {

@@ -211,6 +211,10 @@ impl Tier {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum KvEvent {
+    /// An engine's `BlockStored` as decoded, with its token ids. The leader proposes it as
+    /// [`KvEvent::StoredBlocks`] ([`KvEvent::compact`]); entries written before compact entries
+    /// hold this form, which applies as those builds applied it (its cache salt mixed into every
+    /// block's hash, a continuation's taken from its parent, kept per block).
     Stored {
         /// vLLM's block hashes (reduced to 64 bits), one per block.
         block_hashes: Vec<u64>,
@@ -245,6 +249,73 @@ pub enum KvEvent {
     },
     /// Every block of this worker rank is gone.
     Cleared,
+    /// A `BlockStored` as the leader proposes it: hashed once, on the leader, so no member
+    /// hashes token ids again and an entry carries eight bytes per block instead of the
+    /// block's token ids.
+    StoredBlocks {
+        /// vLLM's block hashes (reduced to 64 bits), one per block.
+        #[serde(with = "crate::hash_bytes")]
+        block_hashes: Vec<u64>,
+        parent_hash: Option<u64>,
+        /// Each block's own hash: its tokens under the LoRA adapter that stored it (the prefix
+        /// index's `LocalBlockHash`), one per block; empty on a tier that is not indexed.
+        #[serde(with = "crate::hash_bytes")]
+        locals: Vec<u64>,
+        block_size: u32,
+        /// vLLM's `cache_salt` of a chain's first event: mixed into the sequence hash of the
+        /// chain's first block, which every later block chains over (a continuation needs
+        /// none; one it names is not used).
+        cache_salt: Option<String>,
+        tier: Tier,
+    },
+}
+
+impl KvEvent {
+    /// The event as the leader proposes it: a [`KvEvent::Stored`] becomes
+    /// [`KvEvent::StoredBlocks`], its blocks hashed here (each block's tokens under its LoRA
+    /// adapter). A GPU store whose token ids are not whole blocks is left as it is: apply
+    /// drops it as malformed, as it always has.
+    pub fn compact(self) -> Self {
+        match self {
+            Self::Stored {
+                block_hashes,
+                parent_hash,
+                token_ids,
+                block_size,
+                lora_name,
+                cache_salt,
+                tier,
+            } if tier != Tier::Gpu
+                || (block_size > 0
+                    && token_ids.len() == block_hashes.len() * block_size as usize) =>
+            {
+                let locals = if tier == Tier::Gpu {
+                    crate::index::block_keys(&token_ids, block_size, lora_name.as_deref())
+                } else {
+                    Vec::new()
+                };
+                Self::StoredBlocks {
+                    block_hashes,
+                    parent_hash,
+                    locals,
+                    block_size,
+                    cache_salt,
+                    tier,
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+impl KvBatch {
+    /// The batch as the leader proposes it (see [`KvEvent::compact`]).
+    pub fn compact(self) -> Self {
+        Self {
+            dp_rank: self.dp_rank,
+            events: self.events.into_iter().map(KvEvent::compact).collect(),
+        }
+    }
 }
 
 /// An engine's load as last reported (vLLM's gauges).

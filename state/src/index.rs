@@ -48,7 +48,7 @@ use dynamo_kv_router::protocols::{
 };
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, xxh3_128};
 
 /// How many prompt blocks each worker rank already holds, consecutively from block 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -260,12 +260,19 @@ impl PoolIndex {
     /// Hashes a prompt's blocks the way engines' events are keyed (xxh3 over each full block's
     /// tokens, with the LoRA adapter mixed into the seed).
     pub fn hash_tokens(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<LocalBlockHash> {
-        self.hash_tokens_keyed(tokens, lora_name, None)
+        compute_block_hash_for_seq(
+            tokens,
+            self.block_size,
+            BlockHashOptions {
+                lora_name,
+                ..Default::default()
+            },
+        )
     }
 
-    /// Block hashes under a LoRA adapter and a cache salt (vLLM's `cache_salt`, mixed into
-    /// every block's hash as the engines' chained hashes carry it).
-    pub fn hash_tokens_keyed(
+    /// Block hashes with a cache salt mixed into every block's: how entries from before
+    /// compact entries ([`crate::KvEvent::Stored`]) keyed a salted chain.
+    pub(crate) fn hash_tokens_salted_per_block(
         &self,
         tokens: &[u32],
         lora_name: Option<&str>,
@@ -289,16 +296,16 @@ impl PoolIndex {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> Overlap {
-        self.overlaps_hashed(&self.hash_tokens_keyed(tokens, lora_name, cache_salt))
+        self.overlaps_hashed(&self.hash_tokens(tokens, lora_name), cache_salt)
     }
 
     pub fn overlaps(&self, tokens: &[u32], lora_name: Option<&str>) -> Overlap {
-        self.overlaps_hashed(&self.hash_tokens(tokens, lora_name))
+        self.overlaps_keyed(tokens, lora_name, None)
     }
 
     /// Prompt blocks held per worker rank, consecutively from the first, for a prompt already
-    /// hashed. Safe to call while apply writes.
-    pub fn overlaps_hashed(&self, hashes: &[LocalBlockHash]) -> Overlap {
+    /// hashed, under a cache salt (see [`root`]). Safe to call while apply writes.
+    pub fn overlaps_hashed(&self, hashes: &[LocalBlockHash], cache_salt: Option<&str>) -> Overlap {
         // The ranks holding every block so far (sorted), and how many blocks that is; a rank
         // leaves with the count it reached.
         let mut active: Vec<u64> = Vec::new();
@@ -306,7 +313,10 @@ impl PoolIndex {
         let mut depth = 0u32;
         let mut seq = None;
         for (i, &local) in hashes.iter().enumerate() {
-            let s = chain(seq, local);
+            let s = match seq {
+                None => root(local, cache_salt),
+                Some(p) => chain(Some(p), local),
+            };
             seq = Some(s);
             let shard = self.shards[shard_of(s)].read();
             let Some(here) = shard.get(&s) else {
@@ -468,6 +478,54 @@ impl PoolIndex {
         };
         apply_op(&mut self.shards[shard_of(seq)].write(), op).is_some()
     }
+}
+
+/// The keys of a stored event's blocks, as the leader computes them once for every member
+/// ([`crate::KvEvent::compact`]): each block's tokens hashed under its LoRA adapter.
+pub(crate) fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>) -> Vec<u64> {
+    compute_block_hash_for_seq(
+        tokens,
+        block_size,
+        BlockHashOptions {
+            lora_name,
+            ..Default::default()
+        },
+    )
+    .into_iter()
+    .map(|h| h.0)
+    .collect()
+}
+
+/// The sequence hash of a chain's first block: its own hash, mixed with the chain's cache salt
+/// when it has one (vLLM shares blocks only among requests with the same salt). The salt
+/// enters once, here: every later block chains over it, so a continuation, which names only
+/// its parent, is keyed under its chain's salt without carrying it.
+pub(crate) fn root(local: LocalBlockHash, cache_salt: Option<&str>) -> u64 {
+    match cache_salt {
+        None => local.0,
+        Some(salt) => xxh3_64_with_seed(salt.as_bytes(), local.0),
+    }
+}
+
+/// The sequence hashes of a run of blocks (their own hashes, `locals`) after `parent`; with no
+/// parent, the run starts a chain, its first block keyed under `salt` ([`root`]).
+pub(crate) fn chain_run(
+    parent: Option<u64>,
+    locals: impl Iterator<Item = u64>,
+    salt: Option<&str>,
+) -> Vec<u64> {
+    let mut seq = parent;
+    locals
+        .map(|l| {
+            let local = LocalBlockHash(l);
+            let s = match seq {
+                None => root(local, salt),
+                Some(_) => chain(seq, local),
+            };
+            seq = Some(s);
+            s
+        })
+        .collect()
 }
 
 /// The sequence hash of a block: its own hash for the first block, chained over its parent's

@@ -18,6 +18,7 @@ mod digest;
 #[cfg(test)]
 mod digest_covers_index;
 mod error;
+mod hash_bytes;
 mod index;
 mod log;
 mod machine;

@@ -18,6 +18,22 @@ use crate::{
 };
 use kvplane_policy::{Catalog, Kind, Object};
 
+/// How a stored event names its blocks' keys.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    /// Token ids, as entries from before compact entries carry them.
+    Tokens {
+        token_ids: &'a [u32],
+        lora_name: Option<&'a str>,
+        cache_salt: Option<&'a str>,
+    },
+    /// Each block's own hash, as the leader computed it ([`KvEvent::compact`]).
+    Hashed {
+        locals: &'a [u64],
+        cache_salt: Option<&'a str>,
+    },
+}
+
 /// Why the state machine dropped part of an entry. Counted identically on every replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum DropReason {
@@ -521,66 +537,32 @@ impl StateMachine {
                 cache_salt,
                 tier,
             } => {
-                if *tier != Tier::Gpu {
-                    // Lower tiers are kept, never indexed: their events may be placeholders
-                    // without tokens.
-                    let rank = self.ranks.entry((wid, dp)).or_default();
-                    for &h in block_hashes {
-                        let a = rank.store(wid, dp, h, *tier, 0);
-                        self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
-                    }
-                    out.kv_events += 1;
-                    return;
-                }
-                if *block_size != index.block_size() {
-                    return drop(out, DropReason::BlockSizeMismatch);
-                }
-                if token_ids.len() != block_hashes.len() * (*block_size as usize) {
-                    return drop(out, DropReason::MalformedEvent);
-                }
-                let parent_seq = match parent_hash {
-                    Some(p) => match self.ranks.get(&(wid, dp)).and_then(|r| r.gpu_seq(*p)) {
-                        Some(s) => Some(s),
-                        None => return drop(out, DropReason::ParentMissing),
-                    },
-                    None => None,
+                let keys = Keys::Tokens {
+                    token_ids,
+                    lora_name: lora_name.as_deref(),
+                    cache_salt: cache_salt.as_deref(),
                 };
-                if block_hashes.is_empty() {
-                    out.kv_events += 1;
-                    return;
+                let store = (block_hashes.as_slice(), *parent_hash, *block_size, *tier);
+                if let Err(r) = self.apply_store(index, (wid, dp), store, keys, out) {
+                    drop(out, r);
                 }
-                let rank = self.ranks.entry((wid, dp)).or_default();
-                // A salted chain's continuation is hashed under its parent's salt.
-                let salt: Option<Arc<str>> = match (cache_salt, parent_hash) {
-                    (Some(s), _) => Some(s.as_str().into()),
-                    (None, Some(p)) => rank.salt(*p),
-                    (None, None) => None,
+            }
+            KvEvent::StoredBlocks {
+                block_hashes,
+                parent_hash,
+                locals,
+                block_size,
+                cache_salt,
+                tier,
+            } => {
+                let keys = Keys::Hashed {
+                    locals,
+                    cache_salt: cache_salt.as_deref(),
                 };
-                let locals =
-                    index.hash_tokens_keyed(token_ids, lora_name.as_deref(), salt.as_deref());
-                let mut seq = parent_seq;
-                for (&h, &local) in block_hashes.iter().zip(locals.iter()) {
-                    let s = crate::index::chain(seq, local);
-                    seq = Some(s);
-                    let a = rank.store(wid, dp, h, Tier::Gpu, s);
-                    self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
-                    self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
-                    // The block's salt is this store's: a re-store without one clears it.
-                    let d = match &salt {
-                        Some(salt) => rank.set_salt(wid, dp, h, salt.clone()),
-                        None => rank.clear_salt(wid, dp, h),
-                    };
-                    self.blocks_digest = self.blocks_digest.wrapping_add(d);
-                    match a.change {
-                        Change::Appeared => self.writes.add(s, wid, dp),
-                        Change::Moved { from } => {
-                            self.writes.remove(from, wid, dp);
-                            self.writes.add(s, wid, dp);
-                        }
-                        _ => {}
-                    }
+                let store = (block_hashes.as_slice(), *parent_hash, *block_size, *tier);
+                if let Err(r) = self.apply_store(index, (wid, dp), store, keys, out) {
+                    drop(out, r);
                 }
-                out.kv_events += 1;
             }
             KvEvent::OtherGroup { group } => {
                 let rank = self.ranks.entry((wid, dp)).or_default();
@@ -601,6 +583,123 @@ impl StateMachine {
             KvEvent::Cleared => {
                 self.clear_rank(wid, dp);
                 out.kv_events += 1;
+            }
+        }
+    }
+
+    /// One stored event: `(engine hashes, parent, block size, tier)` and its blocks' keys.
+    fn apply_store(
+        &mut self,
+        index: &PoolIndex,
+        (wid, dp): (u64, u32),
+        (block_hashes, parent_hash, block_size, tier): (&[u64], Option<u64>, u32, Tier),
+        keys: Keys<'_>,
+        out: &mut Applied,
+    ) -> Result<(), DropReason> {
+        if tier != Tier::Gpu {
+            self.store_lower(wid, dp, block_hashes, tier, out);
+            return Ok(());
+        }
+        if block_size != index.block_size() {
+            return Err(DropReason::BlockSizeMismatch);
+        }
+        let whole = match keys {
+            Keys::Tokens { token_ids, .. } => {
+                token_ids.len() == block_hashes.len() * block_size as usize
+            }
+            Keys::Hashed { locals, .. } => locals.len() == block_hashes.len(),
+        };
+        if !whole {
+            return Err(DropReason::MalformedEvent);
+        }
+        let Ok(parent_seq) = self.parent_seq(wid, dp, parent_hash) else {
+            return Err(DropReason::ParentMissing);
+        };
+        let (seqs, salt) = match keys {
+            Keys::Tokens {
+                token_ids,
+                lora_name,
+                cache_salt,
+            } => {
+                // A salted chain's continuation is hashed under its parent's salt, mixed into
+                // every block's hash, and the salt kept per block.
+                let salt: Option<Arc<str>> = match (cache_salt, parent_hash) {
+                    (Some(s), _) => Some(s.into()),
+                    (None, Some(p)) => self.ranks.get(&(wid, dp)).and_then(|r| r.salt(p)),
+                    (None, None) => None,
+                };
+                let locals =
+                    index.hash_tokens_salted_per_block(token_ids, lora_name, salt.as_deref());
+                let seqs = crate::index::chain_run(parent_seq, locals.iter().map(|l| l.0), None);
+                (seqs, salt)
+            }
+            // The salt is the chain root's: a continuation chains over its parent's key.
+            Keys::Hashed { locals, cache_salt } => (
+                crate::index::chain_run(parent_seq, locals.iter().copied(), cache_salt),
+                None,
+            ),
+        };
+        self.store_gpu(wid, dp, block_hashes, &seqs, salt.as_ref());
+        out.kv_events += 1;
+        Ok(())
+    }
+
+    /// The sequence hash of a store's parent on this rank's GPU tier: `Ok(None)` for a chain's
+    /// first event, `Err(())` when the rank does not hold the parent there.
+    fn parent_seq(&self, wid: u64, dp: u32, parent: Option<u64>) -> Result<Option<u64>, ()> {
+        match parent {
+            None => Ok(None),
+            Some(p) => self
+                .ranks
+                .get(&(wid, dp))
+                .and_then(|r| r.gpu_seq(p))
+                .map(Some)
+                .ok_or(()),
+        }
+    }
+
+    /// A store on a tier that is not indexed: kept (its events may be placeholders without
+    /// tokens), never indexed.
+    fn store_lower(&mut self, wid: u64, dp: u32, hashes: &[u64], tier: Tier, out: &mut Applied) {
+        let rank = self.ranks.entry((wid, dp)).or_default();
+        for &h in hashes {
+            let a = rank.store(wid, dp, h, tier, 0);
+            self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+        }
+        out.kv_events += 1;
+    }
+
+    /// Stores GPU blocks under their sequence hashes (`seqs`, one per hash), moving the index's
+    /// holds with them. A block's per-block salt (what entries from before compact entries
+    /// keep) becomes `salt`: a store without one clears it.
+    fn store_gpu(
+        &mut self,
+        wid: u64,
+        dp: u32,
+        hashes: &[u64],
+        seqs: &[u64],
+        salt: Option<&Arc<str>>,
+    ) {
+        if hashes.is_empty() {
+            return;
+        }
+        let rank = self.ranks.entry((wid, dp)).or_default();
+        for (&h, &s) in hashes.iter().zip(seqs) {
+            let a = rank.store(wid, dp, h, Tier::Gpu, s);
+            self.blocks_digest = self.blocks_digest.wrapping_add(a.digest);
+            self.indexed_blocks = self.indexed_blocks.saturating_add_signed(a.gpu);
+            let d = match salt {
+                Some(salt) => rank.set_salt(wid, dp, h, salt.clone()),
+                None => rank.clear_salt(wid, dp, h),
+            };
+            self.blocks_digest = self.blocks_digest.wrapping_add(d);
+            match a.change {
+                Change::Appeared => self.writes.add(s, wid, dp),
+                Change::Moved { from } => {
+                    self.writes.remove(from, wid, dp);
+                    self.writes.add(s, wid, dp);
+                }
+                _ => {}
             }
         }
     }
@@ -953,17 +1052,22 @@ impl StateMachine {
     /// and the map of views is the previous View's with only the changed pools replaced.
     pub(crate) fn publish(&mut self) {
         let dirty = std::mem::take(&mut self.dirty);
+        let before = self.handle.load();
         let pools = if dirty.all {
             self.pools
                 .iter()
-                .map(|(name, pool)| (name.clone(), Arc::new(self.pool_view(name, pool))))
+                .map(|(name, pool)| {
+                    let view = self.pool_view(name, pool, before.pools.get(name).map(|p| &**p));
+                    (name.clone(), Arc::new(view))
+                })
                 .collect()
         } else {
-            let mut pools = self.handle.load().pools.clone();
+            let mut pools = before.pools.clone();
             for name in &dirty.pools {
                 match self.pools.get(name) {
                     Some(pool) => {
-                        pools.insert(name.clone(), Arc::new(self.pool_view(name, pool)));
+                        let view = self.pool_view(name, pool, before.pools.get(name).map(|p| &**p));
+                        pools.insert(name.clone(), Arc::new(view));
                     }
                     None => {
                         pools.remove(name);
@@ -992,18 +1096,31 @@ impl StateMachine {
         });
     }
 
-    /// What readers see of pool `name`: its config, index and workers.
-    fn pool_view(&self, name: &str, pool: &Pool) -> PoolView {
+    /// What readers see of pool `name`: its config, index and workers. A worker's name and
+    /// address are shared with the `before` view's record of it when they are the same (readers
+    /// may tell workers apart by the name's pointer while it lasts; see `kvplane-api`'s
+    /// predictor).
+    fn pool_view(&self, name: &str, pool: &Pool, before: Option<&PoolView>) -> PoolView {
+        let mut old = before.map_or(&[][..], |b| &b.workers[..]).iter().peekable();
         let workers = self
             .workers
             .range((name.to_owned(), String::new())..)
             .take_while(|((p, _), _)| p == name)
-            .map(|((p, n), w)| WorkerView {
+            .map(|((p, n), w)| {
+                // Both lists are sorted by name: the same worker's record, if any, is next.
+                while old.next_if(|o| *o.name < **n).is_some() {}
+                let same = old.next_if(|o| *o.name == **n);
+                (p, n, w, same)
+            })
+            .map(|(p, n, w, same)| WorkerView {
                 pool: p.clone(),
-                name: n.as_str().into(),
+                name: same.map_or_else(|| n.as_str().into(), |o| o.name.clone()),
                 id: w.id,
                 up: w.up,
-                address: w.address.as_deref().map(Into::into),
+                address: match (same.and_then(|o| o.address.as_ref()), w.address.as_deref()) {
+                    (Some(kept), Some(a)) if **kept == *a => Some(kept.clone()),
+                    (_, a) => a.map(Into::into),
+                },
                 metrics: w.metrics,
                 metrics_index: w.metrics_index,
                 metrics_at_ms: w.metrics_at_ms,

@@ -110,7 +110,9 @@ fn item(seq: u64, op: &Op) -> IngestItem {
                 lora_name: None,
                 cache_salt: None,
                 tier: *tier,
-            };
+            }
+            // As the leader proposes it.
+            .compact();
             (
                 *w,
                 IngestPayload::Kv(KvBatch {
@@ -525,15 +527,18 @@ fn applying_many_entries_inside_one_async_task_completes() {
                         worker: "w".into(),
                         payload: IngestPayload::Kv(KvBatch {
                             dp_rank: 0,
-                            events: vec![KvEvent::Stored {
-                                block_hashes: vec![seq],
-                                parent_hash: None,
-                                token_ids: (0..BS).map(|t| seq as u32 * 10 + t).collect(),
-                                block_size: BS,
-                                lora_name: None,
-                                cache_salt: None,
-                                tier: Tier::Gpu,
-                            }],
+                            events: vec![
+                                KvEvent::Stored {
+                                    block_hashes: vec![seq],
+                                    parent_hash: None,
+                                    token_ids: (0..BS).map(|t| seq as u32 * 10 + t).collect(),
+                                    block_size: BS,
+                                    lora_name: None,
+                                    cache_salt: None,
+                                    tier: Tier::Gpu,
+                                }
+                                .compact(),
+                            ],
                         }),
                     }],
                 }));
@@ -656,7 +661,8 @@ fn a_cpu_placeholder_store_without_tokens_leaves_the_gpu_index_alone() {
         lora_name: None,
         cache_salt: None,
         tier: Tier::Cpu,
-    };
+    }
+    .compact();
     send_kv(&mut sm, 90, placeholder);
     let view = sm.handle().load();
     assert!(view.dropped.is_empty(), "{:?}", view.dropped);
@@ -669,14 +675,17 @@ fn a_cpu_placeholder_store_without_tokens_leaves_the_gpu_index_alone() {
 /// from a snapshot answers as the live one does.
 #[test]
 fn a_rank_holding_one_content_under_two_engine_hashes_keeps_it_until_both_leave() {
-    let stored = |hashes: Vec<u64>| KvEvent::Stored {
-        block_hashes: hashes,
-        parent_hash: None,
-        token_ids: chain_tokens(3)[..2 * BS as usize].to_vec(),
-        block_size: BS,
-        lora_name: None,
-        cache_salt: None,
-        tier: Tier::Gpu,
+    let stored = |hashes: Vec<u64>| {
+        KvEvent::Stored {
+            block_hashes: hashes,
+            parent_hash: None,
+            token_ids: chain_tokens(3)[..2 * BS as usize].to_vec(),
+            block_size: BS,
+            lora_name: None,
+            cache_salt: None,
+            tier: Tier::Gpu,
+        }
+        .compact()
     };
     let removed = |hashes: Vec<u64>| KvEvent::Removed {
         block_hashes: hashes,

@@ -149,7 +149,8 @@ impl TestFleet {
         )])
     }
 
-    /// `worker` caches `tokens` (whole blocks of `block_size`), under `lora` and `salt`.
+    /// `worker` caches `tokens` (whole blocks of `block_size`), under `lora` and `salt`, as the
+    /// leader proposes an engine's store.
     pub fn caches(
         &mut self,
         set: &str,
@@ -174,7 +175,9 @@ impl TestFleet {
             lora_name: lora.map(str::to_owned),
             cache_salt: salt.map(str::to_owned),
             tier: Tier::Gpu,
-        };
+        }
+        // As the leader proposes it.
+        .compact();
         self.ingest(vec![(
             set.into(),
             worker.into(),
