@@ -119,18 +119,31 @@ fn an_index_changed_behind_its_content_hash_fails_the_recount() {
 }
 
 #[test]
-fn a_snapshot_from_before_the_index_digest_restores_to_the_digest_of_today() {
+fn snapshots_of_older_digest_formats_restore_to_the_digest_of_today() {
     let (a, _) = replicas();
-    let old = a.snapshot_in_format_4().unwrap();
-    assert_eq!(StateMachine::restore(&old).unwrap().digest(), a.digest());
-    // Its recorded digest is the old one: checked as such, and a wrong one is still refused.
-    let mut bad = a.snapshot().unwrap();
-    bad[8..12].copy_from_slice(&4u32.to_le_bytes());
-    let n = bad.len() - 8;
-    let sum = xxhash_rust::xxh3::xxh3_64(&bad[..n]);
-    bad[n..].copy_from_slice(&sum.to_le_bytes());
-    assert!(matches!(
-        StateMachine::restore(&bad),
-        Err(crate::SnapshotError::DigestMismatch { .. })
-    ));
+    for (version, old) in [
+        (4u32, a.snapshot_in_format_4().unwrap()),
+        (5, a.snapshot_in_format_5().unwrap()),
+    ] {
+        let restored = StateMachine::restore(&old).unwrap();
+        assert_eq!(restored.digest(), a.digest(), "format {version}");
+        assert_eq!(
+            restored.handle().load().digest,
+            a.digest(),
+            "format {version}"
+        );
+        // Its recorded digest is its format's: checked as such, and another one is refused.
+        let mut bad = a.snapshot().unwrap();
+        bad[8..12].copy_from_slice(&version.to_le_bytes());
+        let n = bad.len() - 8;
+        let sum = xxhash_rust::xxh3::xxh3_64(&bad[..n]);
+        bad[n..].copy_from_slice(&sum.to_le_bytes());
+        assert!(
+            matches!(
+                StateMachine::restore(&bad),
+                Err(crate::SnapshotError::DigestMismatch { .. })
+            ),
+            "format {version}"
+        );
+    }
 }

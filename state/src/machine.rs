@@ -92,6 +92,9 @@ pub struct Applied {
 pub(crate) struct Pool {
     pub(crate) config: PoolConfig,
     pub(crate) index: Arc<PoolIndex>,
+    /// The index content last folded into the digest's index part (see
+    /// [`StateMachine::fold_indexes`]; not state).
+    pub(crate) folded: u128,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -139,6 +142,9 @@ pub struct StateMachine {
     /// The digest's parts, kept up to date as apply changes what they cover (see
     /// [`StateMachine::digest`], which recomputes them).
     pub(crate) parts: DigestParts,
+    /// The digest's index part: the wrapping sum of each pool's [`index_fact`] of the content
+    /// folded in at the last publish, so a publish costs the pools an entry wrote, not every pool.
+    pub(crate) indexes: u128,
     /// What changed since the last publish (not state: never hashed or snapshotted).
     pub(crate) dirty: Dirty,
     /// The current entry's index writes not yet sent to the index writer, and the index they
@@ -207,6 +213,7 @@ impl StateMachine {
             catalog: Arc::default(),
             quota: Arc::default(),
             parts: DigestParts::default(),
+            indexes: 0,
             dirty: Dirty::default(),
             writes: Writes::default(),
             writes_to: None,
@@ -911,6 +918,7 @@ impl StateMachine {
             Pool {
                 config: cfg,
                 index: index_arc,
+                folded: 0,
             },
         );
     }
@@ -963,30 +971,48 @@ impl StateMachine {
     /// The digest of the whole state (see [`crate::digest`] for what it covers), computed
     /// from scratch: the reference the digest apply keeps up to date must equal.
     pub fn digest(&self) -> Digest {
+        let indexes = self.pools.iter().fold(0u128, |sum, (name, pool)| {
+            sum.wrapping_add(index_fact(name, pool.index.computed_content()))
+        });
         self.digest_of(
             self.computed_blocks(),
             self.computed_parts(),
-            Some(PoolIndex::computed_content),
+            Indexes::Summed(indexes),
         )
     }
 
-    /// The digest from the parts apply keeps up to date (what readers see in the View).
+    /// The digest from the parts apply keeps up to date (what readers see in the View), once
+    /// [`Self::fold_indexes`] folded in the last entry's index writes.
     pub(crate) fn kept_digest(&self) -> Digest {
-        self.digest_of(self.blocks_digest, self.parts, Some(PoolIndex::content))
+        self.digest_of(
+            self.blocks_digest,
+            self.parts,
+            Indexes::Summed(self.indexes),
+        )
     }
 
     /// The digest as snapshots of format 4 recorded it: without the prefix indexes' content.
     pub(crate) fn digest_without_indexes(&self) -> Digest {
-        self.digest_of(self.computed_blocks(), self.computed_parts(), None)
+        self.digest_of(self.computed_blocks(), self.computed_parts(), Indexes::Left)
     }
 
-    /// `index`: each pool's index content, in pool order (`None`: left out).
-    fn digest_of(
-        &self,
-        blocks: u128,
-        parts: DigestParts,
-        index: Option<fn(&PoolIndex) -> u128>,
-    ) -> Digest {
+    /// The digest as snapshots of format 5 recorded it: each pool's name and index content in
+    /// pool order.
+    pub(crate) fn digest_with_indexes_in_order(&self) -> Digest {
+        let ordered = |h: &mut Hasher| {
+            h.u64(self.pools.len() as u64);
+            for (name, pool) in &self.pools {
+                h.str(name).u128(pool.index.computed_content());
+            }
+        };
+        self.digest_of(
+            self.computed_blocks(),
+            self.computed_parts(),
+            Indexes::Ordered(&ordered),
+        )
+    }
+
+    fn digest_of(&self, blocks: u128, parts: DigestParts, indexes: Indexes<'_>) -> Digest {
         let mut h = Hasher::new();
         h.u128(blocks)
             .u64(u64::try_from(self.positions.len()).unwrap_or(u64::MAX));
@@ -997,13 +1023,40 @@ impl StateMachine {
             .u128(parts.config)
             .u128(parts.workers)
             .u128(parts.quota);
-        if let Some(content) = index {
-            h.u64(self.pools.len() as u64);
-            for (name, pool) in &self.pools {
-                h.str(name).u128(content(&pool.index));
+        match indexes {
+            Indexes::Left => {}
+            Indexes::Ordered(walk) => walk(&mut h),
+            Indexes::Summed(sum) => {
+                h.u64(self.pools.len() as u64).u128(sum);
             }
         }
         h.finish()
+    }
+
+    /// Folds the index content of the pools `dirty` names (every pool's, when `dirty.all`) into
+    /// the digest's index part. Apply has waited for its index writes: the contents are the
+    /// entry's.
+    fn fold_indexes(&mut self, dirty: &Dirty) {
+        if dirty.all {
+            self.indexes = 0;
+            for (name, pool) in &mut self.pools {
+                pool.folded = pool.index.content();
+                self.indexes = self.indexes.wrapping_add(index_fact(name, pool.folded));
+            }
+            return;
+        }
+        for name in &dirty.pools {
+            if let Some(pool) = self.pools.get_mut(name) {
+                let content = pool.index.content();
+                if content != pool.folded {
+                    self.indexes = self
+                        .indexes
+                        .wrapping_sub(index_fact(name, pool.folded))
+                        .wrapping_add(index_fact(name, content));
+                    pool.folded = content;
+                }
+            }
+        }
     }
 
     /// Every rank's block, salt and group facts, summed afresh.
@@ -1052,6 +1105,7 @@ impl StateMachine {
     /// and the map of views is the previous View's with only the changed pools replaced.
     pub(crate) fn publish(&mut self) {
         let dirty = std::mem::take(&mut self.dirty);
+        self.fold_indexes(&dirty);
         let before = self.handle.load();
         let pools = if dirty.all {
             self.pools
@@ -1139,6 +1193,23 @@ impl StateMachine {
             workers,
         }
     }
+}
+
+/// One pool's index in the digest's index part: its name and its index's content.
+fn index_fact(name: &str, content: u128) -> u128 {
+    let mut h = Hasher::new();
+    h.str(name).u128(content);
+    h.finish().0
+}
+
+/// How a digest covers the prefix indexes.
+enum Indexes<'a> {
+    /// Not at all (snapshot format 4).
+    Left,
+    /// Each pool's name and content, in pool order (format 5).
+    Ordered(&'a dyn Fn(&mut Hasher)),
+    /// The sum of the pools' [`index_fact`]s, and their number.
+    Summed(u128),
 }
 
 /// The ledger's part of the digest.

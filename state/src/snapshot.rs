@@ -5,8 +5,9 @@
 //! blocks with their tiers and sequence hashes (sorted, so equal states give equal bytes), the
 //! workers, the config, the quota ledger and the config objects' owners; the prefix indexes are
 //! rebuilt from the ranks' GPU blocks. A restored state is checked against the digest the
-//! snapshot recorded, which covers the rebuilt indexes' content (format 5; format 4's digest
-//! did not, and a format-4 snapshot is checked against that).
+//! snapshot recorded, which covers the rebuilt indexes' content: as a sum of each pool's part
+//! (format 6), or walking every pool in order (format 5); format 4's digest did not cover them.
+//! A snapshot of an older format is checked against its own format's digest.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -20,7 +21,10 @@ use crate::machine::{DropReason, Pool, Worker};
 use crate::{PoolIndex, SnapshotError, StateMachine};
 
 const MAGIC: &[u8; 8] = b"KVPSNAP\0";
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
+
+/// The format whose digest walked every pool's index content in pool order (same payload).
+const VERSION_WITH_INDEXES_IN_ORDER: u32 = 5;
 
 /// The format before the digest covered the prefix indexes (same payload).
 const VERSION_WITHOUT_INDEX_DIGEST: u32 = 4;
@@ -150,6 +154,14 @@ impl StateMachine {
         c.encode_as(VERSION_WITHOUT_INDEX_DIGEST)
     }
 
+    /// A snapshot as format 5 wrote it (its digest walking the indexes in pool order).
+    #[cfg(test)]
+    pub(crate) fn snapshot_in_format_5(&self) -> Result<Vec<u8>, SnapshotError> {
+        let mut c = self.capture()?;
+        c.payload.digest = self.digest_with_indexes_in_order().0;
+        c.encode_as(VERSION_WITH_INDEXES_IN_ORDER)
+    }
+
     /// Rebuilds a state from [`StateMachine::snapshot`] bytes.
     pub fn restore(bytes: &[u8]) -> Result<Self, SnapshotError> {
         if bytes.len() < 20 || &bytes[..8] != MAGIC {
@@ -165,7 +177,13 @@ impl StateMachine {
                 .try_into()
                 .map_err(|_| SnapshotError::BadMagic)?,
         );
-        if version != VERSION && version != VERSION_WITHOUT_INDEX_DIGEST {
+        if ![
+            VERSION,
+            VERSION_WITH_INDEXES_IN_ORDER,
+            VERSION_WITHOUT_INDEX_DIGEST,
+        ]
+        .contains(&version)
+        {
             return Err(SnapshotError::UnsupportedVersion(version));
         }
         let p: Payload =
@@ -202,6 +220,7 @@ impl StateMachine {
                     Pool {
                         index: Arc::new(PoolIndex::new(cfg.block_size)),
                         config: cfg,
+                        folded: 0,
                     },
                 );
             }
@@ -259,10 +278,10 @@ impl StateMachine {
         sm.quota = Arc::new(p.quota);
         sm.parts = sm.computed_parts();
         sm.dirty.all = true;
-        let got = if version == VERSION {
-            sm.digest()
-        } else {
-            sm.digest_without_indexes()
+        let got = match version {
+            VERSION => sm.digest(),
+            VERSION_WITH_INDEXES_IN_ORDER => sm.digest_with_indexes_in_order(),
+            _ => sm.digest_without_indexes(),
         };
         if got.0 != p.digest {
             return Err(SnapshotError::DigestMismatch {
