@@ -12,7 +12,7 @@ use kvplane_api::{ApiMetrics, CostModel, RouterService};
 use kvplane_proto::v1::admin_client::AdminClient;
 use kvplane_proto::v1::router_server::Router;
 use kvplane_proto::v1::{ExportStateRequest, RouteRequest};
-use kvplane_state::{Entry, StateMachine};
+use kvplane_state::StateMachine;
 use serde::Deserialize;
 
 use crate::route::{self, RouteArgs};
@@ -120,12 +120,11 @@ fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()
     };
     // As a leader would propose it, stamped with this clock.
     let p = kvplane_raft::Proposal::now(command);
-    let entry = Entry {
+    let at = kvplane_state::Stamp {
         index: sm.applied_index() + 1,
         timestamp_ms: p.timestamp_ms,
-        command: p.command,
     };
-    let applied = sm.apply(&entry)?;
+    let applied = sm.apply_command(at, &p.command)?;
     if let Some(e) = applied.rejected {
         anyhow::bail!("these policies do not fit the state: {e}");
     }

@@ -1,17 +1,19 @@
 //! What a Raft entry carries for kvplane.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvplane_state::Command;
 use serde::{Deserialize, Serialize};
 
 /// One state command, stamped with the proposing leader's clock (the only time the state
-/// machine ever sees).
+/// machine ever sees). The command is shared: the log's tail, apply and replication each take
+/// the entry, and a copy of an ingest entry would copy every message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Proposal {
     pub timestamp_ms: u64,
-    pub command: Command,
+    pub command: Arc<Command>,
 }
 
 impl Proposal {
@@ -23,14 +25,14 @@ impl Proposal {
             .unwrap_or(0);
         Self {
             timestamp_ms,
-            command,
+            command: Arc::new(command),
         }
     }
 }
 
 impl fmt::Display for Proposal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match &self.command {
+        let kind = match &*self.command {
             Command::Noop => "noop".to_owned(),
             Command::Ingest(b) => format!(
                 "ingest seq {}..={} ({} items)",

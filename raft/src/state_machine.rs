@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
-use kvplane_state::{Applied, Entry, StateHandle, StateMachine};
+use kvplane_state::{Applied, Stamp, StateHandle, StateMachine};
 use openraft::alias::{LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf};
 use openraft::storage::{EntryResponder, RaftStateMachine};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
@@ -289,13 +289,13 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
                             command = p.command.kind()
                         )
                         .entered();
+                        let at = Stamp {
+                            index: log_id.index,
+                            timestamp_ms: p.timestamp_ms,
+                        };
                         let applied = inner
                             .sm
-                            .apply(&Entry {
-                                index: log_id.index,
-                                timestamp_ms: p.timestamp_ms,
-                                command: p.command,
-                            })
+                            .apply_command(at, &p.command)
                             .map_err(|e| io::Error::other(e.to_string()))?;
                         if let Some(f) = &on_applied {
                             f(&applied);

@@ -159,7 +159,7 @@ async fn write(raft: &KvRaft, command: Command) {
     loop {
         let p = Proposal {
             timestamp_ms: 1,
-            command: command.clone(),
+            command: command.clone().into(),
         };
         match raft.client_write(p).await {
             Ok(_) => return,

@@ -38,7 +38,7 @@ pub use digest::Digest;
 pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
 pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};
-pub use machine::{Applied, DropReason, StateMachine};
+pub use machine::{Applied, DropReason, Stamp, StateMachine};
 pub use owner::Owner;
 pub use quota::{Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease};
 pub use snapshot::Captured;

@@ -18,6 +18,14 @@ use crate::{
 };
 use kvplane_policy::{Catalog, Kind, Object};
 
+/// Where an entry is in the log and when its proposer proposed it: all of an entry apply
+/// reads besides its command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    pub index: u64,
+    pub timestamp_ms: u64,
+}
+
 /// How a stored event names its blocks' keys.
 #[derive(Clone, Copy)]
 enum Keys<'a> {
@@ -264,19 +272,29 @@ impl StateMachine {
     /// Applies one entry. Entries must come in increasing index order (gaps are allowed:
     /// a log may hold entries that are not for the state machine).
     pub fn apply(&mut self, entry: &Entry) -> Result<Applied, ApplyError> {
-        if entry.index <= self.applied_index {
+        let at = Stamp {
+            index: entry.index,
+            timestamp_ms: entry.timestamp_ms,
+        };
+        self.apply_command(at, &entry.command)
+    }
+
+    /// [`Self::apply`] of `command` at `at` (a log holds its command where this cannot take it:
+    /// a Raft entry shares it).
+    pub fn apply_command(&mut self, at: Stamp, command: &Command) -> Result<Applied, ApplyError> {
+        if at.index <= self.applied_index {
             return Err(ApplyError::OutOfOrder {
                 applied: self.applied_index,
-                got: entry.index,
+                got: at.index,
             });
         }
         let mut out = Applied {
-            index: entry.index,
+            index: at.index,
             ..Applied::default()
         };
-        match &entry.command {
+        match command {
             Command::Noop => {}
-            Command::Ingest(batch) => self.apply_ingest(entry, batch, &mut out),
+            Command::Ingest(batch) => self.apply_ingest(at, batch, &mut out),
             Command::ConfigPut {
                 kind,
                 name,
@@ -288,35 +306,35 @@ impl StateMachine {
                     name: name.clone(),
                     value: value.clone(),
                 };
-                out.rejected = self.config_change(entry.index, &[put], &[], *owner).err();
+                out.rejected = self.config_change(at.index, &[put], &[], *owner).err();
             }
             Command::ConfigDelete { kind, name, owner } => {
                 let key = ConfigKey {
                     kind: kind.clone(),
                     name: name.clone(),
                 };
-                out.rejected = self.config_change(entry.index, &[], &[key], *owner).err();
+                out.rejected = self.config_change(at.index, &[], &[key], *owner).err();
             }
             Command::ConfigApply {
                 puts,
                 deletes,
                 owner,
             } => {
-                out.rejected = self.config_change(entry.index, puts, deletes, *owner).err();
+                out.rejected = self.config_change(at.index, puts, deletes, *owner).err();
             }
             Command::Quota(batch) => {
                 let catalog = self.catalog.clone();
                 out.quota =
-                    Some(Arc::make_mut(&mut self.quota).apply(batch, entry.timestamp_ms, &catalog));
+                    Some(Arc::make_mut(&mut self.quota).apply(batch, at.timestamp_ms, &catalog));
                 self.parts.quota = quota_part(&self.quota);
             }
-            Command::ExpireLeases { lease_ms } => self.expire_leases(entry, *lease_ms, &mut out),
+            Command::ExpireLeases { lease_ms } => self.expire_leases(at, *lease_ms, &mut out),
         }
         self.flush_writes();
         for (reason, n) in &out.dropped {
             *self.dropped.entry(*reason).or_default() += n;
         }
-        self.applied_index = entry.index;
+        self.applied_index = at.index;
         self.publish();
         Ok(out)
     }
@@ -377,28 +395,28 @@ impl StateMachine {
         }
     }
 
-    fn apply_ingest(&mut self, entry: &Entry, batch: &IngestBatch, out: &mut Applied) {
+    fn apply_ingest(&mut self, at: Stamp, batch: &IngestBatch, out: &mut Applied) {
         let applied = self.position(&batch.source);
         for item in &batch.items {
             if item.seq <= applied {
                 *out.dropped.entry(DropReason::Duplicate).or_default() += 1;
                 continue;
             }
-            self.apply_item(entry, item, out);
+            self.apply_item(at, item, out);
         }
         if batch.last_seq > applied {
             self.positions.insert(batch.source.clone(), batch.last_seq);
         }
     }
 
-    /// Takes down every up worker last heard from more than `lease_ms` before `entry`.
-    fn expire_leases(&mut self, entry: &Entry, lease_ms: u64, out: &mut Applied) {
+    /// Takes down every up worker last heard from more than `lease_ms` before the entry at `at`.
+    fn expire_leases(&mut self, at: Stamp, lease_ms: u64, out: &mut Applied) {
         let expired: Vec<(String, String)> = self
             .workers
             .iter()
             .filter(|((pool, _), w)| {
                 w.up && self.pools.contains_key(pool)
-                    && w.heard_ms.saturating_add(lease_ms) < entry.timestamp_ms
+                    && w.heard_ms.saturating_add(lease_ms) < at.timestamp_ms
             })
             .map(|(k, _)| k.clone())
             .collect();
@@ -412,14 +430,14 @@ impl StateMachine {
                     address: None,
                 },
             };
-            self.apply_item(entry, &down, out);
+            self.apply_item(at, &down, out);
         }
         out.expired = expired;
     }
 
     /// Applies one stream message to its worker, keeping the digest's worker part and the
     /// pool's published view up to date.
-    fn apply_item(&mut self, entry: &Entry, item: &IngestItem, out: &mut Applied) {
+    fn apply_item(&mut self, at: Stamp, item: &IngestItem, out: &mut Applied) {
         let Some(pool) = self.pools.get(&item.pool) else {
             *out.dropped.entry(DropReason::UnknownPool).or_default() += 1;
             out.unknown_pool
@@ -442,7 +460,7 @@ impl StateMachine {
                 .map_or(0, |w| worker_fact(&key.0, &key.1, w))
         };
         let before = if facts_change { fact(self) } else { 0 };
-        self.apply_to_worker(entry, item, &index, &key, out);
+        self.apply_to_worker(at, item, &index, &key, out);
         if facts_change {
             self.parts.workers = self
                 .parts
@@ -461,7 +479,7 @@ impl StateMachine {
 
     fn apply_to_worker(
         &mut self,
-        entry: &Entry,
+        at: Stamp,
         item: &IngestItem,
         index: &Arc<PoolIndex>,
         key: &(String, String),
@@ -482,14 +500,14 @@ impl StateMachine {
                     metrics: WorkerMetrics::default(),
                     metrics_index: 0,
                     metrics_at_ms: 0,
-                    heard_ms: entry.timestamp_ms,
+                    heard_ms: at.timestamp_ms,
                 },
             );
         }
         let Some(worker) = self.workers.get_mut(key) else {
             return;
         };
-        worker.heard_ms = entry.timestamp_ms;
+        worker.heard_ms = at.timestamp_ms;
         let wid = worker.id;
         match &item.payload {
             IngestPayload::Worker { up: true, address } => {
@@ -505,7 +523,7 @@ impl StateMachine {
                     .range((wid, 0)..=(wid, u32::MAX))
                     .map(|(&(_, r), _)| r)
                     .collect();
-                index.entering(entry.index);
+                index.entering(at.index);
                 for rank in ranks {
                     self.clear_rank(wid, rank);
                 }
@@ -515,11 +533,11 @@ impl StateMachine {
             }
             IngestPayload::Metrics(m) => {
                 worker.metrics = *m;
-                worker.metrics_index = entry.index;
-                worker.metrics_at_ms = entry.timestamp_ms;
+                worker.metrics_index = at.index;
+                worker.metrics_at_ms = at.timestamp_ms;
             }
             IngestPayload::Kv(batch) => {
-                index.entering(entry.index);
+                index.entering(at.index);
                 for ev in &batch.events {
                     self.apply_kv(index, wid, batch.dp_rank, ev, out);
                 }
