@@ -58,7 +58,7 @@ impl ApiMetrics {
         );
         registry.register(
             "kvplane_usage_reports",
-            "ReportUsage calls, by whether the request id was known here",
+            "ReportUsage calls: final reports of requests routed here (known), first-token reports of them (first_token), and reports of requests this replica does not know (unknown)",
             self.usage_reports.clone(),
         );
         registry.register(
@@ -106,8 +106,9 @@ impl ApiMetrics {
         self.latency.observe(seconds);
     }
 
-    pub(crate) fn usage(&self, known: bool) {
-        let outcome = if known { "known" } else { "unknown" };
+    /// A usage report: `known` (a final report of a request routed here), `first_token` (a
+    /// first-token report of one) or `unknown`.
+    pub(crate) fn usage(&self, outcome: &'static str) {
         self.usage_reports
             .get_or_create(&OutcomeLabel { outcome })
             .inc();

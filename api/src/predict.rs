@@ -17,7 +17,7 @@
 //! in: once the engines of a set counted 32 more first tokens and this replica predicted 32
 //! more, the ratio of their mean TTFT to the mean prediction moves the calibration the same
 //! way (only while no usage was reported for 10 s). A routed request stays pending until its
-//! usage is reported; without reports, until metrics sampled after it was due show nothing
+//! first token or its usage is reported; without reports, until metrics sampled after it was due show nothing
 //! waiting, or show fewer waiting than the requests due before the sample (the oldest go); at
 //! the latest for a minute.
 

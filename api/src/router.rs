@@ -15,7 +15,7 @@ use tracing::field::Empty;
 use crate::pipeline::Mode;
 use crate::predict::Predictor;
 use crate::quota::Escrow;
-use crate::usage::{Routed, UsageBook};
+use crate::usage::{Routed, Start, UsageBook};
 use crate::{ApiMetrics, Consistency, CostModel};
 
 /// Serves Route, Explain and ReportUsage from the local state.
@@ -170,6 +170,7 @@ impl RouterService {
                     at: Instant::now(),
                     reservations: reservations.clone(),
                     worker,
+                    started: false,
                 },
             );
         }
@@ -188,8 +189,36 @@ impl RouterService {
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
         let report = request.into_inner();
+        let applied_index = self.state.load().applied_index;
+        if report.first_token {
+            // The request started: it leaves its worker's queue here now; what tenant limits
+            // hold for it stays until the final report.
+            let start = self.usage.start(&report.request_id);
+            self.metrics.usage(match start {
+                Start::Unknown => "unknown",
+                Start::Again | Start::First { .. } => "first_token",
+            });
+            if let Start::First {
+                worker: Some((ws, w)),
+                predicted_ttft_ms,
+            } = &start
+            {
+                self.predictor.observed(
+                    ws,
+                    w,
+                    &report.request_id,
+                    *predicted_ttft_ms,
+                    report.observed_ttft_ms,
+                );
+            }
+            return Ok(Response::new(UsageAck {
+                known: start != Start::Unknown,
+                applied_index,
+            }));
+        }
         let routed = self.usage.take(&report.request_id);
-        self.metrics.usage(routed.is_some());
+        self.metrics
+            .usage(if routed.is_some() { "known" } else { "unknown" });
         if let (Some(r), Some(escrow)) = (&routed, &self.escrow) {
             escrow.settle(
                 &r.reservations,
@@ -199,6 +228,7 @@ impl RouterService {
         if let Some(Routed {
             worker: Some((ws, w)),
             predicted_ttft_ms,
+            started: false,
             ..
         }) = &routed
         {
@@ -221,7 +251,7 @@ impl RouterService {
         }
         Ok(Response::new(UsageAck {
             known: routed.is_some(),
-            applied_index: self.state.load().applied_index,
+            applied_index,
         }))
     }
 

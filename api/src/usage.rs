@@ -16,6 +16,22 @@ pub(crate) struct Routed {
     pub(crate) reservations: Vec<crate::Reservation>,
     /// (worker set, worker) when it went to a worker through the policies.
     pub(crate) worker: Option<(String, String)>,
+    /// Its first token was reported (the predictor has its time to first token).
+    pub(crate) started: bool,
+}
+
+/// What a first-token report found.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Start {
+    /// Not routed here, or already reported whole.
+    Unknown,
+    /// Its first token was reported before.
+    Again,
+    /// The first report of its first token: where it went and what was predicted there.
+    First {
+        worker: Option<(String, String)>,
+        predicted_ttft_ms: f64,
+    },
 }
 
 /// A bounded table of requests in flight. Entries older than `ttl` are dropped when the table
@@ -52,6 +68,22 @@ impl UsageBook {
             }
         }
         map.insert(request_id.to_owned(), routed);
+    }
+
+    /// Marks a routed request started: its first token came (its usage comes later).
+    pub(crate) fn start(&self, request_id: &str) -> Start {
+        let mut map = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get_mut(request_id) {
+            None => Start::Unknown,
+            Some(r) if r.started => Start::Again,
+            Some(r) => {
+                r.started = true;
+                Start::First {
+                    worker: r.worker.clone(),
+                    predicted_ttft_ms: r.predicted_ttft_ms,
+                }
+            }
+        }
     }
 
     pub(crate) fn take(&self, request_id: &str) -> Option<Routed> {

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use kvplane_api::predict::Predictor;
 use kvplane_state::{Command, ConfigObject, POOL_KIND, PoolConfig};
-use support::{EXAMPLES, TestFleet, explain, report, request, route, target, tokens};
+use support::{
+    EXAMPLES, TestFleet, explain, report, report_first_token, request, route, target, tokens,
+};
 
 /// A node with only a `[[pools]]` pool: `default`, block size 16, every model, these adapters.
 fn pools_node(lora: &[&str]) -> TestFleet {
@@ -154,6 +156,23 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
     );
 }
 
+/// The requests the predictor counts as waiting on `worker` of pool `default`, asked as of no
+/// metrics sample.
+fn queued(p: &Predictor, worker: &str) -> u32 {
+    let name: Arc<str> = worker.into();
+    p.peek_pending(
+        "default",
+        kvplane_api::predict::Ask {
+            worker: &name,
+            metrics_index: 0,
+            metrics_at_ms: 0,
+            waiting: 0,
+            ttft_histogram: (0.0, 0),
+        },
+    )
+    .requests
+}
+
 #[test]
 fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -171,20 +190,7 @@ fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
     // would drop r1 from the queue; Explain must not.
     clock.store(20_000, Ordering::Relaxed);
     f.at(10_000).load("default", &worker, 0, 0.1);
-    let name: std::sync::Arc<str> = worker.as_str().into();
-    let stored = |p: &Predictor| {
-        p.peek_pending(
-            "default",
-            kvplane_api::predict::Ask {
-                worker: &name,
-                metrics_index: 0,
-                metrics_at_ms: 0,
-                waiting: 0,
-                ttft_histogram: (0.0, 0),
-            },
-        )
-        .requests
-    };
+    let stored = |p: &Predictor| queued(p, &worker);
     assert_eq!(stored(&predictor), 1);
     let s = f.service().with_predictor(predictor.clone());
     let a = explain(&s, request("x", "m", &[], prompt.clone()));
@@ -197,6 +203,36 @@ fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
         stored(&predictor),
         u32::from(target(&r2) == target(&r)),
         "Route pruned r1 (r2 is there if it went to the same worker)"
+    );
+}
+
+#[test]
+fn a_first_token_report_takes_the_request_out_of_its_queue_and_its_final_report_settles_it() {
+    let predictor = Arc::new(Predictor::new(Arc::new(|| 1_000)));
+    let prompt = tokens(9, 64);
+    let f = pools_node(&[]);
+    let s = f.service().with_predictor(predictor.clone());
+    let r = route(&s, request("r1", "m", &[], prompt));
+    let worker = target(&r).trim_start_matches("default/").to_owned();
+    let predicted = r.predicted_ttft_ms;
+    assert!(predicted > 0.0);
+    let queued = || queued(&predictor, &worker);
+    assert_eq!(queued(), 1, "routed, waiting for its first token");
+    // Its first token came after twice the predicted time: out of the queue, and the set's
+    // calibration moves toward 2 (once: a repeated first-token report changes nothing).
+    assert!(report_first_token(&s, "r1", 2.0 * predicted).known);
+    assert_eq!(queued(), 0);
+    let calibrated = predictor.calibration("default");
+    assert!(calibrated > 1.05, "{calibrated}");
+    assert!(report_first_token(&s, "r1", 2.0 * predicted).known);
+    assert_eq!(predictor.calibration("default"), calibrated);
+    // The final report still finds the request (what limits hold is settled there), once.
+    assert!(report(&s, "r1").known);
+    assert_eq!(predictor.calibration("default"), calibrated);
+    assert!(!report(&s, "r1").known);
+    assert!(
+        !report_first_token(&s, "r1", 1.0).known,
+        "nothing left to start"
     );
 }
 

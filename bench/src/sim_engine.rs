@@ -47,6 +47,10 @@ pub struct SimEngineArgs {
     /// then tokenized as vLLM does (else with the built-in word tokenizer).
     #[arg(long)]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Show no vLLM gauge on `/metrics` before the first request, as some engines (and NVIDIA
+    /// Dynamo's mocker) do.
+    #[arg(long)]
+    pub gauges_after_first_request: bool,
 }
 
 pub async fn engine(
@@ -91,6 +95,7 @@ pub async fn engine(
         dp_rank: a.dp_rank,
         default_max_tokens: 16,
         tokenizer,
+        gauges_after_first_request: a.gauges_after_first_request,
     };
     run(cfg, listener, shutdown, |b| {
         println!(

@@ -18,6 +18,7 @@ use kvplane_proto::v1::{Outcome, RejectCode, RouteRequest, UsageReport, route_re
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 
 use crate::metrics::StatusLabel;
 use crate::{GatewayMetrics, Replicas, WORKER_HEADER};
@@ -338,8 +339,16 @@ impl App {
             .get(reqwest::header::CONTENT_TYPE)
             .cloned();
         self.count(status);
+        // A streamed answer's first chunk carries the first token: reported at once, so the
+        // replica stops counting the request as waiting on its engine long before its end.
+        let streamed = status.is_success()
+            && content_type
+                .as_ref()
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
         let app = self.clone();
         let mut first_at: Option<f64> = None;
+        let mut first_report: Option<JoinHandle<()>> = None;
         let mut tail = Vec::<u8>::new();
         let mut upstream_body = upstream.bytes_stream();
         let stream = async_stream_body(move |tx| async move {
@@ -350,10 +359,15 @@ impl App {
                             let t = received.elapsed().as_secs_f64();
                             app.0.metrics.ttft_seconds.observe(t);
                             first_at = Some(t * 1000.0);
+                            if streamed {
+                                first_report =
+                                    app.report_first_token(request_id.clone(), t * 1000.0);
+                            }
                         }
                         keep_tail(&mut tail, &bytes);
                         if tx.send(Ok(bytes)).await.is_err() {
-                            app.report(
+                            app.report_after(
+                                first_report.take(),
                                 request_id,
                                 usage_of(&tail),
                                 first_at.unwrap_or(0.0),
@@ -364,7 +378,8 @@ impl App {
                     }
                     Err(e) => {
                         let _ = tx.send(Err(std::io::Error::other(e))).await;
-                        app.report(
+                        app.report_after(
+                            first_report.take(),
                             request_id,
                             usage_of(&tail),
                             first_at.unwrap_or(0.0),
@@ -379,7 +394,8 @@ impl App {
             } else {
                 Outcome::Error
             };
-            app.report(
+            app.report_after(
+                first_report.take(),
                 request_id,
                 usage_of(&tail),
                 first_at.unwrap_or(0.0),
@@ -400,33 +416,68 @@ impl App {
         resp
     }
 
-    fn report(&self, request_id: String, usage: Option<Value>, ttft_ms: f64, outcome: Outcome) {
+    /// Reports a streamed request's first token (see `UsageReport.first_token`); the handle
+    /// of the report in flight, which the final report waits for.
+    fn report_first_token(&self, request_id: String, ttft_ms: f64) -> Option<JoinHandle<()>> {
+        let report = UsageReport {
+            request_id,
+            observed_ttft_ms: ttft_ms,
+            first_token: true,
+            ..Default::default()
+        };
+        self.send_report(report, None)
+    }
+
+    /// Sends `report` to the replicas in the background, after the report `after` (if any).
+    fn send_report(
+        &self,
+        report: UsageReport,
+        after: Option<JoinHandle<()>>,
+    ) -> Option<JoinHandle<()>> {
         let Mode::Kvplane(_) = &self.0.mode else {
-            return;
+            return None;
         };
         let app = self.clone();
-        tokio::spawn(async move {
-            let Mode::Kvplane(replicas) = &app.0.mode else {
-                return;
-            };
-            let n = |k: &str| {
-                usage
-                    .as_ref()
-                    .and_then(|u| u.pointer(k))
-                    .and_then(Value::as_u64)
-                    .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
-            };
-            replicas
-                .report(UsageReport {
-                    request_id,
-                    prompt_tokens: n("/prompt_tokens"),
-                    completion_tokens: n("/completion_tokens"),
-                    cached_tokens: n("/prompt_tokens_details/cached_tokens"),
-                    observed_ttft_ms: ttft_ms,
-                    outcome: outcome.into(),
-                })
-                .await;
-        });
+        Some(tokio::spawn(async move {
+            if let Some(before) = after {
+                let _ = before.await;
+            }
+            if let Mode::Kvplane(replicas) = &app.0.mode {
+                replicas.report(report).await;
+            }
+        }))
+    }
+
+    /// The final report of a request: its usage and outcome (after its first-token report).
+    fn report(&self, request_id: String, usage: Option<Value>, ttft_ms: f64, outcome: Outcome) {
+        self.report_after(None, request_id, usage, ttft_ms, outcome);
+    }
+
+    fn report_after(
+        &self,
+        first: Option<JoinHandle<()>>,
+        request_id: String,
+        usage: Option<Value>,
+        ttft_ms: f64,
+        outcome: Outcome,
+    ) {
+        let n = |k: &str| {
+            usage
+                .as_ref()
+                .and_then(|u| u.pointer(k))
+                .and_then(Value::as_u64)
+                .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
+        };
+        let report = UsageReport {
+            request_id,
+            prompt_tokens: n("/prompt_tokens"),
+            completion_tokens: n("/completion_tokens"),
+            cached_tokens: n("/prompt_tokens_details/cached_tokens"),
+            observed_ttft_ms: ttft_ms,
+            outcome: outcome.into(),
+            first_token: false,
+        };
+        self.send_report(report, first);
     }
 }
 

@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, NodeOptions, eventually};
+use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -156,6 +156,27 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
             .then_some(())
     })
     .await;
+    // A streamed answer is reported at its first chunk too (the request stops counting as
+    // waiting there), then whole; an answer in one piece only whole.
+    let mut streamed = chat("a third question, streamed");
+    streamed["stream"] = json!(true);
+    let text = complete(&gw, &streamed).await.text().await.unwrap();
+    assert!(text.contains("data: [DONE]"), "{text}");
+    eventually(
+        "first token and usage reported",
+        Duration::from_secs(10),
+        || async {
+            let m = node.metrics().await;
+            (m.contains(r#"kvplane_usage_reports_total{outcome="first_token"} 1"#)
+                && m.contains(r#"kvplane_usage_reports_total{outcome="known"} 2"#))
+            .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        !node.metrics().await.contains(r#"outcome="unknown""#),
+        "every report found its request"
+    );
 
     // A model nobody serves is refused with kvplane's reason.
     let mut other = second.clone();
@@ -409,4 +430,63 @@ async fn chat_requests_sharing_a_system_prompt_reach_its_engine_through_the_mode
     .await;
     let (_, bob, _) = routed(node, &with("chatml-style", Some("bob"))).await;
     assert_eq!(bob, 0, "another salt matches none of alice's blocks");
+}
+
+/// An engine whose `/metrics` has no vLLM gauge before its first request (NVIDIA Dynamo's mocker
+/// is one) is announced up from its health endpoint, so its first request can reach it; the
+/// bridge says at warning level that its scrapes keep failing, and once the gauges appear the
+/// metrics flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_without_gauges_before_its_first_request_is_announced_from_its_health() {
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            pool_models: vec!["sim-8b".into()],
+            ..Default::default()
+        },
+    );
+    let root = cluster.root.path().to_owned();
+    let engine = Engine::start_with(
+        &root.join("fleet"),
+        &cluster.nats.url(),
+        "lazy",
+        &EngineOptions {
+            sim_args: vec!["--gauges-after-first-request".into()],
+            ..EngineOptions::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    let text = harness::http_get(&format!("{}/metrics", engine.http)).await;
+    assert!(!text.contains("vllm:num_requests_running"), "{text}");
+    wait_workers_up(node, 1).await;
+    eventually("the bridge to warn", Duration::from_secs(10), || async {
+        std::fs::read_to_string(&engine.bridge.log)
+            .unwrap()
+            .contains("engine metrics scrape keeps failing")
+            .then_some(())
+    })
+    .await;
+    // Routed through kvplane, the first request reaches it; its gauges then exist and reach
+    // the state.
+    let (worker, _, _) = routed(node, &json!({"model": "sim-8b", "prompt": "hello there"})).await;
+    assert_eq!(worker, "lazy");
+    complete(
+        &format!("{}/v1/completions", engine.http),
+        &json!({"model": "sim-8b", "prompt": "hello there", "max_tokens": 2}),
+    )
+    .await;
+    let text = harness::http_get(&format!("{}/metrics", engine.http)).await;
+    assert!(text.contains("vllm:num_requests_running"), "{text}");
+    eventually(
+        "metrics from the engine",
+        Duration::from_secs(10),
+        || async {
+            let s = node.status().await;
+            s.workers
+                .iter()
+                .any(|w| w.worker_id == "lazy" && w.metrics_index > 0)
+                .then_some(())
+        },
+    )
+    .await;
 }

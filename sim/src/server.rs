@@ -45,6 +45,9 @@ pub struct SimConfig {
     pub dp_rank: u32,
     /// The model's tokenizer and chat template (else the built-in word tokenizer).
     pub tokenizer: Option<std::sync::Arc<kvplane_tokenize::ModelTokenizer>>,
+    /// `/metrics` shows no vLLM gauge before the engine's first request, as some engines (and
+    /// NVIDIA Dynamo's mocker) do: their gauges appear once first set.
+    pub gauges_after_first_request: bool,
 }
 
 impl Default for SimConfig {
@@ -61,6 +64,7 @@ impl Default for SimConfig {
             default_max_tokens: 16,
             dp_rank: 0,
             tokenizer: None,
+            gauges_after_first_request: false,
         }
     }
 }
@@ -431,7 +435,15 @@ async fn metrics(State(app): State<App>) -> Response {
             (s.ttft.counts.clone(), s.ttft.sum, s.ttft.count),
         )
     };
-    let text = render_metrics(&app.cfg.model, &stats, &ttft);
+    let untouched = stats.running == 0
+        && stats.waiting == 0
+        && stats.prompt_tokens == 0
+        && stats.request_success == 0;
+    let text = if app.cfg.gauges_after_first_request && untouched {
+        "# no request yet: no gauge set\n".to_owned()
+    } else {
+        render_metrics(&app.cfg.model, &stats, &ttft)
+    };
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         text,

@@ -32,6 +32,18 @@ pub fn report(s: &RouterService, request_id: &str) -> UsageAck {
     .into_inner()
 }
 
+/// A usage report at the request's first token, observed after `ttft_ms`.
+pub fn report_first_token(s: &RouterService, request_id: &str, ttft_ms: f64) -> UsageAck {
+    futures::executor::block_on(s.report_usage(tonic::Request::new(UsageReport {
+        request_id: request_id.into(),
+        observed_ttft_ms: ttft_ms,
+        first_token: true,
+        ..Default::default()
+    })))
+    .unwrap()
+    .into_inner()
+}
+
 /// A request for `model` with these tags and token ids, and a body naming the model.
 pub fn request(id: &str, model: &str, tags: &[&str], token_ids: Vec<u32>) -> RouteRequest {
     RouteRequest {

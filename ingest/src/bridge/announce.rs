@@ -1,5 +1,7 @@
 //! The engine's metrics and liveness: scrapes `/metrics`, publishes the sample, announces the
-//! worker up (again every `announce_every`) and down after three failed scrapes in a row.
+//! worker up (again every `announce_every`) and down after three failed scrapes in a row. An
+//! engine whose metrics lack vLLM's gauges (some set them only at their first request) is up
+//! while its `/health` answers; a scrape that keeps failing is said at warning level.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +11,7 @@ use tokio::sync::watch;
 
 use super::{BridgeConfig, BridgeMetrics};
 use crate::message::WorkerStatus;
-use crate::scrape::scrape;
+use crate::scrape::{ScrapeError, scrape};
 use crate::{WorkerMessage, metrics_subject, worker_subject};
 
 pub(super) async fn scrape_loop(
@@ -23,7 +25,9 @@ pub(super) async fn scrape_loop(
         .timeout(Duration::from_secs(2))
         .build()
         .unwrap_or_default();
-    let url = format!("{}/metrics", cfg.engine_url.trim_end_matches('/'));
+    let engine = cfg.engine_url.trim_end_matches('/');
+    let url = format!("{engine}/metrics");
+    let health_url = format!("{engine}/health");
     let address = cfg
         .announce_address
         .clone()
@@ -31,6 +35,7 @@ pub(super) async fn scrape_loop(
     let mut up: Option<bool> = None;
     let mut announced = tokio::time::Instant::now();
     let mut failures = 0u32;
+    let mut warned = None::<tokio::time::Instant>;
     let mut comebacks = 0u64;
     let mut tick = tokio::time::interval(cfg.scrape_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -39,47 +44,81 @@ pub(super) async fn scrape_loop(
             _ = tick.tick() => {}
             _ = shutdown.changed() => return,
         }
-        match scrape(&client, &url).await {
-            Ok(m) => {
-                failures = 0;
-                if up != Some(true) || announced.elapsed() >= cfg.announce_every {
-                    if up == Some(false) {
-                        comebacks += 1;
-                        let _ = resubscribe.send(comebacks);
-                    }
-                    let msg = WorkerMessage {
-                        status: WorkerStatus::Up,
-                        address: Some(address.clone()),
-                    };
-                    if publish_json(&js, worker_subject(&cfg.pool, &cfg.worker), &msg).await {
-                        if up != Some(true) {
-                            tracing::info!(address, "worker announced up");
-                        }
-                        up = Some(true);
-                        announced = tokio::time::Instant::now();
-                    }
+        let scraped = scrape(&client, &url).await;
+        let alive = match &scraped {
+            Ok(_) => true,
+            // An engine that answers without vLLM's gauges (some set them only at their first
+            // request) is up when its health endpoint says so: it must get that request.
+            Err(ScrapeError::Missing(_)) => healthy(&client, &health_url).await,
+            Err(_) => false,
+        };
+        if let Err(e) = &scraped {
+            metrics.scrapes_failed.inc();
+            failures += 1;
+            // Said once the failures are no accident, then once a minute while they last.
+            let due = warned.is_none_or(|t: tokio::time::Instant| t.elapsed() >= WARN_EVERY);
+            if failures >= 3 && due {
+                warned = Some(tokio::time::Instant::now());
+                tracing::warn!(
+                    url,
+                    error = %e,
+                    failures,
+                    up = alive,
+                    "engine metrics scrape keeps failing"
+                );
+            } else {
+                tracing::debug!(url, error = %e, "scrape failed");
+            }
+        } else {
+            failures = 0;
+            warned = None;
+        }
+        if alive {
+            if up != Some(true) || announced.elapsed() >= cfg.announce_every {
+                if up == Some(false) {
+                    comebacks += 1;
+                    let _ = resubscribe.send(comebacks);
                 }
-                if !publish_json(&js, metrics_subject(&cfg.pool, &cfg.worker), &m).await {
-                    tracing::debug!("metrics not delivered");
+                let msg = WorkerMessage {
+                    status: WorkerStatus::Up,
+                    address: Some(address.clone()),
+                };
+                if publish_json(&js, worker_subject(&cfg.pool, &cfg.worker), &msg).await {
+                    if up != Some(true) {
+                        tracing::info!(address, "worker announced up");
+                    }
+                    up = Some(true);
+                    announced = tokio::time::Instant::now();
                 }
             }
-            Err(e) => {
-                metrics.scrapes_failed.inc();
-                failures += 1;
-                tracing::debug!(error = %e, "scrape failed");
-                if failures >= 3 && up == Some(true) {
-                    let msg = WorkerMessage {
-                        status: WorkerStatus::Down,
-                        address: None,
-                    };
-                    if publish_json(&js, worker_subject(&cfg.pool, &cfg.worker), &msg).await {
-                        up = Some(false);
-                        tracing::warn!("engine unreachable; worker announced down");
-                    }
-                }
+            if let Ok(m) = &scraped
+                && !publish_json(&js, metrics_subject(&cfg.pool, &cfg.worker), m).await
+            {
+                tracing::debug!("metrics not delivered");
+            }
+        } else if failures >= 3 && up == Some(true) {
+            let msg = WorkerMessage {
+                status: WorkerStatus::Down,
+                address: None,
+            };
+            if publish_json(&js, worker_subject(&cfg.pool, &cfg.worker), &msg).await {
+                up = Some(false);
+                tracing::warn!("engine unreachable; worker announced down");
             }
         }
     }
+}
+
+/// How often a scrape that keeps failing is said at warning level.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether the engine's health endpoint answers with success.
+async fn healthy(client: &reqwest::Client, url: &str) -> bool {
+    client
+        .get(url)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
 }
 
 async fn publish_json<T: serde::Serialize>(
