@@ -24,6 +24,11 @@ pub struct CostModel {
     pub waiting_request_ms: f64,
     /// Expected delay added by each request already running (batch interference).
     pub running_request_ms: f64,
+    /// Learn each worker's engine model from its reported first tokens, these figures its
+    /// prior, and use it where it predicts better than these figures calibrated
+    /// (`kvplane_api::learn`). Off by default: on engines we did not write it predicted
+    /// better and routed bursts of shared prefixes worse (README, "Cost").
+    pub learn: bool,
 }
 
 impl Default for CostModel {
@@ -33,6 +38,7 @@ impl Default for CostModel {
             prefill_tokens_per_s: 8_000.0,
             waiting_request_ms: 250.0,
             running_request_ms: 8.0,
+            learn: false,
         }
     }
 }

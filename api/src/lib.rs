@@ -7,6 +7,7 @@
 mod admin;
 mod consistency;
 mod cost;
+pub mod learn;
 mod metrics;
 pub mod pipeline;
 pub mod predict;

@@ -20,12 +20,22 @@
 //! first token or its usage is reported; without reports, until metrics sampled after it was due show nothing
 //! waiting, or show fewer waiting than the requests due before the sample (the oldest go); at
 //! the latest for a minute.
+//!
+//! With `cost.learn` each worker also gets an engine model learned from the first tokens of
+//! requests routed to it while quiet ([`crate::learn`]; the set's model stands in until the
+//! worker has its own), and once that model predicted a set's first tokens better than the
+//! calibrated configured one over 16 reports, its terms replace the configured figures and
+//! the calibration there (`kvplane_worker_ttft_prediction_ratio` shows each worker's error).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::learn::{EngineFit, Features};
 use rustc_hash::FxHashMap;
 
 /// Milliseconds since the Unix epoch (a benchmark substitutes virtual time).
@@ -44,6 +54,14 @@ const RECENT: usize = 4096;
 /// Started requests kept per worker for the metrics that may still count them waiting.
 const MAX_STARTED: usize = 256;
 const ALPHA: f64 = 0.1;
+/// Reports both models must have predicted before the learned one can be used.
+const COMPARE_FIRST: u64 = 16;
+/// The weight of a report in [`ModelErrors`].
+const ERROR_ALPHA: f64 = 0.05;
+/// `kvplane_ttft_prediction_ratio`'s buckets: fine around 1 (the 0.85..1.15 band shows).
+const RATIO_BUCKETS: [f64; 15] = [
+    0.0625, 0.125, 0.25, 0.5, 0.7, 0.85, 0.95, 1.05, 1.15, 1.3, 1.5, 2.0, 4.0, 8.0, 16.0,
+];
 
 /// A routing decision, as replicas tell each other (see [`Predictor::routed_elsewhere`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -65,7 +83,7 @@ impl std::fmt::Debug for RoutedSink {
 }
 
 /// What [`Predictor::pending`] says about one worker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct InFlight {
     pub requests: u32,
     pub prefill_tokens: u64,
@@ -73,6 +91,45 @@ pub struct InFlight {
     pub busy_ms: u64,
     /// Of `requests`, routed before the metrics sample (so possibly among its waiting).
     pub in_metrics: u32,
+    /// This replica's requests there between their first token and their end (reported at
+    /// both): running on the engine now, whatever its last metrics sample said.
+    pub decoding: u32,
+    /// The engine model learned for the worker (else for its set), once a first token was
+    /// reported: see [`crate::learn`].
+    pub learned: Option<Features>,
+    /// When this replica or, as they told it, another last routed a request there (ms).
+    pub last_routed_ms: u64,
+}
+
+/// What a routed request can teach the engine model once its first token is reported.
+#[derive(Debug, Clone, Copy)]
+pub struct Learning {
+    /// The decision's [`kvplane_policy::Prediction::inputs`].
+    pub inputs: Features,
+    /// What it predicted for this replica's requests ahead of it there: the observed time
+    /// less this is the worker's own.
+    pub ahead_ms: f64,
+    /// Where a new fit starts: the configured cost model as terms.
+    pub prior: Features,
+    /// The set's calibration then: with `prior`, what the configured model predicted.
+    pub calibration: f64,
+}
+
+/// How well each model predicted a set's first tokens lately: an exponential average of
+/// |ln(observed / predicted)|, over the reports both predicted.
+#[derive(Debug, Default, Clone, Copy)]
+struct ModelErrors {
+    learned: f64,
+    configured: f64,
+    compared: u64,
+}
+
+impl ModelErrors {
+    /// The learned model is used once it predicted better than the configured one over
+    /// enough reports (where the configured figures are right, they stay).
+    fn learned_better(&self) -> bool {
+        self.compared >= COMPARE_FIRST && self.learned < self.configured
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -84,6 +141,7 @@ struct Pending {
     due_ms: u64,
     /// Routed by another replica (its usage is reported there): gone once due.
     foreign: bool,
+    learning: Option<Learning>,
 }
 
 /// One worker's requests as this replica knows them.
@@ -95,6 +153,15 @@ struct Queue {
     started: Vec<(u64, u64)>,
     /// The engine's TTFT histogram as last seen: (sum in seconds, count).
     histogram: Option<(f64, u64)>,
+    /// Requests whose first token was reported and whose end was not yet: (request id, first
+    /// token at); at most a minute each.
+    decoding: Vec<(String, u64)>,
+    /// The engine model learned from this worker's first tokens.
+    fit: Option<EngineFit>,
+    /// Observed over predicted TTFT, an exponential average of its reports.
+    ratio: Option<f64>,
+    /// When a request was last routed here (by any replica, as this one heard).
+    last_routed_ms: u64,
 }
 
 /// Since the last histogram calibration step of a worker set: what this replica predicted and
@@ -124,9 +191,62 @@ struct SetQueues {
     /// The highest metrics index whose TTFT histograms were folded in: a worker whose
     /// metrics are no newer has nothing new to fold.
     histograms_through: Option<u64>,
+    /// The engine model learned from every worker's first tokens: where a worker's own
+    /// starts, and what stands for it until then.
+    fit: Option<EngineFit>,
+    errors: ModelErrors,
+    /// The first tokens the fits learned from took this long on average (ms): what a request
+    /// waiting there costs in the learned model.
+    typical_ms: Option<f64>,
+}
+
+/// A fit's terms as predictions use them: a waiting request costs what the average first
+/// token on a quiet engine took (`typical_ms`), the fit's own waiting term never being
+/// observed (it learns from quiet engines only).
+fn learned_terms(fit: Option<&EngineFit>, typical_ms: Option<f64>) -> Option<Features> {
+    let mut t = fit?.terms();
+    t[3] = typical_ms.unwrap_or(t[3]);
+    Some(t)
 }
 
 impl SetQueues {
+    /// What the engine model learns from a first token on the worker in `slot` observed after
+    /// `observed_ms`; returns what the configured model (calibrated) predicted for it.
+    fn learn(&mut self, slot: usize, l: &Learning, observed_ms: f64) -> f64 {
+        let own =
+            |terms: &Features| -> f64 { terms.iter().zip(&l.inputs).map(|(t, x)| t * x).sum() };
+        let configured_ms = l.ahead_ms + l.calibration * own(&l.prior);
+        let q = &self.queues[slot];
+        if let Some(terms) = learned_terms(q.fit.as_ref().or(self.fit.as_ref()), self.typical_ms)
+            && configured_ms > 0.0
+        {
+            let learned_ms = l.ahead_ms + own(&terms.map(|t| t.max(0.0)));
+            let error = |p: f64| (observed_ms / p.max(1e-3)).ln().abs();
+            let e = &mut self.errors;
+            if e.compared == 0 {
+                (e.learned, e.configured) = (error(learned_ms), error(configured_ms));
+            } else {
+                e.learned += ERROR_ALPHA * (error(learned_ms) - e.learned);
+                e.configured += ERROR_ALPHA * (error(configured_ms) - e.configured);
+            }
+            e.compared += 1;
+        }
+        // Learned from first tokens on a quiet engine only (nothing of this replica's ahead,
+        // nobody else's waiting): what the engine itself takes. What a waiting request costs
+        // is what such a first token took on average.
+        if l.ahead_ms == 0.0 && l.inputs[3] == 0.0 {
+            let set_fit = self.fit.get_or_insert_with(|| EngineFit::new(l.prior));
+            self.queues[slot]
+                .fit
+                .get_or_insert_with(|| set_fit.clone())
+                .observe(&l.inputs, observed_ms);
+            set_fit.observe(&l.inputs, observed_ms);
+            let t = self.typical_ms.get_or_insert(observed_ms);
+            *t += ALPHA * (observed_ms - *t);
+        }
+        configured_ms
+    }
+
     fn slot(&mut self, worker: &str) -> usize {
         if let Some(&i) = self.slots.get(worker) {
             return i;
@@ -282,6 +402,8 @@ pub struct Predictor {
     clock: Clock,
     /// observed / predicted, per reported request.
     error_ratio: Histogram,
+    /// Per worker, the exponential average of observed / predicted.
+    worker_ratio: Family<[(&'static str, String); 2], Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl std::fmt::Debug for Predictor {
@@ -296,7 +418,8 @@ impl Predictor {
             inner: Mutex::default(),
             clock,
             // 1/16 .. 16
-            error_ratio: Histogram::new(exponential_buckets(1.0 / 16.0, 2.0, 9)),
+            error_ratio: Histogram::new(RATIO_BUCKETS.iter().copied()),
+            worker_ratio: Family::default(),
         }
     }
 
@@ -305,6 +428,11 @@ impl Predictor {
             "kvplane_ttft_prediction_ratio",
             "Observed over predicted time to first token, per reported request",
             self.error_ratio.clone(),
+        );
+        r.register(
+            "kvplane_worker_ttft_prediction_ratio",
+            "Observed over predicted time to first token of a worker's reported requests (an exponential average)",
+            self.worker_ratio.clone(),
         );
     }
 
@@ -373,23 +501,43 @@ impl Predictor {
             }
             return;
         };
+        let use_learned = set.errors.learned_better();
+        let typical = set.typical_ms;
+        let set_learned = learned_terms(set.fit.as_ref(), typical).filter(|_| use_learned);
+        let learned = |q: &Queue| {
+            learned_terms(q.fit.as_ref(), typical)
+                .filter(|_| use_learned)
+                .or(set_learned)
+        };
         if !update {
             // A peek adds no queue: the workers without one have nothing in flight.
             for (i, a) in workers.iter().enumerate() {
-                let f = set
-                    .slots
-                    .get(&**a.worker)
-                    .map_or_else(InFlight::default, |&k| {
-                        Self::in_flight(&mut set.queues[k], now, a.metrics_at_ms, a.waiting, false)
-                    });
+                let f = set.slots.get(&**a.worker).map_or(
+                    InFlight {
+                        learned: set_learned,
+                        ..InFlight::default()
+                    },
+                    |&k| {
+                        let q = &mut set.queues[k];
+                        InFlight {
+                            learned: learned(q),
+                            last_routed_ms: q.last_routed_ms,
+                            ..Self::in_flight(q, now, a.metrics_at_ms, a.waiting, false)
+                        }
+                    },
+                );
                 each(i, f);
             }
             return;
         }
         set.follow(workers);
         for (i, a) in workers.iter().enumerate() {
-            let k = set.roster[i].1;
-            let f = Self::in_flight(&mut set.queues[k], now, a.metrics_at_ms, a.waiting, true);
+            let q = &mut set.queues[set.roster[i].1];
+            let f = InFlight {
+                learned: learned(q),
+                last_routed_ms: q.last_routed_ms,
+                ..Self::in_flight(q, now, a.metrics_at_ms, a.waiting, true)
+            };
             each(i, f);
         }
     }
@@ -404,9 +552,18 @@ impl Predictor {
     ) -> InFlight {
         let started_live =
             |&(_, done): &(u64, u64)| done >= metrics_at_ms && done + PENDING_TTL_MS > now;
+        let decoding_live = |&(_, at): &(String, u64)| at + PENDING_TTL_MS > now;
+        if update {
+            q.decoding.retain(decoding_live);
+        }
+        let decoding = u32::try_from(q.decoding.iter().filter(|d| decoding_live(d)).count())
+            .unwrap_or(u32::MAX);
         // Started requests only matter to a metrics sample taken before they started.
         if q.pending.is_empty() && (q.started.is_empty() || metrics_at_ms == 0) {
-            return InFlight::default();
+            return InFlight {
+                decoding,
+                ..InFlight::default()
+            };
         }
         let still = still_pending(&q.pending, now, metrics_at_ms, metrics_waiting);
         if update {
@@ -445,6 +602,9 @@ impl Predictor {
                 list.iter().filter(|p| p.at_ms < metrics_at_ms).count() + started,
             )
             .unwrap_or(u32::MAX),
+            decoding,
+            learned: None,
+            last_routed_ms: 0,
         }
     }
 
@@ -472,6 +632,7 @@ impl Predictor {
         request_id: &str,
         (prefill_tokens, prefill_ms): (u64, f64),
         predicted_ms: f64,
+        learning: Option<Learning>,
     ) -> RoutedNote {
         let at_ms = self.now_ms();
         let due_ms = at_ms + predicted_ms.max(0.0) as u64;
@@ -484,12 +645,15 @@ impl Predictor {
         let w = g.windows.entry(worker_set.to_owned()).or_default();
         w.predicted += 1;
         w.predicted_ms += predicted_ms.max(0.0);
-        g.queue(worker_set, worker).pending.push(Pending {
+        let q = g.queue(worker_set, worker);
+        q.last_routed_ms = q.last_routed_ms.max(at_ms);
+        q.pending.push(Pending {
             request_id: request_id.to_owned(),
             at_ms,
             prefill_tokens,
             due_ms,
             foreign: false,
+            learning,
         });
         RoutedNote {
             worker_set: worker_set.to_owned(),
@@ -503,7 +667,9 @@ impl Predictor {
     /// token at `due_ms`: this replica counts it in that worker's queue until then.
     pub fn routed_elsewhere(&self, worker_set: &str, worker: &str, at_ms: u64, due_ms: u64) {
         let mut g = self.lock();
-        let pending = &mut g.queue(worker_set, worker).pending;
+        let q = g.queue(worker_set, worker);
+        q.last_routed_ms = q.last_routed_ms.max(at_ms);
+        let pending = &mut q.pending;
         // Kept in the order they were routed (notes arrive late): the drain keeps the newest.
         let at = pending.partition_point(|p| p.at_ms <= at_ms);
         pending.insert(
@@ -514,6 +680,7 @@ impl Predictor {
                 prefill_tokens: 0,
                 due_ms,
                 foreign: true,
+                learning: None,
             },
         );
     }
@@ -530,7 +697,10 @@ impl Predictor {
     ) {
         let now = self.now_ms();
         let mut g = self.lock();
-        let q = g.queue(worker_set, worker);
+        let set = g.set(worker_set);
+        let slot = set.slot(worker);
+        let q = &mut set.queues[slot];
+        let mut learning = None;
         if let Some(i) = q.pending.iter().position(|p| p.request_id == request_id) {
             let p = q.pending.remove(i);
             // Kept until a metrics sample taken after them prunes them; bounded for engines
@@ -539,23 +709,61 @@ impl Predictor {
                 q.started.drain(..MAX_STARTED / 2);
             }
             q.started.push((p.at_ms, now));
+            learning = p.learning;
         }
         if !(predicted_ms > 0.0 && observed_ms > 0.0) {
             return;
         }
+        let ratio = observed_ms / predicted_ms;
+        let average = q.ratio.map_or(ratio, |r| r * (1.0 - ALPHA) + ratio * ALPHA);
+        q.ratio = Some(average);
+        self.worker_ratio
+            .get_or_create(&[
+                ("worker_set", worker_set.to_owned()),
+                ("worker", worker.to_owned()),
+            ])
+            .set(average);
+        // What the configured model predicted (the calibration follows it, whichever model
+        // was used).
+        let configured_ms = match learning {
+            Some(l) => set.learn(slot, &l, observed_ms),
+            None => predicted_ms,
+        };
         g.windows
             .entry(worker_set.to_owned())
             .or_default()
             .last_report_ms = now;
-        let ratio = observed_ms / predicted_ms;
         self.error_ratio.observe(ratio);
-        let c = g.calibration.entry(worker_set.to_owned()).or_insert(1.0);
-        *c = (*c * (1.0 - ALPHA + ALPHA * ratio)).clamp(0.2, 5.0);
+        if configured_ms > 0.0 {
+            let c = g.calibration.entry(worker_set.to_owned()).or_insert(1.0);
+            *c = (*c * (1.0 - ALPHA + ALPHA * observed_ms / configured_ms)).clamp(0.2, 5.0);
+        }
         if g.recent.len() >= RECENT {
             g.recent.pop_front();
         }
         g.recent
             .push_back((request_id.to_owned(), predicted_ms, observed_ms));
+    }
+
+    /// A request's first token came and its end is still to come (a first-token report): it
+    /// counts as running on `worker` until [`Self::finished`] (at most a minute).
+    pub fn decoding(&self, worker_set: &str, worker: &str, request_id: &str) {
+        let now = self.now_ms();
+        let mut g = self.lock();
+        let q = g.queue(worker_set, worker);
+        if q.decoding.len() >= MAX_STARTED {
+            q.decoding.drain(..MAX_STARTED / 2);
+        }
+        q.decoding.push((request_id.to_owned(), now));
+    }
+
+    /// A request reported [`Self::decoding`] ended.
+    pub fn finished(&self, worker_set: &str, worker: &str, request_id: &str) {
+        let mut g = self.lock();
+        let q = g.queue(worker_set, worker);
+        if let Some(i) = q.decoding.iter().position(|(id, _)| id == request_id) {
+            q.decoding.swap_remove(i);
+        }
     }
 
     /// Predicted and observed TTFT of a reported request, if it is recent.
@@ -613,8 +821,8 @@ mod tests {
     #[test]
     fn routed_requests_queue_until_reported_and_chain() {
         let (p, now) = predictor();
-        p.routed("ws", "w0", "a", (1000, 100.0), 150.0);
-        p.routed("ws", "w0", "b", (1000, 100.0), 260.0);
+        p.routed("ws", "w0", "a", (1000, 100.0), 150.0, None);
+        p.routed("ws", "w0", "b", (1000, 100.0), 260.0, None);
         let f = pending(&p, "w0", 0, 0, (0.0, 0));
         assert_eq!((f.requests, f.prefill_tokens, f.busy_ms), (2, 2000, 260));
         now.store(1_100, Ordering::Relaxed);
@@ -633,9 +841,9 @@ mod tests {
     #[test]
     fn a_decision_finds_each_workers_queue_by_name_whatever_the_list_it_asks_with() {
         let (p, _) = predictor();
-        p.routed("ws", "b", "1", (10, 1.0), 100.0);
-        p.routed("ws", "b", "2", (10, 1.0), 100.0);
-        p.routed("ws", "d", "3", (10, 1.0), 100.0);
+        p.routed("ws", "b", "1", (10, 1.0), 100.0, None);
+        p.routed("ws", "b", "2", (10, 1.0), 100.0, None);
+        p.routed("ws", "d", "3", (10, 1.0), 100.0, None);
         let names: Vec<Arc<str>> = ["a", "b", "c", "d"].iter().map(|&n| n.into()).collect();
         let requests = |list: &[&Arc<str>], update: bool| {
             let asks: Vec<Ask<'_>> = list
@@ -675,7 +883,7 @@ mod tests {
     #[test]
     fn without_reports_a_request_leaves_once_metrics_after_its_due_time_show_no_queue() {
         let (p, _) = predictor();
-        p.routed("ws", "w0", "", (500, 50.0), 100.0);
+        p.routed("ws", "w0", "", (500, 50.0), 100.0, None);
         assert_eq!(pending(&p, "w0", 1_050, 0, (0.0, 0)).requests, 1);
         assert_eq!(pending(&p, "w0", 1_200, 0, (0.0, 0)).requests, 0);
     }
@@ -684,7 +892,7 @@ mod tests {
     fn without_reports_metrics_alone_drain_the_queue_keeping_the_newest() {
         let (p, now) = predictor();
         for i in 0..5 {
-            p.routed("ws", "w0", &format!("r{i}"), (100, 10.0), 100.0);
+            p.routed("ws", "w0", &format!("r{i}"), (100, 10.0), 100.0, None);
             now.fetch_add(1, Ordering::Relaxed);
         }
         // A sample taken after all five were due shows two waiting: at most two still wait.
@@ -698,7 +906,7 @@ mod tests {
     #[test]
     fn a_peek_says_what_pending_would_and_changes_nothing() {
         let (p, now) = predictor();
-        p.routed("ws", "w0", "a", (100, 10.0), 50.0);
+        p.routed("ws", "w0", "a", (100, 10.0), 50.0, None);
         p.routed_elsewhere("ws", "w0", 990, 1_020);
         // What is stored, seen from before anything was due.
         let stored = |p: &Predictor| {
@@ -724,7 +932,7 @@ mod tests {
         assert_eq!(pending(&p, "w1", 0, 0, (0.0, 0)).requests, 0);
         for i in 0..50 {
             let id = format!("r{i}");
-            p.routed("ws", "w0", &id, (0, 0.0), 100.0);
+            p.routed("ws", "w0", &id, (0, 0.0), 100.0, None);
             p.observed("ws", "w0", &id, 100.0, 200.0);
         }
         let c = p.calibration("ws");
@@ -739,7 +947,7 @@ mod tests {
         pending(&p, "w0", 0, 0, (0.0, count));
         let mut run = |tag: &str, step_ms: u64| {
             for i in 0..64 {
-                p.routed("ws", "w0", &format!("{tag}{i}"), (0, 0.0), 100.0);
+                p.routed("ws", "w0", &format!("{tag}{i}"), (0, 0.0), 100.0, None);
                 count += 1;
                 now.fetch_add(step_ms, Ordering::Relaxed);
                 let at = now.load(Ordering::Relaxed);
@@ -750,7 +958,7 @@ mod tests {
         let c = run("r", 500);
         assert!(c > 1.15, "two steps toward 2: {c}");
         // Usage reported: the histograms no longer move it.
-        p.routed("ws", "w1", "x", (0, 0.0), 100.0);
+        p.routed("ws", "w1", "x", (0, 0.0), 100.0, None);
         p.observed("ws", "w1", "x", 100.0, 100.0);
         let reported = p.calibration("ws");
         assert_eq!(run("s", 10), reported);

@@ -144,6 +144,13 @@ impl RouterService {
             let mut worker = None;
             if let Some((worker_set, state)) = c.worker() {
                 if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
+                    let (calibration, typical_ms) = self.predictor.factors(worker_set);
+                    let learning = crate::predict::Learning {
+                        inputs: c.prediction.inputs,
+                        ahead_ms: state.pending_ms,
+                        prior: crate::pipeline::signals::prior(spec, &self.cost, typical_ms),
+                        calibration,
+                    };
                     let note = self.predictor.routed(
                         worker_set,
                         state.worker,
@@ -155,6 +162,7 @@ impl RouterService {
                             &self.cost,
                         ),
                         c.prediction.ttft_ms,
+                        self.cost.learn.then_some(learning),
                     );
                     if let Some(sink) = &self.routed_sink {
                         (sink.0)(note);
@@ -210,6 +218,7 @@ impl RouterService {
                     *predicted_ttft_ms,
                     report.observed_ttft_ms,
                 );
+                self.predictor.decoding(ws, w, &report.request_id);
             }
             return Ok(Response::new(UsageAck {
                 known: start != Start::Unknown,
@@ -228,17 +237,21 @@ impl RouterService {
         if let Some(Routed {
             worker: Some((ws, w)),
             predicted_ttft_ms,
-            started: false,
+            started,
             ..
         }) = &routed
         {
-            self.predictor.observed(
-                ws,
-                w,
-                &report.request_id,
-                *predicted_ttft_ms,
-                report.observed_ttft_ms,
-            );
+            if *started {
+                self.predictor.finished(ws, w, &report.request_id);
+            } else {
+                self.predictor.observed(
+                    ws,
+                    w,
+                    &report.request_id,
+                    *predicted_ttft_ms,
+                    report.observed_ttft_ms,
+                );
+            }
         }
         if let Some(r) = &routed {
             tracing::debug!(

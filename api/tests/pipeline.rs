@@ -9,28 +9,11 @@ mod support;
 use std::sync::Arc;
 
 use kvplane_api::predict::Predictor;
-use kvplane_state::{Command, ConfigObject, POOL_KIND, PoolConfig};
+use kvplane_state::{Command, ConfigObject};
 use support::{
-    EXAMPLES, TestFleet, explain, report, report_first_token, request, route, target, tokens,
+    EXAMPLES, TestFleet, explain, pools_node, report, report_first_token, request, route, target,
+    tokens,
 };
-
-/// A node with only a `[[pools]]` pool: `default`, block size 16, every model, these adapters.
-fn pools_node(lora: &[&str]) -> TestFleet {
-    let mut f = TestFleet::new();
-    f.command(Command::ConfigPut {
-        owner: Some(kvplane_state::Owner::Admin),
-        kind: POOL_KIND.into(),
-        name: "default".into(),
-        value: PoolConfig {
-            block_size: 16,
-            models: Vec::new(),
-            lora_adapters: lora.iter().map(|a| (*a).to_owned()).collect(),
-        }
-        .to_json(),
-    });
-    f.up("default", &["w0", "w1"]);
-    f
-}
 
 #[test]
 fn a_pools_node_with_a_limits_only_policy_still_routes() {
@@ -207,7 +190,7 @@ fn explain_reads_the_predictor_without_pruning_or_calibrating_it() {
 }
 
 #[test]
-fn a_first_token_report_takes_the_request_out_of_its_queue_and_its_final_report_settles_it() {
+fn a_first_token_report_takes_the_request_out_of_its_queue_it_runs_there_until_its_final_report() {
     let predictor = Arc::new(Predictor::new(Arc::new(|| 1_000)));
     let prompt = tokens(9, 64);
     let f = pools_node(&[]);
@@ -226,9 +209,23 @@ fn a_first_token_report_takes_the_request_out_of_its_queue_and_its_final_report_
     assert!(calibrated > 1.05, "{calibrated}");
     assert!(report_first_token(&s, "r1", 2.0 * predicted).known);
     assert_eq!(predictor.calibration("default"), calibrated);
+    // Until its end it runs there (the engine's metrics, never sampled, say nothing).
+    let running = |s: &kvplane_api::RouterService| {
+        explain(s, request("x", "m", &[], tokens(3, 16)))
+            .candidates
+            .iter()
+            .map(|c| {
+                let e = c.endpoint.as_ref().unwrap();
+                (e.worker_id.clone(), c.running)
+            })
+            .collect::<std::collections::BTreeMap<String, u32>>()
+    };
+    assert_eq!(running(&s)[&worker], 1);
+    assert!(running(&s).iter().all(|(w, n)| *w == worker || *n == 0));
     // The final report still finds the request (what limits hold is settled there), once.
     assert!(report(&s, "r1").known);
     assert_eq!(predictor.calibration("default"), calibrated);
+    assert_eq!(running(&s)[&worker], 0, "ended");
     assert!(!report(&s, "r1").known);
     assert!(
         !report_first_token(&s, "r1", 1.0).known,

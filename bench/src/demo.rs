@@ -9,14 +9,17 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::bail;
-use futures::StreamExt;
-use kvplane_sim::workload::{Kind, Spec, WorkItem, generate};
+use kvplane_sim::workload::{Kind, Spec, generate};
 use kvplane_testkit::process;
 
-use crate::procs::{Procs, field, raft_peers, start_nats, wait_status};
+use crate::client::{percentile, run_phase};
+use crate::procs::{
+    Procs, field, start_gateways, start_members, start_nats, start_round_robin, start_sim_engine,
+    wait_status,
+};
 use serde_json::{Value, json};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -49,128 +52,10 @@ pub struct DemoArgs {
     pub json: Option<PathBuf>,
 }
 
-/// One request's result, as the client saw it.
-#[derive(Debug, Clone)]
-struct Outcome {
-    ttft_ms: f64,
-    worker: String,
-    status: u16,
-}
-
 /// The model the simulated engines serve.
 const MODEL: &str = "sim-8b";
 /// kvplane replicas (a Raft cluster), each with a gateway of its own.
 const NODES: usize = 3;
-
-async fn send(client: &reqwest::Client, url: &str, item: &WorkItem, speedup: f64) -> Outcome {
-    let mut body = item.chat_body(MODEL);
-    body["stream"] = json!(true);
-    body["stream_options"] = json!({"include_usage": true});
-    let started = Instant::now();
-    let resp = match client
-        .post(url)
-        .header("x-tenant", "demo")
-        .json(&body)
-        .send()
-        .await
-    {
-        Ok(r) => r,
-        Err(_) => {
-            return Outcome {
-                ttft_ms: f64::NAN,
-                worker: String::new(),
-                status: 0,
-            };
-        }
-    };
-    let status = resp.status().as_u16();
-    let worker = resp
-        .headers()
-        .get(kvplane_gateway::WORKER_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let mut ttft = None;
-    let mut stream = resp.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        let Ok(chunk) = chunk else { break };
-        if ttft.is_none() && chunk.windows(5).any(|w| w == b"data:") {
-            ttft = Some(started.elapsed().as_secs_f64() * 1000.0 * speedup);
-        }
-    }
-    Outcome {
-        ttft_ms: ttft.unwrap_or(f64::NAN),
-        worker,
-        status,
-    }
-}
-
-/// Sends `items` on schedule, the i-th to `urls[i % n]` (several gateways behind one Service).
-async fn run_phase(name: &str, urls: &[String], items: &[WorkItem], speedup: f64) -> Vec<Outcome> {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let client = reqwest::Client::new();
-    let start = Instant::now();
-    let total = items.len();
-    let answered = Arc::new(AtomicUsize::new(0));
-    let sent = Arc::new(AtomicUsize::new(0));
-    let progress = {
-        let (answered, sent, name) = (answered.clone(), sent.clone(), name.to_owned());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(2));
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                println!(
-                    "  {name}: {} sent, {} answered, {:.0} s",
-                    sent.load(Ordering::Relaxed),
-                    answered.load(Ordering::Relaxed),
-                    start.elapsed().as_secs_f64()
-                );
-            }
-        })
-    };
-    let mut tasks = Vec::with_capacity(total);
-    for (i, item) in items.iter().enumerate() {
-        let at = Duration::from_secs_f64(item.at_ms / 1000.0 / speedup);
-        tokio::time::sleep_until((start + at).into()).await;
-        let (client, url, item, answered) = (
-            client.clone(),
-            urls[i % urls.len()].clone(),
-            item.clone(),
-            answered.clone(),
-        );
-        sent.fetch_add(1, Ordering::Relaxed);
-        tasks.push(tokio::spawn(async move {
-            let o = send(&client, &url, &item, speedup).await;
-            answered.fetch_add(1, Ordering::Relaxed);
-            o
-        }));
-    }
-    let mut out = Vec::with_capacity(total);
-    for t in tasks {
-        out.push(t.await.unwrap_or(Outcome {
-            ttft_ms: f64::NAN,
-            worker: String::new(),
-            status: 0,
-        }));
-    }
-    progress.abort();
-    println!(
-        "  {name}: all {total} answered in {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
-    out
-}
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s.sort_by(f64::total_cmp);
-    s[((s.len() as f64 - 1.0) * p).round() as usize]
-}
 
 async fn engine_counters(client: &reqwest::Client, url: &str) -> (f64, f64) {
     let text = match client.get(format!("{url}/metrics")).send().await {
@@ -235,43 +120,20 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     )?;
     let cost = crate::routing::engine_cost(&engine);
     // Three Raft members; the first initializes the cluster.
-    let (addrs, peers) = raft_peers(NODES)?;
-    let mut nodes = Vec::new();
-    for (i, addr) in addrs.iter().enumerate() {
-        let config = dir.join(format!("kvplane-{i}.toml"));
-        std::fs::write(
-            &config,
-            format!(
-                "node_id = \"kvplane-{i}\"\npools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n\n[raft]\nid = {}\nbootstrap = {}\npeers = [{peers}]\n",
-                policies.display(),
-                cost.base_ms,
-                cost.prefill_tokens_per_s,
-                cost.waiting_request_ms,
-                cost.running_request_ms,
-                i + 1,
-                i == 0,
-            ),
-        )?;
-        let ready = procs.spawn(
-            &format!("kvplane-{i}"),
-            &exe,
-            &[
-                "serve".into(),
-                "--config".into(),
-                config.display().to_string(),
-                "--nats-url".into(),
-                nats_url.clone(),
-                "--grpc-listen".into(),
-                addr.clone(),
-                "--http-listen".into(),
-                "127.0.0.1:0".into(),
-                "--data-dir".into(),
-                dir.join(format!("kvplane-{i}")).display().to_string(),
-            ],
-            Some("kvplane ready"),
-        )?;
-        nodes.push(format!("http://{}", field(&ready, "grpc")?));
-    }
+    let (nodes, _) = start_members(
+        &mut procs,
+        &dir,
+        &nats_url,
+        NODES,
+        &format!(
+            "pools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n",
+            policies.display(),
+            cost.base_ms,
+            cost.prefill_tokens_per_s,
+            cost.waiting_request_ms,
+            cost.running_request_ms,
+        ),
+    )?;
     for n in &nodes {
         wait_policy(n).await?;
     }
@@ -284,18 +146,10 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     let mut engines = Vec::new();
     for i in 1..=3 {
         let name = format!("engine-{i}");
-        let ready = procs.spawn(
+        let ready = start_sim_engine(
+            &mut procs,
             &name,
-            &exe,
             &[
-                "sim".into(),
-                "engine".into(),
-                "--http-listen".into(),
-                "127.0.0.1:0".into(),
-                "--zmq-pub".into(),
-                "tcp://127.0.0.1:0".into(),
-                "--zmq-replay".into(),
-                "tcp://127.0.0.1:0".into(),
                 "--speedup".into(),
                 speedup.to_string(),
                 "--num-gpu-blocks".into(),
@@ -303,7 +157,6 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
                 "--seed".into(),
                 i.to_string(),
             ],
-            Some("kvplane-sim ready"),
         )?;
         let http = format!("http://{}", field(&ready, "http")?);
         let zmq_pub = field(&ready, "zmq_pub")?;
@@ -338,50 +191,9 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
 
     // One gateway per replica (each asks its own first, the others on failure), requests
     // spread over them in turn: several routers deciding at once from the replicated state.
-    let mut gw = Vec::new();
-    for i in 0..NODES {
-        let replicas = (0..NODES)
-            .map(|k| nodes[(i + k) % NODES].clone())
-            .collect::<Vec<_>>()
-            .join(",");
-        let ready = procs.spawn(
-            &format!("gateway-kvplane-{i}"),
-            &exe,
-            &[
-                "gateway".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--replicas".into(),
-                replicas,
-            ],
-            Some("kvplane-gateway ready"),
-        )?;
-        gw.push(format!(
-            "http://{}/v1/chat/completions",
-            field(&ready, "http")?
-        ));
-    }
-    let rr_engines = engines
-        .iter()
-        .map(|(_, u)| u.clone())
-        .collect::<Vec<_>>()
-        .join(",");
-    let ready = procs.spawn(
-        "gateway-round-robin",
-        &exe,
-        &[
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--round-robin".into(),
-            rr_engines,
-        ],
-        Some("kvplane-gateway ready"),
-    )?;
-    let gw_rr = vec![format!(
-        "http://{}/v1/chat/completions",
-        field(&ready, "http")?
-    )];
+    let gw = start_gateways(&mut procs, &nodes)?;
+    let rr_engines: Vec<String> = engines.iter().map(|(_, u)| u.clone()).collect();
+    let gw_rr = vec![start_round_robin(&mut procs, &rr_engines)?];
     println!("started gateways: {NODES} asking kvplane, one round-robin");
 
     let spec = Spec {
@@ -411,7 +223,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
         println!("running {label} ...");
-        let outcomes = run_phase(label, urls, &items, speedup).await;
+        let outcomes = run_phase(label, urls, MODEL, &items, speedup).await;
         let after: Vec<(f64, f64)> =
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
@@ -434,10 +246,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             PhaseSummary {
                 p50: percentile(&ttfts, 0.5),
                 p90: percentile(&ttfts, 0.9),
-                failed: outcomes
-                    .iter()
-                    .filter(|o| o.status != 200 || !o.ttft_ms.is_finite())
-                    .count(),
+                failed: outcomes.iter().filter(|o| !o.ok()).count(),
                 hit_rate: if q_all > 0.0 { h_all / q_all } else { 0.0 },
                 per_engine,
             },

@@ -5,13 +5,16 @@
 //! engine model; none of it runs inside a node.
 
 mod catalog_size;
+mod client;
 pub mod cluster;
 pub mod demo;
+pub mod external;
 mod grants;
 pub mod ingest;
 mod procs;
 pub(crate) mod routing;
 pub mod sim_engine;
+mod svg;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchCmd {
@@ -26,6 +29,10 @@ pub enum BenchCmd {
     /// lag, memory per indexed block, CPU per 1k events, optional leader kills; checked
     /// against the engines' own caches.
     Ingest(ingest::IngestBenchArgs),
+    /// Routing on engines we did not write: a fleet of NVIDIA Dynamo's mocker engines behind
+    /// round-robin, Dynamo's own KV router and kvplane, same workloads, fresh fleets; TTFT
+    /// percentiles per strategy, JSON on stdout, a table on stderr.
+    External(external::ExternalBenchArgs),
 }
 
 pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
@@ -33,5 +40,6 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Cluster(a) => cluster::run(a).await,
         BenchCmd::Routing(a) => routing::run(a).await,
         BenchCmd::Ingest(a) => ingest::run(a).await,
+        BenchCmd::External(a) => external::run(a).await,
     }
 }

@@ -14,6 +14,7 @@ struct Proc {
     name: String,
     program: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     ready: Option<String>,
     child: Option<Child>,
     starts: u32,
@@ -42,10 +43,23 @@ impl Procs {
         args: &[String],
         ready: Option<&str>,
     ) -> anyhow::Result<String> {
+        self.spawn_env(name, program, args, &[], ready)
+    }
+
+    /// [`Self::spawn`] with these environment variables set too.
+    pub(crate) fn spawn_env(
+        &mut self,
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        ready: Option<&str>,
+    ) -> anyhow::Result<String> {
         self.procs.push(Proc {
             name: name.to_owned(),
             program: program.to_owned(),
             args: args.to_vec(),
+            env: env.to_vec(),
             ready: ready.map(str::to_owned),
             child: None,
             starts: 0,
@@ -64,7 +78,7 @@ impl Procs {
         let (child, line) = process::start(process::Spec {
             program: &p.program,
             args: &p.args,
-            env: &[],
+            env: &p.env,
             log: &log,
             ready: p.ready.as_deref(),
         })
@@ -196,4 +210,130 @@ pub(crate) fn raft_peers(n: usize) -> anyhow::Result<(Vec<String>, String)> {
         .collect::<Vec<_>>()
         .join(", ");
     Ok((addrs, peers))
+}
+
+/// Starts `n` kvplane Raft members on NATS `nats_url` (the first initializes the cluster), each
+/// with `extra` in its config (TOML before the `[raft]` section); returns their gRPC URLs and
+/// their HTTP (`/metrics`, `/healthz`) addresses.
+pub(crate) fn start_members(
+    procs: &mut Procs,
+    dir: &Path,
+    nats_url: &str,
+    n: usize,
+    extra: &str,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let exe = process::kvplane_binary();
+    let (addrs, peers) = raft_peers(n)?;
+    let (mut nodes, mut http) = (Vec::new(), Vec::new());
+    for (i, addr) in addrs.iter().enumerate() {
+        let config = dir.join(format!("kvplane-{i}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "node_id = \"kvplane-{i}\"\n{extra}\n[raft]\nid = {}\nbootstrap = {}\npeers = [{peers}]\n",
+                i + 1,
+                i == 0,
+            ),
+        )?;
+        let ready = procs.spawn(
+            &format!("kvplane-{i}"),
+            &exe,
+            &[
+                "serve".into(),
+                "--config".into(),
+                config.display().to_string(),
+                "--nats-url".into(),
+                nats_url.to_owned(),
+                "--grpc-listen".into(),
+                addr.clone(),
+                "--http-listen".into(),
+                "127.0.0.1:0".into(),
+                "--data-dir".into(),
+                dir.join(format!("kvplane-{i}")).display().to_string(),
+            ],
+            Some("kvplane ready"),
+        )?;
+        nodes.push(format!("http://{}", field(&ready, "grpc")?));
+        http.push(format!("http://{}", field(&ready, "http")?));
+    }
+    Ok((nodes, http))
+}
+
+/// One kvplane gateway per member, each asking its own member first and the others on
+/// failure; returns their chat-completions URLs.
+pub(crate) fn start_gateways(procs: &mut Procs, nodes: &[String]) -> anyhow::Result<Vec<String>> {
+    let exe = process::kvplane_binary();
+    let mut urls = Vec::new();
+    for i in 0..nodes.len() {
+        let replicas = (0..nodes.len())
+            .map(|k| nodes[(i + k) % nodes.len()].clone())
+            .collect::<Vec<_>>()
+            .join(",");
+        let ready = procs.spawn(
+            &format!("gateway-kvplane-{i}"),
+            &exe,
+            &[
+                "gateway".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--replicas".into(),
+                replicas,
+            ],
+            Some("kvplane-gateway ready"),
+        )?;
+        urls.push(format!(
+            "http://{}/v1/chat/completions",
+            field(&ready, "http")?
+        ));
+    }
+    Ok(urls)
+}
+
+/// Starts a `kvplane sim engine` named `name` on free loopback ports with `args` added;
+/// returns its ready line (`http`, `zmq_pub`, `zmq_replay`).
+pub(crate) fn start_sim_engine(
+    procs: &mut Procs,
+    name: &str,
+    args: &[String],
+) -> anyhow::Result<String> {
+    let mut all: Vec<String> = [
+        "sim",
+        "engine",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--zmq-pub",
+        "tcp://127.0.0.1:0",
+        "--zmq-replay",
+        "tcp://127.0.0.1:0",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    all.extend_from_slice(args);
+    procs.spawn(
+        name,
+        &process::kvplane_binary(),
+        &all,
+        Some("kvplane-sim ready"),
+    )
+}
+
+/// A `kvplane gateway --round-robin` over `engines` (their base URLs), the baseline; returns
+/// its chat-completions URL.
+pub(crate) fn start_round_robin(procs: &mut Procs, engines: &[String]) -> anyhow::Result<String> {
+    let ready = procs.spawn(
+        "gateway-round-robin",
+        &process::kvplane_binary(),
+        &[
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--round-robin".into(),
+            engines.join(","),
+        ],
+        Some("kvplane-gateway ready"),
+    )?;
+    Ok(format!(
+        "http://{}/v1/chat/completions",
+        field(&ready, "http")?
+    ))
 }

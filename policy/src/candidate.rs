@@ -23,6 +23,13 @@ pub struct WorkerState<'v> {
     /// `waiting` too), and how long until the last of them is predicted to have it.
     pub pending: u32,
     pub pending_ms: f64,
+    /// The engine model this replica learned for the worker from its first tokens (its terms:
+    /// per step, per thousand uncached prompt tokens, per running and per other waiting
+    /// request, in ms), when it has one; else the configured cost model is calibrated.
+    pub learned: Option<[f64; 4]>,
+    /// When a request was last routed here, by this replica or (as they told it) another,
+    /// in ms since the epoch; 0 if never.
+    pub last_routed_ms: u64,
 }
 
 /// Which per-candidate inputs a filter or objective reads; the others are not computed.
@@ -63,6 +70,10 @@ pub struct Prediction {
     pub load_ms: f64,
     /// What the request's prefill would delay the requests after it there.
     pub displaced_ms: f64,
+    /// What the worker's own time was predicted from: 1 (a step), uncached prompt tokens in
+    /// thousands, requests running there, requests waiting there that this replica did not
+    /// route (what a first token's report teaches the engine model).
+    pub inputs: [f64; 4],
 }
 
 #[derive(Debug, Clone, PartialEq)]

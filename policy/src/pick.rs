@@ -1,7 +1,9 @@
 //! Picking among scored candidates: the lowest objective wins; candidates within 1% of it
-//! count as equal and the request's tie-break (a hash of its id) takes one of them, so
-//! routers deciding from the same state at once do not all choose the same worker, while one
-//! request always gets the same answer.
+//! count as equal, and of them the worker a request was routed to longest ago (round-robin
+//! where nothing else tells them apart, as on a fleet with no prefix to reuse); the request's
+//! tie-break (a hash of its id) takes one of those left, so routers deciding from the same
+//! state at once do not all choose the same worker, while one request always gets the same
+//! answer.
 
 use crate::candidate::Candidate;
 
@@ -19,12 +21,91 @@ pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
         c.filtered.is_none()
             && (c.objective == best || (best > 0.0 && c.objective <= best * (1.0 + TIE)))
     };
-    let n = cands.iter().filter(|c| near(c)).count();
+    let last = |c: &Candidate<'_>| c.worker().map_or(0, |(_, w)| w.last_routed_ms);
+    let oldest = cands.iter().filter(|c| near(c)).map(last).min()?;
+    let eligible = |c: &Candidate<'_>| near(c) && last(c) == oldest;
+    let n = cands.iter().filter(|c| eligible(c)).count();
     let k = usize::try_from(tie_break % n.max(1) as u64).unwrap_or(0);
     cands
         .iter()
         .enumerate()
-        .filter(|(_, c)| near(c))
+        .filter(|(_, c)| eligible(c))
         .nth(k)
         .map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candidate::{Prediction, Target, WorkerState};
+
+    fn worker(objective: f64, last_routed_ms: u64) -> Candidate<'static> {
+        Candidate {
+            target: Target::Worker {
+                worker_set: "ws",
+                state: WorkerState {
+                    worker: "w",
+                    address: None,
+                    up: true,
+                    dp_rank: 0,
+                    waiting: 0,
+                    running: 0,
+                    kv_cache_usage: 0.0,
+                    overlap_blocks: 0,
+                    prompt_blocks: 0,
+                    pending: 0,
+                    pending_ms: 0.0,
+                    learned: None,
+                    last_routed_ms,
+                },
+            },
+            external: false,
+            prediction: Prediction::default(),
+            price: 0.0,
+            load: 0,
+            weight: 1.0,
+            objective,
+            filtered: None,
+            fallback: false,
+            chosen: false,
+        }
+    }
+
+    #[test]
+    fn of_equal_candidates_the_one_routed_to_longest_ago_wins_whatever_the_tie_break() {
+        let cands = [
+            worker(100.0, 30),
+            worker(100.5, 10),
+            worker(100.0, 20),
+            worker(103.0, 0),
+        ];
+        for tie_break in 0..8 {
+            // 103 is more than 1% worse: never equal, however long ago it was chosen.
+            assert_eq!(pick(&cands, tie_break), Some(1));
+        }
+    }
+
+    #[test]
+    fn equal_candidates_never_routed_to_are_spread_by_the_tie_break() {
+        let cands = [worker(50.0, 0), worker(50.0, 0), worker(50.0, 7)];
+        let picks: Vec<_> = (0..4).filter_map(|t| pick(&cands, t)).collect();
+        assert_eq!(picks, [0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn turns_taken_as_each_pick_is_recorded_are_round_robin() {
+        let mut cands = [worker(10.0, 0), worker(10.0, 0), worker(10.0, 0)];
+        let mut order = Vec::new();
+        for now in 1..=6u64 {
+            let i = pick(&cands, 1).unwrap();
+            order.push(i);
+            if let Target::Worker { state, .. } = &mut cands[i].target {
+                state.last_routed_ms = now;
+            }
+        }
+        assert_eq!(order[3..], order[..3]);
+        let mut first = order[..3].to_vec();
+        first.sort_unstable();
+        assert_eq!(first, [0, 1, 2]);
+    }
 }

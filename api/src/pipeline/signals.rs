@@ -64,6 +64,25 @@ pub(crate) fn uncached(
     (tokens, tokens as f64 / rate * 1000.0)
 }
 
+/// The configured cost model as an engine model's terms (see [`crate::learn`]): where a
+/// learned one starts. `typical_ms`: what a waiting request of another replica is taken to
+/// cost there.
+pub(crate) fn prior(
+    set: &InferenceWorkerSetSpec,
+    cost: &CostModel,
+    typical_ms: Option<f64>,
+) -> crate::learn::Features {
+    let rate = set
+        .prefill_tokens_per_second
+        .unwrap_or(cost.prefill_tokens_per_s);
+    [
+        cost.base_ms,
+        1_000_000.0 / rate,
+        cost.running_request_ms,
+        typical_ms.unwrap_or(cost.waiting_request_ms),
+    ]
+}
+
 impl<'a, 'v> ViewFleet<'a, 'v> {
     pub(crate) fn new(
         view: &'v View,
@@ -166,20 +185,37 @@ impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
                     waiting: others + f.requests,
                     pending: f.requests,
                     pending_ms: f.busy_ms as f64,
-                    running: w.metrics.running,
+                    // Its last sample, or what this replica knows runs there now if more.
+                    running: w.metrics.running.max(f.decoding),
                     kv_cache_usage: w.metrics.kv_cache_usage,
                     overlap_blocks,
                     prompt_blocks,
+                    learned: f.learned,
+                    last_routed_ms: f.last_routed_ms,
                 });
             });
     }
 
     /// See [`crate::predict`]. The queue ahead (this replica's pending requests) is already
     /// calibrated: it is made of earlier predictions.
+    /// With an engine model learned for the worker its terms replace the configured ones and
+    /// the calibration.
     fn predict(&self, name: &str, set: &InferenceWorkerSetSpec, w: &WorkerState<'v>) -> Prediction {
-        let (calibration, typical_ms) = self.factors(name);
-        let uncached_ms = uncached(self.prompt_tokens, set, w, self.cost).1;
+        let (tokens, uncached_ms) = uncached(self.prompt_tokens, set, w, self.cost);
         let others = f64::from(w.waiting - w.pending);
+        let inputs = [1.0, tokens as f64 / 1000.0, f64::from(w.running), others];
+        if let Some(terms) = w.learned {
+            let part = |i: usize| terms[i].max(0.0) * inputs[i];
+            let (prefill, load) = (part(1), part(2) + part(3));
+            return Prediction {
+                ttft_ms: w.pending_ms + part(0) + prefill + load,
+                prefill_ms: prefill,
+                load_ms: w.pending_ms + load,
+                displaced_ms: prefill,
+                inputs,
+            };
+        }
+        let (calibration, typical_ms) = self.factors(name);
         let load = others * typical_ms.unwrap_or(self.cost.waiting_request_ms)
             + f64::from(w.running) * self.cost.running_request_ms;
         let own = self.cost.base_ms + uncached_ms + load;
@@ -188,6 +224,7 @@ impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
             prefill_ms: uncached_ms * calibration,
             load_ms: w.pending_ms + load * calibration,
             displaced_ms: uncached_ms * calibration,
+            inputs,
         }
     }
 }

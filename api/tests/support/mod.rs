@@ -8,6 +8,25 @@ use kvplane_proto::v1::router_server::Router as _;
 use kvplane_proto::v1::{ExplainResponse, RouteRequest, RouteResponse, UsageAck, UsageReport};
 pub use kvplane_testkit::state::{TestFleet, tokens};
 
+/// A node with only a `[[pools]]` pool: `default`, block size 16, every model, these adapters,
+/// workers `w0` and `w1` up.
+pub fn pools_node(lora: &[&str]) -> TestFleet {
+    let mut f = TestFleet::new();
+    f.command(kvplane_state::Command::ConfigPut {
+        owner: Some(kvplane_state::Owner::Admin),
+        kind: kvplane_state::POOL_KIND.into(),
+        name: "default".into(),
+        value: kvplane_state::PoolConfig {
+            block_size: 16,
+            models: Vec::new(),
+            lora_adapters: lora.iter().map(|a| (*a).to_owned()).collect(),
+        }
+        .to_json(),
+    });
+    f.up("default", &["w0", "w1"]);
+    f
+}
+
 pub const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
 
 pub fn route(s: &RouterService, req: RouteRequest) -> RouteResponse {

@@ -6,7 +6,6 @@
 
 mod fleet;
 mod strategies;
-mod svg;
 pub(crate) mod workloads;
 
 use std::path::PathBuf;
@@ -96,6 +95,7 @@ pub(crate) fn engine_cost(p: &EngineParams) -> CostModel {
         prefill_tokens_per_s: p.prefill_tokens_per_s,
         waiting_request_ms: 50.0,
         running_request_ms: 1.0,
+        learn: false,
     }
 }
 
@@ -244,7 +244,7 @@ pub async fn run(a: RoutingBenchArgs) -> anyhow::Result<()> {
         };
         std::fs::write(
             a.out.join(format!("ttft-{name}.svg")),
-            svg::cdf_chart(name, &series),
+            crate::svg::cdf_chart(name, &series),
         )?;
         print_table(&report);
         reports.push(report);

@@ -133,6 +133,8 @@ mod tests {
                     prompt_blocks: 0,
                     pending: 0,
                     pending_ms: 0.0,
+                    learned: None,
+                    last_routed_ms: 0,
                 },
             },
             external: false,

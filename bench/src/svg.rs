@@ -8,7 +8,7 @@ const COLORS: [&str; 6] = [
 ];
 
 /// `series`: (strategy, sorted TTFTs in ms).
-pub fn cdf_chart(title: &str, series: &[(String, Vec<f64>)]) -> String {
+pub(crate) fn cdf_chart(title: &str, series: &[(String, Vec<f64>)]) -> String {
     let (w, h, left, right, top, bottom) = (720.0, 420.0, 60.0, 170.0, 40.0, 50.0);
     let pw = w - left - right;
     let ph = h - top - bottom;
