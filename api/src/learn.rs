@@ -6,7 +6,7 @@
 //! ```
 //!
 //! fitted by recursive least squares with forgetting, starting from the configured cost model
-//! as a prior worth about one observation per term. The predictor (`crate::predict`) feeds it
+//! as a weak prior (each term's spread the configured figure itself). The predictor (`crate::predict`) feeds it
 //! the first tokens of requests routed to a quiet engine (nothing of its own ahead there,
 //! nobody else's waiting), so the fit is the engine's own speed, and uses it where it
 //! predicted better than the configured figures calibrated.
@@ -21,14 +21,15 @@ pub type Features = [f64; TERMS];
 /// Older observations weigh this much less per newer one (about the last 200 count).
 const FORGET: f64 = 0.995;
 /// How far the prior may be off, as a share of each configured figure (at least
-/// [`PRIOR_FLOOR_MS`]), over the spread of one observation: the prior is worth about one
-/// observation per term.
+/// [`PRIOR_FLOOR_MS`]), over the spread of one observation: a weak prior (a term of 20 ms
+/// weighs a quarter of an observation, one of 125 ms under a hundredth), which the first
+/// reports override.
 const PRIOR_SPREAD: f64 = 1.0;
 const PRIOR_FLOOR_MS: f64 = 10.0;
 /// An observation's spread (ms): the unit the covariance is kept in.
 const NOISE_MS: f64 = 10.0;
-/// An observed own time is taken within 0..this (a stalled stream says nothing of speed).
-const MAX_OWN_MS: f64 = 60_000.0;
+/// An observed own time above this is left out (a stalled stream says nothing of speed).
+pub const MAX_OWN_MS: f64 = 60_000.0;
 
 /// One worker's fit.
 #[derive(Debug, Clone)]
@@ -62,10 +63,10 @@ impl EngineFit {
 
     /// Folds in one first token: `own_ms` observed with features `x`.
     pub fn observe(&mut self, x: &Features, own_ms: f64) {
-        if !own_ms.is_finite() || x.iter().any(|v| !v.is_finite()) {
+        if !(0.0..=MAX_OWN_MS).contains(&own_ms) || x.iter().any(|v| !v.is_finite()) {
             return;
         }
-        let y = own_ms.clamp(0.0, MAX_OWN_MS);
+        let y = own_ms;
         let px = mul(&self.p, x);
         let denominator = FORGET + dot(x, &px);
         if !(denominator.is_finite() && denominator > 0.0) {
@@ -216,7 +217,7 @@ mod tests {
     }
 
     #[test]
-    fn a_fleet_faster_than_configured_is_learned_from_its_first_tokens() {
+    fn an_engine_off_its_prior_is_learned_from_its_first_tokens() {
         let truth = [42.0, 10.0, 3.0, 60.0];
         let mut fit = EngineFit::new([20.0, 125.0, 5.0, 250.0]);
         let obs = observations(&truth, 300);

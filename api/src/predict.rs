@@ -113,6 +113,8 @@ pub struct Learning {
     pub prior: Features,
     /// The set's calibration then: with `prior`, what the configured model predicted.
     pub calibration: f64,
+    /// This replica's requests there without a first token then (due or not).
+    pub pending: u32,
 }
 
 /// How well each model predicted a set's first tokens lately: an exponential average of
@@ -234,7 +236,7 @@ impl SetQueues {
         // Learned from first tokens on a quiet engine only (nothing of this replica's ahead,
         // nobody else's waiting): what the engine itself takes. What a waiting request costs
         // is what such a first token took on average.
-        if l.ahead_ms == 0.0 && l.inputs[3] == 0.0 {
+        if l.pending == 0 && l.inputs[3] == 0.0 && observed_ms <= crate::learn::MAX_OWN_MS {
             let set_fit = self.fit.get_or_insert_with(|| EngineFit::new(l.prior));
             self.queues[slot]
                 .fit
@@ -711,7 +713,11 @@ impl Predictor {
             q.started.push((p.at_ms, now));
             learning = p.learning;
         }
-        if !(predicted_ms > 0.0 && observed_ms > 0.0) {
+        if !(predicted_ms.is_finite()
+            && observed_ms.is_finite()
+            && predicted_ms > 0.0
+            && observed_ms > 0.0)
+        {
             return;
         }
         let ratio = observed_ms / predicted_ms;
@@ -724,9 +730,11 @@ impl Predictor {
             ])
             .set(average);
         // What the configured model predicted (the calibration follows it, whichever model
-        // was used).
+        // was used; a request whose decision is forgotten says nothing of it where the learned
+        // model predicted it).
         let configured_ms = match learning {
             Some(l) => set.learn(slot, &l, observed_ms),
+            None if set.errors.learned_better() => 0.0,
             None => predicted_ms,
         };
         g.windows
@@ -746,7 +754,8 @@ impl Predictor {
     }
 
     /// A request's first token came and its end is still to come (a first-token report): it
-    /// counts as running on `worker` until [`Self::finished`] (at most a minute).
+    /// counts as running on `worker` until [`Self::finished`] (at most a minute; the newest
+    /// 256 per worker).
     pub fn decoding(&self, worker_set: &str, worker: &str, request_id: &str) {
         let now = self.now_ms();
         let mut g = self.lock();

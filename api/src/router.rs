@@ -150,6 +150,7 @@ impl RouterService {
                         ahead_ms: state.pending_ms,
                         prior: crate::pipeline::signals::prior(spec, &self.cost, typical_ms),
                         calibration,
+                        pending: state.pending,
                     };
                     let note = self.predictor.routed(
                         worker_set,

@@ -1,9 +1,10 @@
 //! Picking among scored candidates: the lowest objective wins; candidates within 1% of it
-//! count as equal, and of them the worker a request was routed to longest ago (round-robin
-//! where nothing else tells them apart, as on a fleet with no prefix to reuse); the request's
-//! tie-break (a hash of its id) takes one of those left, so routers deciding from the same
-//! state at once do not all choose the same worker, while one request always gets the same
-//! answer.
+//! count as equal, and of the equal workers the one a request was routed to longest ago stays
+//! (round-robin where nothing else tells them apart, as on a fleet with no prefix to reuse);
+//! the request's tie-break (a hash of its id) takes one of those left and the equal providers,
+//! so one request always gets the same answer. Routers that share when they routed (replicas
+//! gossip it) and decide in the same instant may take the same worker: the hash spreads only
+//! what is still equal after the turn-taking.
 
 use crate::candidate::Candidate;
 
@@ -21,9 +22,10 @@ pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
         c.filtered.is_none()
             && (c.objective == best || (best > 0.0 && c.objective <= best * (1.0 + TIE)))
     };
-    let last = |c: &Candidate<'_>| c.worker().map_or(0, |(_, w)| w.last_routed_ms);
-    let oldest = cands.iter().filter(|c| near(c)).map(last).min()?;
-    let eligible = |c: &Candidate<'_>| near(c) && last(c) == oldest;
+    // Providers take no turns: they stay among the equal ones whatever the workers' turns.
+    let last = |c: &Candidate<'_>| c.worker().map(|(_, w)| w.last_routed_ms);
+    let oldest = cands.iter().filter(|c| near(c)).filter_map(last).min();
+    let eligible = |c: &Candidate<'_>| near(c) && last(c).is_none_or(|t| Some(t) == oldest);
     let n = cands.iter().filter(|c| eligible(c)).count();
     let k = usize::try_from(tie_break % n.max(1) as u64).unwrap_or(0);
     cands
@@ -83,6 +85,18 @@ mod tests {
             // 103 is more than 1% worse: never equal, however long ago it was chosen.
             assert_eq!(pick(&cands, tie_break), Some(1));
         }
+    }
+
+    #[test]
+    fn an_equal_provider_takes_no_turn_and_shares_the_tie_break_with_the_workers_turn() {
+        let mut provider = worker(100.0, 0);
+        provider.target = Target::Provider {
+            name: "cloud",
+            endpoint: "https://example.com",
+        };
+        let cands = [worker(100.0, 30), worker(100.0, 50), provider];
+        let picks: Vec<_> = (0..4).filter_map(|t| pick(&cands, t)).collect();
+        assert_eq!(picks, [0, 2, 0, 2]);
     }
 
     #[test]

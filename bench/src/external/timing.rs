@@ -38,8 +38,9 @@ pub(super) struct Check {
     pub(super) fitted_max_num_batched_tokens: u32,
 }
 
-/// Median uncached and cached TTFT at each of [`LENGTHS`] on the engine at `url`.
-async fn measure(url: &str, seed: usize) -> anyhow::Result<Vec<Point>> {
+/// Median uncached and cached TTFT at each of [`LENGTHS`] on the engine at `url`, in engine
+/// time (wall time times `speedup`).
+async fn measure(url: &str, seed: usize, speedup: f64) -> anyhow::Result<Vec<Point>> {
     let client = reqwest::Client::new();
     let mut points = Vec::new();
     for (l, &words) in LENGTHS.iter().enumerate() {
@@ -54,7 +55,7 @@ async fn measure(url: &str, seed: usize) -> anyhow::Result<Vec<Point>> {
                 max_tokens: 2,
             };
             for list in [&mut uncached, &mut cached] {
-                let o = send(&client, url, dynamo::MODEL, &item, 1.0).await;
+                let o = send(&client, url, dynamo::MODEL, &item, speedup).await;
                 anyhow::ensure!(o.ok(), "{url} failed a request (status {})", o.status);
                 tokens = o.prompt_tokens;
                 list.push(o.ttft_ms);
@@ -149,7 +150,12 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
     std::fs::create_dir_all(dir)?;
     let mut procs = Procs::new(dir);
     let engines = dynamo::start_engines(&mut procs, dir, setup, 1).await?;
-    let mocker = measure(&format!("{}/v1/chat/completions", engines[0].openai), 1).await?;
+    let mocker = measure(
+        &format!("{}/v1/chat/completions", engines[0].openai),
+        1,
+        setup.speedup,
+    )
+    .await?;
     let defaults = EngineParams::default();
     let url = start_sim(
         &mut procs,
@@ -158,7 +164,7 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
         setup.gpu_blocks,
         &defaults,
     )?;
-    let sim_default = measure(&url, 2).await?;
+    let sim_default = measure(&url, 2, 1.0).await?;
     let fitted = fit(&mocker);
     let url = start_sim(
         &mut procs,
@@ -167,7 +173,7 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
         setup.gpu_blocks,
         &fitted,
     )?;
-    let sim_fitted = measure(&url, 3).await?;
+    let sim_fitted = measure(&url, 3, 1.0).await?;
     Ok(Check {
         mocker,
         sim_default,
