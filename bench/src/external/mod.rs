@@ -8,6 +8,7 @@
 //! timings).
 
 mod dynamo;
+mod placement;
 mod prediction;
 mod timing;
 
@@ -157,6 +158,10 @@ struct Run {
     prompt_tokens_mean: f64,
     /// Requests per engine, where the gateway named the engine (kvplane's gateways do).
     per_engine: Vec<(String, usize)>,
+    /// Where the prefixes went: prefix/engine pairs (where the gateway named the engine:
+    /// kvplane's and the round-robin one do, Dynamo's frontend does not) and the hit rate per
+    /// 10 s of arrivals.
+    placement: placement::Placement,
     /// kvplane's: how well it predicted the first tokens reported after the first quarter of
     /// the run (its members' `kvplane_ttft_prediction_ratio`).
     prediction: Option<prediction::Summary>,
@@ -168,6 +173,7 @@ fn summarize(
     workload: &str,
     strategy: &str,
     repetition: usize,
+    items: &[WorkItem],
     outcomes: &[Outcome],
     engines: &[dynamo::Engine],
     prediction: Option<prediction::Summary>,
@@ -200,6 +206,7 @@ fn summarize(
                 (e.name.clone(), n)
             })
             .collect(),
+        placement: placement::placement(items, outcomes),
         prediction,
         ttft_cdf_s: (0..=100)
             .map(|p| percentile(&ttfts, f64::from(p) / 100.0))
@@ -389,7 +396,7 @@ pub async fn run(a: ExternalBenchArgs) -> anyhow::Result<()> {
                     .with_context(|| {
                         format!("{w}, {s}, run {} (logs in {})", r + 1, dir.display())
                     })?;
-                runs.push(summarize(w, s, r, &outcomes, &engines, predicted));
+                runs.push(summarize(w, s, r, &items, &outcomes, &engines, predicted));
                 if let Some((_, line)) = lines.iter_mut().find(|(name, _)| name == s) {
                     line.extend(outcomes.iter().filter(|o| o.ok()).map(|o| o.ttft_ms));
                 }
@@ -428,7 +435,7 @@ pub async fn run(a: ExternalBenchArgs) -> anyhow::Result<()> {
 fn print_table(runs: &[Run]) {
     eprintln!();
     eprintln!(
-        "{:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>8} {:>7} {:>14}",
+        "{:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>8} {:>11} {:>11} {:>7} {:>14}",
         "workload",
         "strategy",
         "p50 s",
@@ -436,6 +443,8 @@ fn print_table(runs: &[Run]) {
         "p99 s",
         "p99 spread",
         "cached",
+        "worst 10 s",
+        "pairs",
         "failed",
         "predicted 15%"
     );
@@ -456,6 +465,19 @@ fn print_table(runs: &[Run]) {
             percentile(&v, 0.5)
         };
         let p99: Vec<f64> = of.iter().map(|r| r.ttft_p99_s).collect();
+        // Prefix/engine pairs, over the repetitions (where the gateway named the engine).
+        let pairs = of
+            .iter()
+            .map(|r| r.placement.prefix_engine_pairs)
+            .filter(|&n| n > 0)
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join("/");
+        let pairs = if pairs.is_empty() {
+            "-".to_owned()
+        } else {
+            pairs
+        };
         // The share of first tokens predicted within 15% after the warm-up (kvplane's).
         let within: Vec<f64> = of
             .iter()
@@ -470,7 +492,7 @@ fn print_table(runs: &[Run]) {
         };
         let spread = percentile(&p99, 1.0) / percentile(&p99, 0.0).max(1e-9) - 1.0;
         eprintln!(
-            "{:<14} {:<20} {:>9.3} {:>9.3} {:>9.3} {:>9.0}% {:>7.1}% {:>7} {:>14}",
+            "{:<14} {:<20} {:>9.3} {:>9.3} {:>9.3} {:>9.0}% {:>7.1}% {:>10.1}% {:>11} {:>7} {:>14}",
             w,
             s,
             median(|r| r.ttft_p50_s),
@@ -478,6 +500,8 @@ fn print_table(runs: &[Run]) {
             median(|r| r.ttft_p99_s),
             spread * 100.0,
             median(|r| r.cached_share) * 100.0,
+            median(|r| r.placement.lowest_window_hit_rate) * 100.0,
+            pairs,
             of.iter().map(|r| r.failed).sum::<usize>(),
             within
         );
