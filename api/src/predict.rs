@@ -771,7 +771,8 @@ impl Predictor {
         let mut g = self.lock();
         let q = g.queue(worker_set, worker);
         if let Some(i) = q.decoding.iter().position(|(id, _)| id == request_id) {
-            q.decoding.swap_remove(i);
+            // In order: when full, the oldest go.
+            q.decoding.remove(i);
         }
     }
 

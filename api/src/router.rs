@@ -144,14 +144,18 @@ impl RouterService {
             let mut worker = None;
             if let Some((worker_set, state)) = c.worker() {
                 if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
-                    let (calibration, typical_ms) = self.predictor.factors(worker_set);
-                    let learning = crate::predict::Learning {
-                        inputs: c.prediction.inputs,
-                        ahead_ms: state.pending_ms,
-                        prior: crate::pipeline::signals::prior(spec, &self.cost, typical_ms),
-                        calibration,
-                        pending: state.pending,
-                    };
+                    // What its first token can teach the engine model (one more predictor
+                    // lock: only when learning).
+                    let learning = self.cost.learn.then(|| {
+                        let (calibration, typical_ms) = self.predictor.factors(worker_set);
+                        crate::predict::Learning {
+                            inputs: c.prediction.inputs,
+                            ahead_ms: state.pending_ms,
+                            prior: crate::pipeline::signals::prior(spec, &self.cost, typical_ms),
+                            calibration,
+                            pending: state.pending,
+                        }
+                    });
                     let note = self.predictor.routed(
                         worker_set,
                         state.worker,
@@ -163,7 +167,7 @@ impl RouterService {
                             &self.cost,
                         ),
                         c.prediction.ttft_ms,
-                        self.cost.learn.then_some(learning),
+                        learning,
                     );
                     if let Some(sink) = &self.routed_sink {
                         (sink.0)(note);

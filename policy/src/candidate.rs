@@ -184,3 +184,39 @@ pub trait Fleet<'v> {
         w: &WorkerState<'v>,
     ) -> Prediction;
 }
+
+/// An up worker of set `ws` named `w` with nothing known of it, for tests.
+#[cfg(test)]
+pub(crate) fn test_worker(state: impl FnOnce(&mut WorkerState<'static>)) -> Candidate<'static> {
+    let mut s = WorkerState {
+        worker: "w",
+        address: None,
+        up: true,
+        dp_rank: 0,
+        waiting: 0,
+        running: 0,
+        kv_cache_usage: 0.0,
+        overlap_blocks: 0,
+        prompt_blocks: 0,
+        pending: 0,
+        pending_ms: 0.0,
+        learned: None,
+        last_routed_ms: 0,
+    };
+    state(&mut s);
+    Candidate {
+        target: Target::Worker {
+            worker_set: "ws",
+            state: s,
+        },
+        external: false,
+        prediction: Prediction::default(),
+        price: 0.0,
+        load: 0,
+        weight: 1.0,
+        objective: 0.0,
+        filtered: None,
+        fallback: false,
+        chosen: false,
+    }
+}

@@ -39,37 +39,12 @@ pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::candidate::{Prediction, Target, WorkerState};
+    use crate::candidate::{Target, test_worker};
 
     fn worker(objective: f64, last_routed_ms: u64) -> Candidate<'static> {
         Candidate {
-            target: Target::Worker {
-                worker_set: "ws",
-                state: WorkerState {
-                    worker: "w",
-                    address: None,
-                    up: true,
-                    dp_rank: 0,
-                    waiting: 0,
-                    running: 0,
-                    kv_cache_usage: 0.0,
-                    overlap_blocks: 0,
-                    prompt_blocks: 0,
-                    pending: 0,
-                    pending_ms: 0.0,
-                    learned: None,
-                    last_routed_ms,
-                },
-            },
-            external: false,
-            prediction: Prediction::default(),
-            price: 0.0,
-            load: 0,
-            weight: 1.0,
             objective,
-            filtered: None,
-            fallback: false,
-            chosen: false,
+            ..test_worker(|s| s.last_routed_ms = last_routed_ms)
         }
     }
 

@@ -133,25 +133,18 @@ pub(super) async fn start_engines(
         ];
         args.extend(planes());
         procs.spawn_env(&format!("mocker-{i}"), &setup.python, &args, &env, None)?;
-        let mut args: Vec<String> = vec![
-            "-m".into(),
-            "dynamo.frontend".into(),
-            "--http-host".into(),
-            "127.0.0.1".into(),
-            "--http-port".into(),
-            http.to_string(),
-            "--namespace".into(),
-            format!("bench-{i}"),
-            "--router-mode".into(),
-            "round-robin".into(),
-        ];
-        args.extend(planes());
-        procs.spawn_env(
+        spawn_frontend(
+            procs,
             &format!("frontend-{i}"),
-            &setup.python,
-            &args,
-            &dynamo_env(&store),
-            None,
+            setup,
+            &store,
+            http,
+            [
+                "--namespace",
+                &format!("bench-{i}"),
+                "--router-mode",
+                "round-robin",
+            ],
         )?;
         engines.push(Engine {
             name: format!("engine-{i}"),
@@ -186,25 +179,13 @@ pub(super) async fn start_kv_router(
     setup: &Setup,
 ) -> anyhow::Result<String> {
     let http = process::free_port()?;
-    let mut args: Vec<String> = vec![
-        "-m".into(),
-        "dynamo.frontend".into(),
-        "--http-host".into(),
-        "127.0.0.1".into(),
-        "--http-port".into(),
-        http.to_string(),
-        "--namespace-prefix".into(),
-        "bench-".into(),
-        "--router-mode".into(),
-        "kv".into(),
-    ];
-    args.extend(planes());
-    procs.spawn_env(
+    spawn_frontend(
+        procs,
         "frontend-kv-router",
-        &setup.python,
-        &args,
-        &dynamo_env(&dir.join("dynamo-store")),
-        None,
+        setup,
+        &dir.join("dynamo-store"),
+        http,
+        ["--namespace-prefix", "bench-", "--router-mode", "kv"],
     )?;
     let base = format!("http://127.0.0.1:{http}");
     wait_http(
@@ -214,6 +195,32 @@ pub(super) async fn start_kv_router(
     )
     .await?;
     Ok(format!("{base}/v1/chat/completions"))
+}
+
+/// A Dynamo frontend (an OpenAI endpoint) on `http`, discovering through `store`, routing as
+/// `routing` says (which namespaces, which router mode).
+fn spawn_frontend(
+    procs: &mut Procs,
+    name: &str,
+    setup: &Setup,
+    store: &Path,
+    http: u16,
+    routing: [&str; 4],
+) -> anyhow::Result<()> {
+    let mut args: Vec<String> = [
+        "-m",
+        "dynamo.frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    args.push(http.to_string());
+    args.extend(routing.map(str::to_owned));
+    args.extend(planes());
+    procs.spawn_env(name, &setup.python, &args, &dynamo_env(store), None)?;
+    Ok(())
 }
 
 /// Polls `url` until it answers with success and a body containing `expect`.

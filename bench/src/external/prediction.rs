@@ -119,10 +119,12 @@ mod tests {
         };
         let before = parse(&text(5, 8, 10, 12.0));
         let mut after = parse(&text(6, 95, 100, 102.0));
-        after.add(&parse(&text(0, 0, 0, 0.0)));
+        // A second member's histogram adds up bucket by bucket.
+        after.add(&parse(&text(1, 2, 3, 3.0)));
         let s = after.since(&before);
-        assert_eq!(s.reports, 90);
-        assert!((s.within_15_percent - 86.0 / 90.0).abs() < 1e-9);
+        assert_eq!(s.reports, 93);
+        // (97 - 8) at most 1.15 less (7 - 5) at most 0.85.
+        assert!((s.within_15_percent - 87.0 / 93.0).abs() < 1e-9);
         assert!((s.mean_ratio - 1.0).abs() < 1e-9);
         assert_eq!(s.median_ratio_at_most, 1.15);
     }

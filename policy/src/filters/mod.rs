@@ -114,38 +114,16 @@ pub fn ids() -> impl Iterator<Item = FilterId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::candidate::{Prediction, Target, WorkerState};
     use crate::kinds::Filter;
 
     fn worker(waiting: u32, kv: f64, up: bool) -> Candidate<'static> {
         Candidate {
-            target: Target::Worker {
-                worker_set: "ws",
-                state: WorkerState {
-                    worker: "w",
-                    address: None,
-                    up,
-                    dp_rank: 0,
-                    waiting,
-                    running: 0,
-                    kv_cache_usage: kv,
-                    overlap_blocks: 0,
-                    prompt_blocks: 0,
-                    pending: 0,
-                    pending_ms: 0.0,
-                    learned: None,
-                    last_routed_ms: 0,
-                },
-            },
-            external: false,
-            prediction: Prediction::default(),
-            price: 0.0,
             load: waiting,
-            weight: 1.0,
-            objective: 0.0,
-            filtered: None,
-            fallback: false,
-            chosen: false,
+            ..crate::candidate::test_worker(|s| {
+                s.waiting = waiting;
+                s.kv_cache_usage = kv;
+                s.up = up;
+            })
         }
     }
 
