@@ -9,6 +9,7 @@ mod consistency;
 mod cost;
 pub mod learn;
 mod metrics;
+pub mod picker;
 pub mod pipeline;
 pub mod predict;
 mod quota;
@@ -23,6 +24,7 @@ pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeIn
 pub use consistency::{Consistency, propose_status};
 pub use cost::CostModel;
 pub use metrics::ApiMetrics;
+pub use picker::{EndpointPicker, PickerConfig};
 pub use pipeline::{Decision, Outcome, Prompted, Reject};
 pub use quota::{Escrow, QuotaConfig, Refusal, Reservation, wall_ms};
 pub use quota_metrics::QuotaMetrics;

@@ -29,6 +29,7 @@ pub struct ApiMetrics {
     usage_reports: Family<OutcomeLabel, Counter>,
     filtered: Family<FilterLabel, Counter>,
     tags: Family<TagLabel, Counter>,
+    picker: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for ApiMetrics {
@@ -40,6 +41,7 @@ impl Default for ApiMetrics {
             usage_reports: Family::default(),
             filtered: Family::default(),
             tags: Family::default(),
+            picker: Family::default(),
         }
     }
 }
@@ -70,6 +72,11 @@ impl ApiMetrics {
             "kvplane_route_tags",
             "Tags of routed requests, by where they came from (request, header, or the tagger rule)",
             self.tags.clone(),
+        );
+        registry.register(
+            "kvplane_picker_requests",
+            "Requests through the Envoy endpoint picker, by outcome (routed, provider, the refusal, unavailable, served_elsewhere: the proxy reported another endpoint served)",
+            self.picker.clone(),
         );
     }
 
@@ -108,10 +115,26 @@ impl ApiMetrics {
 
     /// A usage report: `known` (a final report of a request routed here), `first_token` (a
     /// first-token report of one) or `unknown`.
+    pub(crate) fn picker(&self, outcome: &'static str) {
+        self.picker.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    /// Endpoint picker requests so far with this outcome.
+    pub fn picker_requests(&self, outcome: &'static str) -> u64 {
+        self.picker.get_or_create(&OutcomeLabel { outcome }).get()
+    }
+
     pub(crate) fn usage(&self, outcome: &'static str) {
         self.usage_reports
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
+    }
+
+    /// Usage reports so far with this outcome (`known`, `unknown`, `first_token`).
+    pub fn usage_reports(&self, outcome: &'static str) -> u64 {
+        self.usage_reports
+            .get_or_create(&OutcomeLabel { outcome })
+            .get()
     }
 
     /// Decisions so far with this outcome.

@@ -23,7 +23,7 @@ use crate::{ApiMetrics, Consistency, CostModel};
 pub struct RouterService {
     pub(crate) state: StateHandle,
     pub(crate) cost: CostModel,
-    metrics: Arc<ApiMetrics>,
+    pub(crate) metrics: Arc<ApiMetrics>,
     usage: Arc<UsageBook>,
     consistency: Option<Arc<dyn Consistency>>,
     escrow: Option<Arc<Escrow>>,
@@ -98,7 +98,30 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<RouteResponse>, Status> {
-        let req = request.into_inner();
+        self.route_traced(&request.into_inner()).await
+    }
+
+    async fn report_usage(
+        &self,
+        request: Request<UsageReport>,
+    ) -> Result<Response<UsageAck>, Status> {
+        self.report_usage_in(request).await
+    }
+
+    async fn explain(
+        &self,
+        request: Request<RouteRequest>,
+    ) -> Result<Response<ExplainResponse>, Status> {
+        self.explain_in(request).await
+    }
+}
+
+impl RouterService {
+    /// Route, in its span (every front's decision: the gRPC call, the endpoint picker).
+    pub(crate) async fn route_traced(
+        &self,
+        req: &RouteRequest,
+    ) -> Result<Response<RouteResponse>, Status> {
         let span = tracing::debug_span!(
             "route",
             request_id = %req.request_id,
@@ -118,27 +141,11 @@ impl pb::router_server::Router for RouterService {
         answer
     }
 
-    async fn report_usage(
-        &self,
-        request: Request<UsageReport>,
-    ) -> Result<Response<UsageAck>, Status> {
-        self.report_usage_in(request).await
-    }
-
-    async fn explain(
-        &self,
-        request: Request<RouteRequest>,
-    ) -> Result<Response<ExplainResponse>, Status> {
-        self.explain_in(request).await
-    }
-}
-
-impl RouterService {
-    async fn route_in(&self, req: RouteRequest) -> Result<Response<RouteResponse>, Status> {
+    async fn route_in(&self, req: &RouteRequest) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
-        self.fresh_enough(&req).await?;
+        self.fresh_enough(req).await?;
         let view = self.state.load();
-        let mut d = self.decide(&view, &req, Mode::Route);
+        let mut d = self.decide(&view, req, Mode::Route);
         let reservations = crate::pipeline::admit(self.escrow.as_deref(), &mut d).await;
         if let Some(c) = d.chosen() {
             let mut worker = None;
@@ -197,7 +204,7 @@ impl RouterService {
         )))
     }
 
-    async fn report_usage_in(
+    pub(crate) async fn report_usage_in(
         &self,
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {

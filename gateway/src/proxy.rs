@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::StreamExt;
+use kvplane_proto::front::{self, AnswerTail, Usage};
 use kvplane_proto::v1::{Outcome, RejectCode, RouteRequest, UsageReport, route_response::Decision};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
@@ -102,24 +103,6 @@ pub async fn run(
         .await
 }
 
-/// Headers never passed to kvplane: credentials and connection-level ones.
-const NOT_FORWARDED: &[&str] = &[
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-    "x-api-key",
-    "api-key",
-    "x-goog-api-key",
-    "connection",
-    "content-length",
-    "transfer-encoding",
-    "upgrade",
-    "keep-alive",
-    "te",
-    "trailer",
-];
-const MAX_FORWARDED_HEADERS: usize = 64;
-
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
     app.forward("/v1/completions", headers, body).await
 }
@@ -206,13 +189,13 @@ impl App {
                     .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned))
                     .unwrap_or_default();
                 // Every header but credentials and hop-by-hop ones (policies map headers to
-                // tags and name the tenant's), at most MAX_FORWARDED_HEADERS.
+                // tags and name the tenant's), at most MAX_ROUTED_HEADERS.
                 let mut fwd: HashMap<String, String> = HashMap::new();
                 for name in headers.keys() {
-                    if NOT_FORWARDED.contains(&name.as_str()) {
+                    if !front::routed_header(name.as_str()) {
                         continue;
                     }
-                    if fwd.len() >= MAX_FORWARDED_HEADERS {
+                    if fwd.len() >= front::MAX_ROUTED_HEADERS {
                         break;
                     }
                     // A repeated header is one comma-separated value (RFC 9110).
@@ -328,7 +311,7 @@ impl App {
                     0,
                 );
                 self.count(r.status());
-                self.report(request_id, None, 0.0, Outcome::Error);
+                self.report(request_id, Usage::default(), 0.0, Outcome::Error);
                 return r;
             }
         };
@@ -349,7 +332,7 @@ impl App {
         let app = self.clone();
         let mut first_at: Option<f64> = None;
         let mut first_report: Option<JoinHandle<()>> = None;
-        let mut tail = Vec::<u8>::new();
+        let mut tail = AnswerTail::default();
         let mut upstream_body = upstream.bytes_stream();
         let stream = async_stream_body(move |tx| async move {
             while let Some(chunk) = upstream_body.next().await {
@@ -364,12 +347,12 @@ impl App {
                                     app.report_first_token(request_id.clone(), t * 1000.0);
                             }
                         }
-                        keep_tail(&mut tail, &bytes);
+                        tail.keep(&bytes);
                         if tx.send(Ok(bytes)).await.is_err() {
                             app.report_after(
                                 first_report.take(),
                                 request_id,
-                                usage_of(&tail),
+                                tail.usage(),
                                 first_at.unwrap_or(0.0),
                                 Outcome::Cancelled,
                             );
@@ -381,7 +364,7 @@ impl App {
                         app.report_after(
                             first_report.take(),
                             request_id,
-                            usage_of(&tail),
+                            tail.usage(),
                             first_at.unwrap_or(0.0),
                             Outcome::Error,
                         );
@@ -397,7 +380,7 @@ impl App {
             app.report_after(
                 first_report.take(),
                 request_id,
-                usage_of(&tail),
+                tail.usage(),
                 first_at.unwrap_or(0.0),
                 outcome,
             );
@@ -449,7 +432,7 @@ impl App {
     }
 
     /// The final report of a request: its usage and outcome (after its first-token report).
-    fn report(&self, request_id: String, usage: Option<Value>, ttft_ms: f64, outcome: Outcome) {
+    fn report(&self, request_id: String, usage: Usage, ttft_ms: f64, outcome: Outcome) {
         self.report_after(None, request_id, usage, ttft_ms, outcome);
     }
 
@@ -457,51 +440,12 @@ impl App {
         &self,
         first: Option<JoinHandle<()>>,
         request_id: String,
-        usage: Option<Value>,
+        usage: Usage,
         ttft_ms: f64,
         outcome: Outcome,
     ) {
-        let n = |k: &str| {
-            usage
-                .as_ref()
-                .and_then(|u| u.pointer(k))
-                .and_then(Value::as_u64)
-                .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
-        };
-        let report = UsageReport {
-            request_id,
-            prompt_tokens: n("/prompt_tokens"),
-            completion_tokens: n("/completion_tokens"),
-            cached_tokens: n("/prompt_tokens_details/cached_tokens"),
-            observed_ttft_ms: ttft_ms,
-            outcome: outcome.into(),
-            first_token: false,
-        };
-        self.send_report(report, first);
+        self.send_report(usage.report(request_id, ttft_ms, outcome), first);
     }
-}
-
-/// Keeps the last few KiB of a response: where `usage` is, in both JSON and SSE answers.
-fn keep_tail(tail: &mut Vec<u8>, bytes: &[u8]) {
-    const KEEP: usize = 8 * 1024;
-    tail.extend_from_slice(bytes);
-    if tail.len() > KEEP {
-        let cut = tail.len() - KEEP;
-        tail.drain(..cut);
-    }
-}
-
-/// The `usage` object of a JSON body or of the last SSE chunk that has one.
-fn usage_of(tail: &[u8]) -> Option<Value> {
-    let text = String::from_utf8_lossy(tail);
-    if let Ok(v) = serde_json::from_str::<Value>(&text) {
-        return v.get("usage").cloned();
-    }
-    text.lines()
-        .rev()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
-        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
 }
 
 /// A body fed by a task through a small channel.
@@ -519,18 +463,4 @@ fn tokio_stream_from<T: Send + 'static>(
     mut rx: tokio::sync::mpsc::Receiver<T>,
 ) -> impl futures::Stream<Item = T> {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn usage_is_found_in_json_and_sse_answers() {
-        let json = br#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}"#;
-        assert_eq!(usage_of(json).unwrap()["prompt_tokens"], 5);
-        let sse = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n";
-        assert_eq!(usage_of(sse).unwrap()["prompt_tokens"], 7);
-        assert!(usage_of(b"data: {\"choices\":[]}\n\n").is_none());
-    }
 }

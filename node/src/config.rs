@@ -68,6 +68,8 @@ pub struct Config {
     /// Models' own tokenizers (Hugging Face files on local disk), for nodes without policies;
     /// with policies, an InferenceWorkerSet's `tokenizer` names the directory.
     pub tokenizers: Vec<TokenizerSection>,
+    /// The Envoy endpoint picker (ext_proc) on the gRPC port.
+    pub picker: kvplane_api::PickerConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -147,6 +149,7 @@ impl Default for Config {
             pools: None,
             raft: RaftSection::default(),
             tokenizers: Vec::new(),
+            picker: kvplane_api::PickerConfig::default(),
             policy_dir: None,
             policy_poll_ms: 1000,
             policy_kubernetes: None,
@@ -302,6 +305,7 @@ impl Config {
             p.push("ingest.max_message_bytes must be at least 1024".into());
         }
         p.extend(self.cost.problems());
+        p.extend(self.picker.problems());
         if self.policy_poll_ms == 0 {
             p.push("policy_poll_ms must be at least 1".into());
         }

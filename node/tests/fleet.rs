@@ -7,7 +7,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually};
+use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually, wait_workers_up};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -16,23 +16,6 @@ fn words(tag: &str, n: usize) -> String {
         .map(|i| format!("{tag}{}", i % 97))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-async fn wait_workers_up(node: &harness::Node, n: usize) {
-    eventually(
-        &format!("{n} workers up"),
-        Duration::from_secs(30),
-        || async {
-            let s = node.status().await;
-            (s.workers
-                .iter()
-                .filter(|w| w.up && !w.address.is_empty())
-                .count()
-                >= n)
-                .then_some(())
-        },
-    )
-    .await;
 }
 
 /// Blocks kvplane holds for this prompt on its best worker, and that worker.
@@ -68,25 +51,9 @@ async fn complete(url: &str, body: &serde_json::Value) -> reqwest::Response {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
-    let cluster = Cluster::start_with(
-        1,
-        &NodeOptions {
-            pool_models: vec!["sim-8b".into()],
-            ..Default::default()
-        },
-    );
+    let (cluster, engines) = harness::node_with_engines(3).await;
     let root = cluster.root.path().to_owned();
-    let engines: Vec<Engine> = (1..=3)
-        .map(|i| {
-            Engine::start(
-                &root.join("fleet"),
-                &cluster.nats.url(),
-                &format!("engine-{i}"),
-            )
-        })
-        .collect();
     let node = &cluster.nodes[0];
-    wait_workers_up(node, 3).await;
     // A dead replica first: the gateway fails over to the live one.
     let gateway = harness::gateway(
         &format!(

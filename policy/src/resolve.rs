@@ -29,6 +29,25 @@ pub struct Request<'a> {
     pub max_output_tokens: u32,
     /// Spreads near-equal candidates (see [`crate::pick`]): a hash of the request id.
     pub tie_break: u64,
+    /// Only workers at these `host:port` endpoints may be chosen (empty: any); see
+    /// [`crate::filters::ENDPOINT_SUBSET`].
+    pub endpoint_subset: &'a [String],
+}
+
+#[cfg(test)]
+impl Request<'static> {
+    /// A request for model `m` with nothing else said, for tests.
+    pub(crate) fn for_tests() -> Self {
+        Self {
+            tenant: "",
+            model: "m",
+            tags: &[],
+            prompt_tokens: 0,
+            max_output_tokens: 0,
+            tie_break: 0,
+            endpoint_subset: &[],
+        }
+    }
 }
 
 /// Why a policy applies to a request.

@@ -1,9 +1,11 @@
 //! kvplane's gRPC API (`kvplane.v1`): generated types, clients and server traits.
 //!
-//! This crate holds no I/O: it is what a gateway links to talk to kvplane.
+//! This crate holds no I/O: it is what a gateway links to talk to kvplane ([`front`]: what
+//! every front reads the same way from the requests it routes and the answers it relays).
 
-#![allow(clippy::all, missing_docs)]
+pub mod front;
 
+#[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("kvplane.v1");
 }

@@ -37,6 +37,26 @@ fn rewrite_body(body: &[u8], model: &str) -> Option<Vec<u8>> {
     serde_json::to_vec(&v).ok()
 }
 
+/// At most this many other workers in a Route answer.
+const ALTERNATIVES: usize = 3;
+
+/// The workers besides the chosen one (`chosen`) that passed every filter, best objective
+/// first: where a proxy may retry before the first byte.
+fn alternatives(d: &Decision<'_>, chosen: usize) -> Vec<Endpoint> {
+    let mut rest: Vec<&kvplane_policy::Candidate<'_>> = d
+        .candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| *i != chosen && c.filtered.is_none() && c.worker().is_some())
+        .map(|(_, c)| c)
+        .collect();
+    rest.sort_by(|a, b| a.objective.total_cmp(&b.objective));
+    rest.iter()
+        .take(ALTERNATIVES)
+        .map(|c| endpoint(&c.target))
+        .collect()
+}
+
 /// The Route answer.
 pub(crate) fn response(
     d: &Decision<'_>,
@@ -66,6 +86,7 @@ pub(crate) fn response(
                 out.rewritten_body = rewrite_body(body, m);
             }
             out.charges = reservations.iter().map(Reservation::charge).collect();
+            out.alternatives = alternatives(d, *i);
         }
         Outcome::Rejected {
             kind,

@@ -19,7 +19,7 @@ pub(crate) fn filter<'v>(
     cands: &mut Vec<Candidate<'v>>,
 ) -> Vec<String> {
     let mut steps = Vec::new();
-    filters::apply(catalog, &rule.filter, cands, false, explain);
+    filters::apply(catalog, &rule.filter, req, cands, false, explain);
     let survivors = cands.iter().filter(|c| c.filtered.is_none()).count();
     if explain {
         steps.push(format!(
@@ -30,7 +30,7 @@ pub(crate) fn filter<'v>(
     if survivors == 0 && rule.on_empty.action == EmptyAction::Fallback {
         let mut fb =
             catalog.candidates(fleet, req, resolved, &rule.on_empty.fallback, true, signals);
-        filters::apply(catalog, &rule.filter, &mut fb, true, explain);
+        filters::apply(catalog, &rule.filter, req, &mut fb, true, explain);
         if explain {
             steps.push(format!(
                 "nothing left: falling back to {} candidates ({} pass)",

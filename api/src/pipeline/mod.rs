@@ -242,6 +242,7 @@ impl RouterService {
             prompt_tokens: p.prompt_tokens(),
             max_output_tokens: req.max_output_tokens,
             tie_break: pick::tie_break(&req.request_id),
+            endpoint_subset: &req.endpoint_subset,
         };
         let fleet = signals::ViewFleet::new(
             view,
@@ -341,8 +342,23 @@ impl RouterService {
                         .as_ref()
                         .is_some_and(|f| f.by == filters::WORKER_DOWN)
                 });
+                // The proxy named the endpoints it can reach: none of them eligible is no
+                // capacity, whatever the rule says (the endpoint picker protocol's 503).
+                let outside_subset = !req.endpoint_subset.is_empty()
+                    && d.candidates.iter().all(|c| {
+                        c.filtered.as_ref().is_some_and(|f| {
+                            f.by == filters::ENDPOINT_SUBSET || f.by == filters::WORKER_DOWN
+                        })
+                    });
                 if no_worker_up && choice.id.is_none() {
                     let reason = format!("model {:?} has no worker that is up", d.prompted.model);
+                    d.refuse(Reject::NoCapacity, reason, explain)
+                } else if outside_subset {
+                    let reason = format!(
+                        "model {:?} has no eligible worker among the request's {} endpoints",
+                        d.prompted.model,
+                        req.endpoint_subset.len()
+                    );
                     d.refuse(Reject::NoCapacity, reason, explain)
                 } else {
                     let reason = rule

@@ -1,7 +1,7 @@
 //! In-process routing tests: the fleet in a state is `kvplane-testkit`'s [`TestFleet`]; what
 //! is here calls the service and reads its answers.
 
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(dead_code, unused_imports, clippy::unwrap_used)]
 
 use kvplane_api::RouterService;
 use kvplane_proto::v1::router_server::Router as _;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvplane_api::{AdminService, Escrow, QuotaConfig, RouterService};
+use kvplane_api::{Escrow, QuotaConfig};
 use kvplane_ingest::IngestConfig;
 use tokio::sync::watch;
 
@@ -111,7 +111,7 @@ pub(super) fn ingest(p: &Parts, tasks: &mut Tasks, config_synced: Option<watch::
 
 /// Routing's components - the escrow's refiller, the tokenizer loader, the decision gossip -
 /// and the services they feed.
-pub(super) fn routing(p: &Parts, tasks: &mut Tasks) -> (RouterService, AdminService) {
+pub(super) fn routing(p: &Parts, tasks: &mut Tasks) -> grpc::Services {
     let (cfg, handle) = (&p.cfg, &p.member.handle);
     let quota = QuotaConfig {
         replica: p.member.membership.id,

@@ -1,11 +1,12 @@
-//! The gRPC port: Router, Admin, the member's Raft service, health and reflection, on one
-//! listener.
+//! The gRPC port: Router, the Envoy endpoint picker, Admin, the member's Raft service, health
+//! and reflection, on one listener.
 
 use std::sync::Arc;
 
+use kvplane_api::picker::ExternalProcessorServer;
 use kvplane_api::{
-    AdminService, ClusterControl, Consistency, Escrow, IngestStatus, NodeInfo, RouterService,
-    Tokenizers, predict::Predictor,
+    AdminService, ClusterControl, Consistency, EndpointPicker, Escrow, IngestStatus, NodeInfo,
+    RouterService, Tokenizers, predict::Predictor,
 };
 use kvplane_proto::v1::admin_server::AdminServer;
 use kvplane_proto::v1::router_server::RouterServer;
@@ -14,8 +15,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::metrics::NodeMetrics;
+use super::ready::Ready;
 use crate::config::Config;
 use kvplane_api::predict::RoutedSink;
+use tonic_health::ServingStatus;
 
 /// What the routing services share with the node's other components.
 pub(super) struct Shared {
@@ -25,13 +28,20 @@ pub(super) struct Shared {
     pub routed: RoutedSink,
 }
 
-/// Router and Admin of this member.
+/// The routing services of this member.
+pub(super) struct Services {
+    pub router: RouterService,
+    pub picker: EndpointPicker,
+    pub admin: AdminService,
+}
+
+/// Router, the picker and Admin of this member.
 pub(super) fn services(
     cfg: &Config,
     member: &Arc<RaftMember>,
     metrics: &NodeMetrics,
     shared: Shared,
-) -> (RouterService, AdminService) {
+) -> Services {
     let consistency: Arc<dyn Consistency> = member.clone();
     let router = RouterService::new(member.handle.clone(), cfg.cost, metrics.api.clone())
         .with_tokenizers(shared.tokenizers)
@@ -56,20 +66,29 @@ pub(super) fn services(
         },
     };
     let admin = AdminService::new(member.handle.clone(), node_info).with_quota(shared.escrow);
-    (router, admin)
+    Services {
+        picker: EndpointPicker::new(router.clone(), cfg.picker),
+        router,
+        admin,
+    }
 }
 
 /// Serves `listener` until `stop`.
 pub(super) async fn serve(
     listener: TcpListener,
-    (router, admin): (RouterService, AdminService),
+    services: Services,
     member: Arc<RaftMember>,
+    ready: Ready,
     mut stop: watch::Receiver<bool>,
 ) {
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<RouterServer<RouterService>>()
         .await;
+    health_reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    let follow = tokio::spawn(follow_readiness(health_reporter, ready, stop.clone()));
     let reflection = match tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(kvplane_proto::FILE_DESCRIPTOR_SET)
         .build_v1()
@@ -82,8 +101,9 @@ pub(super) async fn serve(
     };
     let served = tonic::transport::Server::builder()
         .layer(crate::telemetry::GrpcTraceLayer)
-        .add_service(RouterServer::new(router))
-        .add_service(AdminServer::new(admin))
+        .add_service(RouterServer::new(services.router))
+        .add_service(ExternalProcessorServer::new(services.picker))
+        .add_service(AdminServer::new(services.admin))
         .add_service(health)
         .add_optional_service(reflection)
         .add_service(member.grpc_service())
@@ -96,7 +116,38 @@ pub(super) async fn serve(
             },
         )
         .await;
+    follow.abort();
     if let Err(e) = served {
         tracing::warn!(error = %e, "grpc server ended with an error");
+    }
+}
+
+/// The health names a proxy's checks ask for, as the endpoint picker protocol names them:
+/// `readiness`, `""` and the picker's own service follow the node's readiness (`/readyz`),
+/// checked every second; `liveness` is serving while the process serves.
+async fn follow_readiness(
+    reporter: tonic_health::server::HealthReporter,
+    ready: Ready,
+    mut stop: watch::Receiver<bool>,
+) {
+    let picker = <ExternalProcessorServer<EndpointPicker> as tonic::server::NamedService>::NAME;
+    let mut last = None;
+    loop {
+        let now = ready().is_ok();
+        if last != Some(now) {
+            let status = if now {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            for name in ["readiness", "", picker] {
+                reporter.set_service_status(name, status).await;
+            }
+            last = Some(now);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
     }
 }

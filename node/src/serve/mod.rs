@@ -67,7 +67,8 @@ pub async fn run(
     components::ingest(&p, &mut tasks, config_synced);
     let services = components::routing(&p, &mut tasks);
     let member = p.member.clone();
-    tasks.spawn_critical("grpc", |stop| grpc::serve(grpc, services, member, stop));
+    let r = ready.clone();
+    tasks.spawn_critical("grpc", |stop| grpc::serve(grpc, services, member, r, stop));
     let registry = p.registry.clone();
     tasks.spawn_critical("http", |stop| http::serve(http, registry, ready, stop));
 

@@ -5,8 +5,10 @@
 
 pub use kvplane_testkit::*;
 
+mod engines;
 mod in_process;
 mod raft;
+pub use engines::{node_with_engines, wait_workers_up};
 pub use in_process::InProcess;
 pub use raft::{
     chain, prompt, publish_chains, routed_worker, started, started_with_limits,

@@ -4,6 +4,7 @@ use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId};
 use crate::catalog::Catalog;
 use crate::kinds::Filter;
+use crate::resolve::Request;
 
 pub(super) struct ExcludeExternal;
 
@@ -12,7 +13,14 @@ impl CandidateFilter for ExcludeExternal {
         FilterId("exclude_external")
     }
 
-    fn refuses(&self, f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+    fn refuses(
+        &self,
+        f: &Filter,
+        _req: &Request<'_>,
+        c: &Candidate<'_>,
+        _catalog: &Catalog,
+        why: &mut Words,
+    ) -> bool {
         let refused = f.exclude_external && c.external;
         if refused {
             why.say(format_args!("external providers are excluded"));

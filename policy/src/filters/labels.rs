@@ -4,6 +4,7 @@ use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId, Target};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
+use crate::resolve::Request;
 
 pub(super) struct LabelsMatch;
 
@@ -12,7 +13,14 @@ impl CandidateFilter for LabelsMatch {
         FilterId("labels")
     }
 
-    fn refuses(&self, f: &Filter, c: &Candidate<'_>, catalog: &Catalog, why: &mut Words) -> bool {
+    fn refuses(
+        &self,
+        f: &Filter,
+        _req: &Request<'_>,
+        c: &Candidate<'_>,
+        catalog: &Catalog,
+        why: &mut Words,
+    ) -> bool {
         if f.labels.is_empty() {
             return false;
         }

@@ -5,6 +5,7 @@ use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
+use crate::resolve::Request;
 
 pub(super) struct MaxKvCacheUsage;
 
@@ -17,7 +18,14 @@ impl CandidateFilter for MaxKvCacheUsage {
         true
     }
 
-    fn refuses(&self, f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+    fn refuses(
+        &self,
+        f: &Filter,
+        _req: &Request<'_>,
+        c: &Candidate<'_>,
+        _catalog: &Catalog,
+        why: &mut Words,
+    ) -> bool {
         let (Some((_, w)), Some(max)) = (c.worker(), f.max_kv_cache_usage) else {
             return false;
         };

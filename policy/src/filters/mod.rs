@@ -6,6 +6,7 @@
 //! Adding a filter: a file here implementing [`CandidateFilter`] (its field in
 //! [`crate::kinds::Filter`] if rules configure it) and one line in [`REGISTERED`].
 
+mod endpoint_subset;
 mod exclude_external;
 mod labels;
 mod max_kv_cache_usage;
@@ -17,7 +18,9 @@ use std::fmt::Write as _;
 use crate::candidate::{Candidate, FilterId, Filtered, Signals};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
+use crate::resolve::Request;
 
+pub use endpoint_subset::{ENDPOINT_SUBSET, host_port};
 pub use worker_down::WORKER_DOWN;
 
 /// A refusal's words: written only when the decision keeps words (Explain), so that Route
@@ -56,7 +59,14 @@ pub trait CandidateFilter: Sync {
         Signals::NONE
     }
     /// Whether `c` is not eligible under `f`; when it is not, why, said to `why`.
-    fn refuses(&self, f: &Filter, c: &Candidate<'_>, catalog: &Catalog, why: &mut Words) -> bool;
+    fn refuses(
+        &self,
+        f: &Filter,
+        req: &Request<'_>,
+        c: &Candidate<'_>,
+        catalog: &Catalog,
+        why: &mut Words,
+    ) -> bool;
     /// Problems with `f` (at `at`, e.g. `spec.rules[0].filter`).
     fn problems(&self, _f: &Filter, _at: &str, _c: &mut Check<'_>) {}
 }
@@ -64,17 +74,19 @@ pub trait CandidateFilter: Sync {
 /// Every filter, in the order they are tried.
 pub static REGISTERED: &[&dyn CandidateFilter] = &[
     &worker_down::WorkerDown,
+    &endpoint_subset::EndpointSubset,
     &exclude_external::ExcludeExternal,
     &labels::LabelsMatch,
     &max_queued::MaxQueued,
     &max_kv_cache_usage::MaxKvCacheUsage,
 ];
 
-/// Marks the candidates `f` removes (`fallback`: only the filters that are no load limits),
-/// with their words when `words` (Explain).
+/// Marks the candidates `f` removes for `req` (`fallback`: only the filters that are no load
+/// limits), with their words when `words` (Explain).
 pub fn apply(
     catalog: &Catalog,
     f: &Filter,
+    req: &Request<'_>,
     cands: &mut [Candidate<'_>],
     fallback: bool,
     words: bool,
@@ -84,7 +96,7 @@ pub fn apply(
         c.filtered = REGISTERED
             .iter()
             .filter(|u| !(fallback && u.load_limit()))
-            .find(|u| u.refuses(f, c, catalog, &mut why))
+            .find(|u| u.refuses(f, req, c, catalog, &mut why))
             .map(|u| Filtered {
                 by: u.id(),
                 text: why.take(),
@@ -148,7 +160,7 @@ mod tests {
             worker(0, 0.1, false),
             worker(0, 0.1, true),
         ];
-        apply(&cat, &f, &mut cands, false, true);
+        apply(&cat, &f, &Request::for_tests(), &mut cands, false, true);
         let by: Vec<Option<&str>> = cands
             .iter()
             .map(|c| c.filtered.as_ref().map(|x| x.by.0))
@@ -167,7 +179,7 @@ mod tests {
             ]
         );
         let mut quiet = vec![worker(3, 0.9, true)];
-        apply(&cat, &f, &mut quiet, false, false);
+        apply(&cat, &f, &Request::for_tests(), &mut quiet, false, false);
         assert_eq!(
             quiet[0].filtered,
             Some(Filtered {
@@ -186,7 +198,7 @@ mod tests {
             ]
         );
         let mut fb = vec![worker(3, 0.9, true)];
-        apply(&cat, &f, &mut fb, true, false);
+        apply(&cat, &f, &Request::for_tests(), &mut fb, true, false);
         assert!(
             fb[0].filtered.is_none(),
             "load limits do not apply to fallbacks"

@@ -4,6 +4,7 @@ use super::{CandidateFilter, Words};
 use crate::candidate::{Candidate, FilterId, Target};
 use crate::catalog::Catalog;
 use crate::kinds::Filter;
+use crate::resolve::Request;
 
 pub const WORKER_DOWN: FilterId = FilterId("worker_down");
 
@@ -14,7 +15,14 @@ impl CandidateFilter for WorkerDown {
         WORKER_DOWN
     }
 
-    fn refuses(&self, _f: &Filter, c: &Candidate<'_>, _catalog: &Catalog, why: &mut Words) -> bool {
+    fn refuses(
+        &self,
+        _f: &Filter,
+        _req: &Request<'_>,
+        c: &Candidate<'_>,
+        _catalog: &Catalog,
+        why: &mut Words,
+    ) -> bool {
         let refused = matches!(&c.target, Target::Worker { state, .. } if !state.up);
         if refused {
             why.say(format_args!("worker is down"));

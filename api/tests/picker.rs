@@ -1,0 +1,497 @@
+//! The Envoy endpoint picker (ext_proc) on the real routing service over a real state, driven
+//! by an ext_proc client built from Envoy's own protos playing a proxy's message sequences:
+//! headers then a body in chunks (the protocol's full-duplex mode) or whole (buffered), the
+//! subset hint, refusals, and the answer's headers and SSE body read for the request's usage.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, body_mutation, processing_request::Request as In,
+    processing_response::Response as Out,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use kvplane_api::picker::ExternalProcessorServer;
+use kvplane_api::{ApiMetrics, CostModel, EndpointPicker, PickerConfig, RouterService};
+use support::{EXAMPLES, TestFleet, pools_node};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+/// A picker serving `svc` on a loopback port, and a client of it.
+async fn picker(svc: RouterService) -> ExternalProcessorClient<Channel> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ExternalProcessorServer::new(EndpointPicker::new(
+                svc,
+                PickerConfig::default(),
+            )))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+/// One HTTP request's stream, as a proxy holds it.
+struct Proxy {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Proxy {
+    async fn open(client: &mut ExternalProcessorClient<Channel>) -> Self {
+        let (tx, rx) = mpsc::channel::<ProcessingRequest>(16);
+        let out =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+        let rx = client.process(out).await.unwrap().into_inner();
+        Self { tx, rx }
+    }
+
+    /// A request `id` sent whole in the protocol's full-duplex mode (`metadata`: the proxy's).
+    async fn ask(
+        client: &mut ExternalProcessorClient<Channel>,
+        id: &str,
+        body: &[u8],
+        metadata: Option<Metadata>,
+    ) -> Self {
+        let p = Self::open(client).await;
+        p.send(request_headers(
+            id,
+            BodySendMode::FullDuplexStreamed,
+            metadata,
+        ))
+        .await;
+        p.send(body_chunk(body, true)).await;
+        p
+    }
+
+    async fn send(&self, msg: ProcessingRequest) {
+        self.tx.send(msg).await.unwrap();
+    }
+
+    async fn recv(&mut self) -> Out {
+        self.rx.message().await.unwrap().unwrap().response.unwrap()
+    }
+
+    async fn recv_whole(&mut self) -> ProcessingResponse {
+        self.rx.message().await.unwrap().unwrap()
+    }
+}
+
+fn msg(request: In) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(request),
+        ..Default::default()
+    }
+}
+
+fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
+    Some(HeaderMap {
+        headers: pairs
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: (*k).into(),
+                value: String::new(),
+                raw_value: v.as_bytes().to_vec(),
+            })
+            .collect(),
+    })
+}
+
+/// A POST's request headers, as Envoy sends them (in `mode`, told in `protocol_config`).
+fn request_headers(id: &str, mode: BodySendMode, extra: Option<Metadata>) -> ProcessingRequest {
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode.into(),
+            response_body_mode: BodySendMode::FullDuplexStreamed.into(),
+            send_body_without_waiting_for_header_response: false,
+        }),
+        metadata_context: extra,
+        ..msg(In::RequestHeaders(HttpHeaders {
+            headers: header_map(&[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                ("content-type", "application/json"),
+                ("x-request-id", id),
+            ]),
+            end_of_stream: false,
+            ..Default::default()
+        }))
+    }
+}
+
+fn body_chunk(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    msg(In::RequestBody(HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream,
+        ..Default::default()
+    }))
+}
+
+/// A completion request for `model` whose prompt is 80 words.
+fn completion(model: &str) -> Vec<u8> {
+    let words: Vec<String> = (0..80).map(|i| format!("word{i}")).collect();
+    format!(
+        r#"{{"model":"{model}","prompt":"{}","max_tokens":8,"stream":true}}"#,
+        words.join(" ")
+    )
+    .into_bytes()
+}
+
+/// The ids the router computes for `body` (the engines here cache exactly those).
+fn ids(body: &[u8]) -> Vec<u32> {
+    kvplane_tokenize::prompt_from_body(body).unwrap().tokens
+}
+
+fn set_header(c: &CommonResponse, name: &str) -> Option<String> {
+    c.header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == name)
+        .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
+}
+
+fn lb_destination(r: &ProcessingResponse) -> Option<String> {
+    let lb = r.dynamic_metadata.as_ref()?.fields.get("envoy.lb")?;
+    let Some(Kind::StructValue(s)) = &lb.kind else {
+        return None;
+    };
+    match &s.fields.get("x-gateway-destination-endpoint")?.kind {
+        Some(Kind::StringValue(v)) => Some(v.clone()),
+        _ => None,
+    }
+}
+
+/// The body a run of streamed body answers carries, until the one ending the stream.
+async fn streamed_body(p: &mut Proxy) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Out::RequestBody(b) = p.recv().await else {
+            panic!("expected the request body streamed back");
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(s)) =
+            b.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("expected a streamed body");
+        };
+        out.extend(s.body);
+        if s.end_of_stream {
+            return out;
+        }
+    }
+}
+
+fn subset_hint(endpoints: &[&str]) -> Metadata {
+    let list = ListValue {
+        values: endpoints
+            .iter()
+            .map(|e| Value {
+                kind: Some(Kind::StringValue((*e).into())),
+            })
+            .collect(),
+    };
+    Metadata {
+        filter_metadata: [(
+            "envoy.lb.subset_hint".to_owned(),
+            Struct {
+                fields: [(
+                    "x-gateway-destination-endpoint-subset".to_owned(),
+                    Value {
+                        kind: Some(Kind::ListValue(list)),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
+    }
+}
+
+/// The status and JSON body of an immediate answer.
+fn immediate(out: Out) -> (i32, serde_json::Value, Vec<(String, String)>) {
+    let Out::ImmediateResponse(i) = out else {
+        panic!("expected an immediate answer, got {out:?}");
+    };
+    let headers = i
+        .headers
+        .unwrap_or_default()
+        .set_headers
+        .into_iter()
+        .filter_map(|o| o.header)
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect();
+    (
+        i.status.unwrap().code,
+        serde_json::from_slice(&i.body).unwrap(),
+        headers,
+    )
+}
+
+/// The pools node with `w1` caching `body`'s prompt; the service and its metrics.
+fn w1_caches(body: &[u8]) -> (TestFleet, RouterService, Arc<ApiMetrics>) {
+    caching("w1", body)
+}
+
+/// The pools node with `worker` caching `body`'s prompt; the service and its metrics.
+fn caching(worker: &str, body: &[u8]) -> (TestFleet, RouterService, Arc<ApiMetrics>) {
+    let mut f = pools_node(&[]);
+    f.caches("default", worker, &ids(body), 16, None, None);
+    let metrics = Arc::new(ApiMetrics::default());
+    let svc = RouterService::new(f.sm.handle(), CostModel::default(), metrics.clone());
+    (f, svc, metrics)
+}
+
+#[tokio::test]
+async fn a_full_duplex_request_gets_the_caching_worker_and_its_body_back_and_its_answer_settles_it()
+{
+    let body = completion("m");
+    let (_f, svc, metrics) = w1_caches(&body);
+    let mut client = picker(svc).await;
+    let mut p = Proxy::open(&mut client).await;
+    p.send(request_headers(
+        "r1",
+        BodySendMode::FullDuplexStreamed,
+        None,
+    ))
+    .await;
+    let third = body.len() / 3;
+    p.send(body_chunk(&body[..third], false)).await;
+    p.send(body_chunk(&body[third..2 * third], false)).await;
+    p.send(body_chunk(&body[2 * third..], true)).await;
+
+    // The headers are answered only once the body is whole: the pick, as header and metadata.
+    let first = p.recv_whole().await;
+    let Some(Out::RequestHeaders(h)) = &first.response else {
+        panic!("expected the headers' answer first, got {first:?}");
+    };
+    let common = h.response.as_ref().unwrap();
+    assert_eq!(
+        set_header(common, "x-gateway-destination-endpoint").as_deref(),
+        Some("w1:8000")
+    );
+    assert_eq!(lb_destination(&first).as_deref(), Some("w1:8000"));
+    assert_eq!(
+        set_header(common, "content-length"),
+        Some(body.len().to_string())
+    );
+    assert!(common.clear_route_cache);
+    assert_eq!(
+        streamed_body(&mut p).await,
+        body,
+        "the body comes back unchanged"
+    );
+
+    // The answer: headers, then SSE chunks, the last with the usage.
+    p.send(msg(In::ResponseHeaders(HttpHeaders {
+        headers: header_map(&[(":status", "200"), ("content-type", "text/event-stream")]),
+        ..Default::default()
+    })))
+    .await;
+    let Out::ResponseHeaders(h) = p.recv().await else {
+        panic!("expected the answer's headers' answer");
+    };
+    assert_eq!(
+        set_header(h.response.as_ref().unwrap(), "x-kvplane-worker").as_deref(),
+        Some("default/w1")
+    );
+    let chunks: [&[u8]; 2] = [
+        b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":80,\"completion_tokens\":8}}\n\ndata: [DONE]\n\n",
+    ];
+    for (i, c) in chunks.iter().enumerate() {
+        p.send(msg(In::ResponseBody(HttpBody {
+            body: c.to_vec(),
+            end_of_stream: i == 1,
+            ..Default::default()
+        })))
+        .await;
+        let Out::ResponseBody(b) = p.recv().await else {
+            panic!("expected the answer's body streamed back");
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(s)) =
+            b.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("expected a streamed body");
+        };
+        assert_eq!((s.body.as_slice(), s.end_of_stream), (*c, i == 1));
+    }
+    // Reported as a gateway reports: its first token at the first chunk, then its end.
+    assert_eq!(metrics.usage_reports("first_token"), 1);
+    assert_eq!(metrics.usage_reports("known"), 1);
+    assert_eq!(metrics.picker_requests("routed"), 1);
+}
+
+#[tokio::test]
+async fn the_pick_is_the_worker_that_caches_the_prompt() {
+    let body = completion("m");
+    for worker in ["w0", "w1"] {
+        let (_f, svc, _) = caching(worker, &body);
+        let mut client = picker(svc).await;
+        let mut p = Proxy::ask(&mut client, worker, &body, None).await;
+        let Out::RequestHeaders(h) = p.recv().await else {
+            panic!("expected the pick");
+        };
+        assert_eq!(
+            set_header(
+                h.response.as_ref().unwrap(),
+                "x-gateway-destination-endpoint"
+            ),
+            Some(format!("{worker}:8000"))
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_buffered_request_is_answered_at_its_headers_and_picked_in_its_bodys_answer() {
+    let body = completion("m");
+    let (_f, svc, _) = w1_caches(&body);
+    let mut client = picker(svc).await;
+    let mut p = Proxy::open(&mut client).await;
+    p.send(request_headers("r2", BodySendMode::Buffered, None))
+        .await;
+    // The proxy waits for this before it sends the body.
+    let Out::RequestHeaders(h) = p.recv().await else {
+        panic!("expected the headers' answer");
+    };
+    assert!(h.response.is_none_or(|c| c.header_mutation.is_none()));
+    p.send(body_chunk(&body, true)).await;
+    let r = p.recv_whole().await;
+    let Some(Out::RequestBody(b)) = &r.response else {
+        panic!("expected the body's answer, got {r:?}");
+    };
+    let common = b.response.as_ref().unwrap();
+    assert_eq!(
+        set_header(common, "x-gateway-destination-endpoint").as_deref(),
+        Some("w1:8000")
+    );
+    assert!(common.body_mutation.is_none(), "the body is not rewritten");
+    assert_eq!(lb_destination(&r).as_deref(), Some("w1:8000"));
+}
+
+#[tokio::test]
+async fn an_aliased_model_streams_back_the_body_naming_the_served_model_with_its_length() {
+    let mut f = TestFleet::with_policies(EXAMPLES);
+    f.up("large-a100", &["a0", "a1"]).up("small-l4", &["l0"]);
+    let mut client = picker(f.service()).await;
+    let sent = completion("standard-model");
+    let mut p = Proxy::ask(&mut client, "r3", &sent, None).await;
+    let Out::RequestHeaders(h) = p.recv().await else {
+        panic!("expected the headers' answer");
+    };
+    let length = set_header(h.response.as_ref().unwrap(), "content-length").unwrap();
+    let back = streamed_body(&mut p).await;
+    assert_eq!(length, back.len().to_string());
+    let v: serde_json::Value = serde_json::from_slice(&back).unwrap();
+    let served = v["model"].as_str().unwrap();
+    assert_ne!(
+        served, "standard-model",
+        "the engine is asked for the model it serves"
+    );
+    let original: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+    assert_eq!(v["prompt"], original["prompt"]);
+}
+
+#[tokio::test]
+async fn the_subset_hint_limits_the_pick_and_an_empty_or_foreign_subset_is_503() {
+    let body = completion("m");
+    let (_f, svc, metrics) = w1_caches(&body);
+    let mut client = picker(svc).await;
+    let cases: [(&[&str], Option<&str>); 3] = [
+        (&["w0:8000"], Some("w0:8000")),
+        (&[], None),
+        (&["10.9.9.9:8000"], None),
+    ];
+    for (i, (subset, want)) in cases.iter().enumerate() {
+        let mut p = Proxy::ask(
+            &mut client,
+            &format!("s{i}"),
+            &body,
+            Some(subset_hint(subset)),
+        )
+        .await;
+        match want {
+            Some(endpoint) => {
+                let Out::RequestHeaders(h) = p.recv().await else {
+                    panic!("expected the pick");
+                };
+                assert_eq!(
+                    set_header(
+                        h.response.as_ref().unwrap(),
+                        "x-gateway-destination-endpoint"
+                    )
+                    .as_deref(),
+                    Some(*endpoint),
+                    "w1 caches the prompt, but the proxy may only use w0"
+                );
+            }
+            None => {
+                let (status, body, _) = immediate(p.recv().await);
+                assert_eq!(status, 503, "subset {subset:?}: {body}");
+                assert_eq!(body["error"]["code"], "no_capacity");
+            }
+        }
+    }
+    assert_eq!(metrics.picker_requests("no_capacity"), 2);
+}
+
+#[tokio::test]
+async fn refusals_are_immediate_answers_in_openais_error_shape() {
+    let body = completion("m");
+    let (f, _, _) = w1_caches(&body);
+    let mut client = picker(f.service()).await;
+
+    // A request with no body names no model.
+    let mut p = Proxy::open(&mut client).await;
+    let mut headers_only = request_headers("x1", BodySendMode::FullDuplexStreamed, None);
+    if let Some(In::RequestHeaders(h)) = &mut headers_only.request {
+        h.end_of_stream = true;
+    }
+    p.send(headers_only).await;
+    let (status, b, headers) = immediate(p.recv().await);
+    assert_eq!(status, 400);
+    assert_eq!(b["error"]["type"], "invalid_request");
+    assert!(b["error"]["message"].as_str().unwrap().contains("body"));
+    assert!(headers.contains(&("content-type".into(), "application/json".into())));
+
+    // A body that is not JSON.
+    let mut p = Proxy::ask(&mut client, "x2", b"not json", None).await;
+    let (status, b, _) = immediate(p.recv().await);
+    assert_eq!(
+        (status, b["error"]["code"].as_str()),
+        (400, Some("invalid_request"))
+    );
+
+    // No worker set of the policies' catalog serves the model.
+    let mut policies = TestFleet::with_policies(EXAMPLES);
+    policies.up("large-a100", &["a0"]);
+    let mut client = picker(policies.service()).await;
+    let mut p = Proxy::ask(&mut client, "x3", &completion("no-such-model"), None).await;
+    let (status, b, _) = immediate(p.recv().await);
+    assert_eq!(
+        (status, b["error"]["code"].as_str()),
+        (404, Some("unknown_model"))
+    );
+}
+
+#[tokio::test]
+async fn a_node_with_no_state_ends_the_stream_unavailable_for_the_proxys_failure_mode() {
+    let f = TestFleet::new();
+    let mut client = picker(f.service()).await;
+    let mut p = Proxy::ask(&mut client, "u1", &completion("m"), None).await;
+    let status = p.rx.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
+}

@@ -1,0 +1,252 @@
+//! kvplane as the endpoint picker of a real Envoy (1.40, `scripts/install-envoy`), configured
+//! by `examples/envoy/envoy.yaml` (only its ports changed): requests through Envoy reach the
+//! engine that caches their prefix - the engines' own metrics say so - in the protocol's
+//! full-duplex mode and with a buffered body; refusals come back as Envoy's answers; the
+//! answers' usage reaches kvplane without any gateway code.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use harness::{eventually, free_port};
+use kvplane_proto::v1::{RouteRequest, route_response::Decision};
+use serde_json::json;
+
+const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/envoy/envoy.yaml");
+
+/// Envoy's binary: `KVPLANE_ENVOY`, else what `scripts/install-envoy` links.
+fn envoy_binary() -> PathBuf {
+    let path = std::env::var_os("KVPLANE_ENVOY").map_or_else(
+        || {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../target/envoy/envoy"
+            ))
+        },
+        PathBuf::from,
+    );
+    assert!(
+        path.exists(),
+        "no Envoy at {}: run scripts/install-envoy (or set KVPLANE_ENVOY)",
+        path.display()
+    );
+    path
+}
+
+/// A running Envoy, killed on drop.
+struct Envoy {
+    child: Child,
+    full_duplex: u16,
+    buffered: u16,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Envoy {
+    /// The example's config with kvplane at `grpc` and free ports, started and ready.
+    async fn start(grpc: std::net::SocketAddr, dir: &std::path::Path) -> Self {
+        let (admin, full_duplex, buffered) = (free_port(), free_port(), free_port());
+        let config = std::fs::read_to_string(EXAMPLE)
+            .unwrap()
+            .replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace("port_value: 10000", &format!("port_value: {full_duplex}"))
+            .replace("port_value: 10001", &format!("port_value: {buffered}"))
+            .replace("port_value: 7070", &format!("port_value: {}", grpc.port()));
+        let path = dir.join("envoy.yaml");
+        std::fs::write(&path, config).unwrap();
+        let log = std::fs::File::create(dir.join("envoy.log")).unwrap();
+        let child = Command::new(envoy_binary())
+            .args(["-c", path.to_str().unwrap(), "--disable-hot-restart"])
+            .args(["--log-level", "warn"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        eventually("envoy ready", Duration::from_secs(30), || async move {
+            let r = reqwest::get(format!("http://127.0.0.1:{admin}/ready")).await;
+            r.is_ok_and(|r| r.status().is_success()).then_some(())
+        })
+        .await;
+        Self {
+            child,
+            full_duplex,
+            buffered,
+        }
+    }
+}
+
+fn words(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{}", i % 97))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn post(url: &str, body: &serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_its_usage() {
+    let (cluster, engines) = harness::node_with_engines(3).await;
+    let root = cluster.root.path().to_owned();
+    let node = &cluster.nodes[0];
+    // The health names a proxy checks, as the endpoint picker protocol names them.
+    let channel = tonic::transport::Endpoint::from_shared(node.endpoint())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        eventually(service, Duration::from_secs(10), || {
+            let mut h = health.clone();
+            async move {
+                let r = h
+                    .check(tonic_health::pb::HealthCheckRequest {
+                        service: service.into(),
+                    })
+                    .await
+                    .ok()?
+                    .into_inner();
+                (r.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+                    .then_some(())
+            }
+        })
+        .await;
+    }
+    let envoy = Envoy::start(node.grpc, &root).await;
+
+    // engine-2 caches a long system prompt (warmed directly), and kvplane knows it.
+    let system = words("sys", 1200);
+    let chat = |q: &str, stream: bool| {
+        json!({"model": "sim-8b", "max_tokens": 4, "stream": stream,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    let warm = post(
+        &format!("{}/v1/chat/completions", engines[1].http),
+        &chat("first question", false),
+    )
+    .await;
+    assert!(warm.status().is_success());
+    let second = chat("a second, different question", false);
+    eventually("kvplane to index engine-2's blocks", Duration::from_secs(20), || async {
+        let r = node
+            .router()
+            .await
+            .route(RouteRequest {
+                request_id: "probe".into(),
+                body: serde_json::to_vec(&second).unwrap(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        matches!(r.decision, Some(Decision::Endpoint(e)) if e.worker_id == "engine-2" && r.matched_blocks >= 70)
+            .then_some(())
+    })
+    .await;
+    let hits = || {
+        futures::future::join_all(
+            engines
+                .iter()
+                .map(|e| e.metric("vllm:prefix_cache_hits_total")),
+        )
+    };
+
+    for (listener, port) in [
+        ("full duplex", envoy.full_duplex),
+        ("buffered", envoy.buffered),
+    ] {
+        let before = hits().await;
+        let r = post(
+            &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+            &second,
+        )
+        .await;
+        assert!(r.status().is_success(), "{listener}: {}", r.status());
+        assert_eq!(
+            r.headers()["x-kvplane-worker"],
+            "default/engine-2",
+            "{listener}"
+        );
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                >= 1120,
+            "{listener}: {body}"
+        );
+        let after = hits().await;
+        // The engine itself says it served the prompt from its cache; the others saw nothing.
+        assert!(
+            after[1] - before[1] >= 1120.0,
+            "{listener}: {before:?} -> {after:?}"
+        );
+        assert_eq!((after[0], after[2]), (before[0], before[2]), "{listener}");
+    }
+
+    // Streamed through the protocol's mode: SSE passes through, and kvplane hears the first
+    // token and the end from the picker alone.
+    let r = post(
+        &format!("http://127.0.0.1:{}/v1/chat/completions", envoy.full_duplex),
+        &chat("a streamed question", true),
+    )
+    .await;
+    assert!(r.status().is_success());
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.contains("\"usage\""), "{text}");
+    eventually(
+        "usage reported through the picker",
+        Duration::from_secs(10),
+        || async {
+            let m = node.metrics().await;
+            (m.contains(r#"kvplane_usage_reports_total{outcome="known"} 3"#)
+                && m.contains(r#"kvplane_usage_reports_total{outcome="first_token"} 1"#))
+            .then_some(())
+        },
+    )
+    .await;
+    let m = node.metrics().await;
+    assert!(
+        m.contains(r#"kvplane_picker_requests_total{outcome="routed"} 3"#),
+        "{m}"
+    );
+
+    // A refusal is Envoy's answer to the client: the status and kvplane's error body.
+    let r = post(
+        &format!("http://127.0.0.1:{}/v1/chat/completions", envoy.full_duplex),
+        &json!({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(r.status().as_u16(), 404);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unknown_model", "{body}");
+}

@@ -1,0 +1,146 @@
+//! What every front of kvplane (an HTTP gateway, the Envoy endpoint picker) reads the same way
+//! from the HTTP requests it routes and the answers it relays: which of a request's headers
+//! Route may see, and the usage an OpenAI answer ends with. Parsing only, no I/O.
+
+use crate::v1::UsageReport;
+
+/// Headers never passed to kvplane: credentials and connection-level ones.
+pub const NOT_ROUTED_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "x-goog-api-key",
+    "connection",
+    "content-length",
+    "transfer-encoding",
+    "upgrade",
+    "keep-alive",
+    "te",
+    "trailer",
+];
+
+/// At most this many headers of a request go to Route.
+pub const MAX_ROUTED_HEADERS: usize = 64;
+
+/// Whether a header (by its lowercase name) may go to Route: not a credential, not
+/// connection-level, not an HTTP/2 pseudo-header.
+pub fn routed_header(name: &str) -> bool {
+    !name.starts_with(':') && !NOT_ROUTED_HEADERS.contains(&name)
+}
+
+/// The last few KiB of an answer: where `usage` is, in both JSON and SSE answers.
+#[derive(Debug, Default, Clone)]
+pub struct AnswerTail(Vec<u8>);
+
+impl AnswerTail {
+    const KEEP: usize = 8 * 1024;
+
+    pub fn keep(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+        if self.0.len() > Self::KEEP {
+            let cut = self.0.len() - Self::KEEP;
+            self.0.drain(..cut);
+        }
+    }
+
+    /// The `usage` of a JSON answer or of the last SSE event that has one, as a final
+    /// report's token counts (zeros where the answer says nothing).
+    pub fn usage(&self) -> Usage {
+        let text = String::from_utf8_lossy(&self.0);
+        let usage = match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(v) => v.get("usage").cloned(),
+            Err(_) => text
+                .lines()
+                .rev()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
+                .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned()),
+        };
+        let n = |k: &str| {
+            usage
+                .as_ref()
+                .and_then(|u| u.pointer(k))
+                .and_then(serde_json::Value::as_u64)
+                .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
+        };
+        Usage {
+            prompt_tokens: n("/prompt_tokens"),
+            completion_tokens: n("/completion_tokens"),
+            cached_tokens: n("/prompt_tokens_details/cached_tokens"),
+        }
+    }
+}
+
+/// Token counts of an answer's `usage`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+impl Usage {
+    /// The final report of `request_id` with these counts.
+    pub fn report(
+        self,
+        request_id: String,
+        observed_ttft_ms: f64,
+        outcome: crate::v1::Outcome,
+    ) -> UsageReport {
+        UsageReport {
+            request_id,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens: self.cached_tokens,
+            observed_ttft_ms,
+            outcome: outcome.into(),
+            first_token: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(bytes: &[u8]) -> Usage {
+        let mut t = AnswerTail::default();
+        t.keep(bytes);
+        t.usage()
+    }
+
+    #[test]
+    fn usage_is_found_in_json_and_sse_answers() {
+        let json = br#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}"#;
+        assert_eq!(
+            usage(json),
+            Usage {
+                prompt_tokens: 5,
+                completion_tokens: 2,
+                cached_tokens: 4
+            }
+        );
+        let sse = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(usage(sse).prompt_tokens, 7);
+        assert_eq!(usage(b"data: {\"choices\":[]}\n\n"), Usage::default());
+    }
+
+    #[test]
+    fn the_tail_keeps_the_end_of_a_long_answer() {
+        let mut t = AnswerTail::default();
+        t.keep(&vec![b'x'; 100_000]);
+        t.keep(b"\n\n");
+        t.keep(b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n");
+        assert_eq!(t.usage().completion_tokens, 1);
+        assert_eq!(t.0.len(), AnswerTail::KEEP);
+    }
+
+    #[test]
+    fn credentials_and_pseudo_headers_are_not_routed() {
+        assert!(routed_header("x-data-class"));
+        assert!(!routed_header("authorization"));
+        assert!(!routed_header(":path"));
+    }
+}
