@@ -311,10 +311,7 @@ async fn main() {
         let server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(RouterServer::new(svc.clone()))
-                .add_service(ExternalProcessorServer::new(EndpointPicker::new(
-                    svc,
-                    PickerConfig::default(),
-                )))
+                .add_service(EndpointPicker::new(svc, PickerConfig::default()).server())
                 .serve_with_incoming(
                     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                 ),

@@ -113,8 +113,7 @@ impl ApiMetrics {
         self.latency.observe(seconds);
     }
 
-    /// A usage report: `known` (a final report of a request routed here), `first_token` (a
-    /// first-token report of one) or `unknown`.
+    /// An endpoint picker request's outcome.
     pub(crate) fn picker(&self, outcome: &'static str) {
         self.picker.get_or_create(&OutcomeLabel { outcome }).inc();
     }
@@ -124,6 +123,8 @@ impl ApiMetrics {
         self.picker.get_or_create(&OutcomeLabel { outcome }).get()
     }
 
+    /// A usage report: `known` (a final report of a request routed here), `first_token` (a
+    /// first-token report of one) or `unknown`.
     pub(crate) fn usage(&self, outcome: &'static str) {
         self.usage_reports
             .get_or_create(&OutcomeLabel { outcome })

@@ -241,10 +241,13 @@ impl RouterService {
         self.metrics
             .usage(if routed.is_some() { "known" } else { "unknown" });
         if let (Some(r), Some(escrow)) = (&routed, &self.escrow) {
-            escrow.settle(
-                &r.reservations,
-                u64::from(report.prompt_tokens) + u64::from(report.completion_tokens),
-            );
+            // Usage not seen: the request keeps what was reserved for it.
+            let used = if report.usage_unknown {
+                u64::MAX
+            } else {
+                u64::from(report.prompt_tokens) + u64::from(report.completion_tokens)
+            };
+            escrow.settle(&r.reservations, used);
         }
         if let Some(Routed {
             worker: Some((ws, w)),

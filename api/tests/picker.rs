@@ -18,9 +18,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response as Out,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
-use kvplane_api::picker::ExternalProcessorServer;
-use kvplane_api::{ApiMetrics, CostModel, EndpointPicker, PickerConfig, RouterService};
-use support::{EXAMPLES, TestFleet, pools_node};
+use kvplane_api::{
+    ApiMetrics, CostModel, EndpointPicker, Escrow, PickerConfig, QuotaConfig, QuotaMetrics,
+    RouterService,
+};
+use kvplane_state::{Command, QuotaAsk, QuotaBatch};
+use support::{ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, pools_node};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
@@ -30,10 +33,7 @@ async fn picker(svc: RouterService) -> ExternalProcessorClient<Channel> {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(ExternalProcessorServer::new(EndpointPicker::new(
-                svc,
-                PickerConfig::default(),
-            )))
+            .add_service(EndpointPicker::new(svc, PickerConfig::default()).server())
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
     ExternalProcessorClient::connect(format!("http://{addr}"))
@@ -122,6 +122,7 @@ fn request_headers(id: &str, mode: BodySendMode, extra: Option<Metadata>) -> Pro
                 (":path", "/v1/completions"),
                 ("content-type", "application/json"),
                 ("x-request-id", id),
+                ("x-tenant", "acme"),
             ]),
             end_of_stream: false,
             ..Default::default()
@@ -333,6 +334,239 @@ async fn a_full_duplex_request_gets_the_caching_worker_and_its_body_back_and_its
     assert_eq!(metrics.usage_reports("first_token"), 1);
     assert_eq!(metrics.usage_reports("known"), 1);
     assert_eq!(metrics.picker_requests("routed"), 1);
+}
+
+/// The pools node with `w1` caching `body`'s prompt, under a limit for tenant `acme` of which
+/// this replica holds a 10,000-token grant; the service admits through that escrow.
+fn under_a_limit(body: &[u8]) -> (TestFleet, RouterService, Arc<Escrow>, Arc<ApiMetrics>) {
+    let mut f = pools_node(&[]);
+    // Windows are the wall clock's: the entries are stamped with it.
+    f.at(kvplane_api::wall_ms());
+    f.caches("default", "w1", &ids(body), 16, None, None);
+    apply_policies(&mut f, ACME_LIMIT);
+    f.command(Command::Quota(QuotaBatch {
+        replica: 1,
+        incarnation: 1,
+        seq: 1,
+        asks: vec![QuotaAsk {
+            key: kvplane_policy::LimitKey {
+                tenant: "acme".into(),
+                model: String::new(),
+            },
+            tokens: 10_000,
+            requests: 0,
+        }],
+        releases: Vec::new(),
+    }));
+    let escrow = Arc::new(Escrow::new(
+        QuotaConfig {
+            incarnation: 1,
+            grant_wait: std::time::Duration::from_millis(20),
+            ..QuotaConfig::default()
+        },
+        f.sm.handle(),
+        QuotaMetrics::default(),
+    ));
+    let metrics = Arc::new(ApiMetrics::default());
+    let svc = RouterService::new(f.sm.handle(), CostModel::default(), metrics.clone())
+        .with_quota(escrow.clone());
+    (f, svc, escrow, metrics)
+}
+
+/// Tokens the tenant's window has spent on this replica.
+fn spent(escrow: &Escrow) -> u64 {
+    escrow.status().iter().map(|s| s.spent_tokens).sum()
+}
+
+/// The answer's headers (`status`, SSE) and its first body chunk, without ending it.
+async fn answer_begins(p: &mut Proxy, status: &str) {
+    p.send(msg(In::ResponseHeaders(HttpHeaders {
+        headers: header_map(&[(":status", status), ("content-type", "text/event-stream")]),
+        ..Default::default()
+    })))
+    .await;
+    let Out::ResponseHeaders(_) = p.recv().await else {
+        panic!("expected the answer's headers' answer");
+    };
+    p.send(msg(In::ResponseBody(HttpBody {
+        body: b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n".to_vec(),
+        end_of_stream: false,
+        ..Default::default()
+    })))
+    .await;
+    let Out::ResponseBody(_) = p.recv().await else {
+        panic!("expected the chunk back");
+    };
+}
+
+#[tokio::test]
+async fn the_answers_usage_settles_the_tenants_reservation_at_what_it_used() {
+    let body = completion("m");
+    let (_f, svc, escrow, _) = under_a_limit(&body);
+    let mut client = picker(svc).await;
+    let mut p = Proxy::ask(&mut client, "q1", &body, None).await;
+    let Out::RequestHeaders(_) = p.recv().await else {
+        panic!("expected the pick");
+    };
+    streamed_body(&mut p).await;
+    let reserved = spent(&escrow);
+    assert!(
+        reserved >= 80 + 8,
+        "the reservation holds the prompt and max_tokens: {reserved}"
+    );
+    answer_begins(&mut p, "200").await;
+    p.send(msg(In::ResponseBody(HttpBody {
+        body: b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":80,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n".to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    assert_eq!(spent(&escrow), 80 + 3, "what the answer says it used");
+}
+
+#[tokio::test]
+async fn a_request_over_the_tenants_limit_is_429() {
+    let body = completion("m");
+    let (_f, svc, escrow, metrics) = under_a_limit(&body);
+    let mut client = picker(svc).await;
+    // More than the 10,000 tokens this replica holds, and no refiller to ask for more.
+    let mut greedy: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    greedy["max_tokens"] = 50_000.into();
+    let greedy = serde_json::to_vec(&greedy).unwrap();
+    let mut p = Proxy::ask(&mut client, "g1", &greedy, None).await;
+    let (status, b, _) = immediate(p.recv().await);
+    assert_eq!(
+        (status, b["error"]["code"].as_str()),
+        (429, Some("rate_limited")),
+        "{b}"
+    );
+    assert_eq!(metrics.picker_requests("rate_limited"), 1);
+    assert_eq!(spent(&escrow), 0, "nothing was admitted");
+}
+
+#[tokio::test]
+async fn an_answer_cut_off_keeps_its_reservation_and_one_that_never_came_is_refunded() {
+    let body = completion("m");
+    let (_f, svc, escrow, metrics) = under_a_limit(&body);
+    let mut client = picker(svc).await;
+
+    // Cut off after its first chunk: its usage is unknown, it keeps what was reserved.
+    let mut p = Proxy::ask(&mut client, "c1", &body, None).await;
+    p.recv().await;
+    streamed_body(&mut p).await;
+    let reserved = spent(&escrow);
+    answer_begins(&mut p, "200").await;
+    drop(p);
+    eventually_reports(&metrics, 1).await;
+    assert_eq!(spent(&escrow), reserved);
+
+    // No answer at all (the proxy gave up before the engine's headers): refunded.
+    let mut p = Proxy::ask(&mut client, "c2", &body, None).await;
+    p.recv().await;
+    streamed_body(&mut p).await;
+    assert_eq!(spent(&escrow), 2 * reserved);
+    drop(p);
+    eventually_reports(&metrics, 2).await;
+    assert_eq!(spent(&escrow), reserved);
+}
+
+/// Waits until `n` final reports were settled.
+async fn eventually_reports(metrics: &ApiMetrics, n: u64) {
+    kvplane_testkit::eventually(
+        &format!("{n} final reports"),
+        std::time::Duration::from_secs(5),
+        || async { (metrics.usage_reports("known") >= n).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_error_answer_is_no_first_token_and_settles_once_at_its_headers_end() {
+    let body = completion("m");
+    let (_f, svc, metrics) = w1_caches(&body);
+    let mut client = picker(svc).await;
+    let mut p = Proxy::ask(&mut client, "e1", &body, None).await;
+    p.recv().await;
+    streamed_body(&mut p).await;
+    // A 503 with a body (the proxy's own, when the engine cannot be reached).
+    p.send(msg(In::ResponseHeaders(HttpHeaders {
+        headers: header_map(&[(":status", "503"), ("content-type", "text/plain")]),
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    p.send(msg(In::ResponseBody(HttpBody {
+        body: b"upstream connect error".to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    assert_eq!(metrics.usage_reports("first_token"), 0);
+    assert_eq!(metrics.usage_reports("known"), 1);
+    // An answer with headers only ends there, settled once for all what follows.
+    let mut p = Proxy::ask(&mut client, "e2", &body, None).await;
+    p.recv().await;
+    streamed_body(&mut p).await;
+    p.send(msg(In::ResponseHeaders(HttpHeaders {
+        headers: header_map(&[(":status", "204")]),
+        end_of_stream: true,
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    p.send(msg(In::ResponseTrailers(Default::default()))).await;
+    let Out::ResponseTrailers(_) = p.recv().await else {
+        panic!("expected the trailers' answer");
+    };
+    // Settled as the headers ended, before their answer came back.
+    assert_eq!(metrics.usage_reports("known"), 2);
+    assert_eq!(metrics.usage_reports("unknown"), 0, "no second report");
+}
+
+#[tokio::test]
+async fn a_buffered_body_that_ends_with_trailers_is_picked_at_the_body_and_the_trailers_answered() {
+    let body = completion("m");
+    let (_f, svc, _) = w1_caches(&body);
+    let mut client = picker(svc).await;
+    let mut p = Proxy::open(&mut client).await;
+    p.send(request_headers("t1", BodySendMode::Buffered, None))
+        .await;
+    let Out::RequestHeaders(_) = p.recv().await else {
+        panic!("expected the headers' answer");
+    };
+    p.send(body_chunk(&body, false)).await;
+    let r = p.recv_whole().await;
+    assert_eq!(lb_destination(&r).as_deref(), Some("w1:8000"));
+    p.send(msg(In::RequestTrailers(Default::default()))).await;
+    let Out::RequestTrailers(_) = p.recv().await else {
+        panic!("expected the trailers' answer");
+    };
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413() {
+    let (_f, svc, metrics) = caching("w1", &completion("m"));
+    let mut client = picker(svc).await;
+    let mut p = Proxy::open(&mut client).await;
+    p.send(request_headers(
+        "big",
+        BodySendMode::FullDuplexStreamed,
+        None,
+    ))
+    .await;
+    let mib = vec![b' '; 1 << 20];
+    let chunks = kvplane_api::picker::MAX_BODY_BYTES / mib.len() + 1;
+    for _ in 0..chunks {
+        p.send(body_chunk(&mib, false)).await;
+    }
+    let (status, b, _) = immediate(p.recv().await);
+    assert_eq!(
+        (status, b["error"]["code"].as_str()),
+        (413, Some("body_too_large"))
+    );
+    assert_eq!(metrics.picker_requests("body_too_large"), 1);
 }
 
 #[tokio::test]

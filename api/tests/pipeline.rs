@@ -9,10 +9,9 @@ mod support;
 use std::sync::Arc;
 
 use kvplane_api::predict::Predictor;
-use kvplane_state::{Command, ConfigObject};
 use support::{
-    EXAMPLES, TestFleet, explain, pools_node, report, report_first_token, request, route, target,
-    tokens,
+    ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, explain, pools_node, report,
+    report_first_token, request, route, target, tokens,
 };
 
 #[test]
@@ -23,18 +22,7 @@ fn a_pools_node_with_a_limits_only_policy_still_routes() {
     let r = route(&f.service(), request("a", "any-model", &[], prompt.clone()));
     assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w1", 4));
     // A policy holding only limits: the pool keeps routing (no second decision path).
-    let mut docs = kvplane_policy::Documents::default();
-    docs.add_file(
-        "limits.yaml",
-        "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: limits}\nspec:\n  limits: [{tenant: acme, tokensPerMinute: 100000}]\n",
-    );
-    let (catalog, problems) = docs.check();
-    assert!(problems.is_empty(), "{problems:?}");
-    f.command(Command::ConfigApply {
-        owner: Some(kvplane_state::Owner::Admin),
-        puts: catalog.objects().iter().map(ConfigObject::policy).collect(),
-        deletes: Vec::new(),
-    });
+    apply_policies(&mut f, ACME_LIMIT);
     assert!(!f.sm.handle().load().catalog.is_empty());
     let r = route(&f.service(), request("b", "any-model", &[], prompt));
     assert_eq!((target(&r).as_str(), r.matched_blocks), ("default/w1", 4));

@@ -17,6 +17,7 @@ pub struct GatewayMetrics {
     pub(crate) route_seconds: Histogram,
     pub(crate) ttft_seconds: Histogram,
     pub(crate) replica_failovers: Counter,
+    pub(crate) upstream_retries: Counter,
 }
 
 impl Default for GatewayMetrics {
@@ -26,6 +27,7 @@ impl Default for GatewayMetrics {
             route_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
             ttft_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
             replica_failovers: Counter::default(),
+            upstream_retries: Counter::default(),
         }
     }
 }
@@ -51,6 +53,11 @@ impl GatewayMetrics {
             "kvplane_gateway_replica_failovers",
             "Route calls retried on another kvplane replica",
             self.replica_failovers.clone(),
+        );
+        r.register(
+            "kvplane_gateway_upstream_retries",
+            "Requests passed to the next target (a Route answer's alternatives) because the one before did not answer",
+            self.upstream_retries.clone(),
         );
     }
 }

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::StreamExt;
-use kvplane_proto::front::{self, AnswerTail, Usage};
+use kvplane_proto::front::{self, AnswerTail};
 use kvplane_proto::v1::{Outcome, RejectCode, RouteRequest, UsageReport, route_response::Decision};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
@@ -22,6 +22,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::metrics::StatusLabel;
+use crate::secrets::Secrets;
+use crate::target::{Target, targets};
 use crate::{GatewayMetrics, Replicas, WORKER_HEADER};
 
 /// How requests find an engine.
@@ -38,6 +40,25 @@ pub struct GatewayConfig {
     pub strategy: Strategy,
     /// Header that carries the tenant.
     pub tenant_header: String,
+    /// Where providers' credentials are found.
+    pub secrets: Secrets,
+    /// More certificate authorities (PEM) to trust for providers, besides the web's roots.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+/// Why the gateway cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Replicas(#[from] crate::replicas::ReplicasError),
+    #[error("round-robin needs at least one engine")]
+    NoEngines,
+    #[error("the CA file holds no usable certificate: {0}")]
+    Ca(reqwest::Error),
+    #[error("the HTTP client cannot be built: {0}")]
+    Client(reqwest::Error),
+    #[error(transparent)]
+    Serve(#[from] std::io::Error),
 }
 
 enum Mode {
@@ -48,6 +69,7 @@ enum Mode {
 struct Inner {
     mode: Mode,
     tenant_header: String,
+    secrets: Secrets,
     http: reqwest::Client,
     metrics: GatewayMetrics,
     registry: Registry,
@@ -63,30 +85,34 @@ pub async fn run(
     cfg: GatewayConfig,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), std::io::Error> {
+) -> Result<(), GatewayError> {
     let mode = match cfg.strategy {
-        Strategy::Kvplane { replicas } => {
-            Mode::Kvplane(Replicas::new(&replicas).map_err(std::io::Error::other)?)
-        }
+        Strategy::Kvplane { replicas } => Mode::Kvplane(Replicas::new(&replicas)?),
         Strategy::RoundRobin { engines } => {
             if engines.is_empty() {
-                return Err(std::io::Error::other(
-                    "round-robin needs at least one engine",
-                ));
+                return Err(GatewayError::NoEngines);
             }
             Mode::RoundRobin(engines, AtomicU64::new(0))
         }
     };
+    let mut http = reqwest::Client::builder()
+        .use_rustls_tls()
+        .pool_max_idle_per_host(64)
+        .connect_timeout(std::time::Duration::from_secs(10));
+    if let Some(pem) = &cfg.ca_pem {
+        for cert in reqwest::Certificate::from_pem_bundle(pem).map_err(GatewayError::Ca)? {
+            http = http.add_root_certificate(cert);
+        }
+    }
+    let http = http.build().map_err(GatewayError::Client)?;
     let metrics = GatewayMetrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     let app = App(Arc::new(Inner {
         mode,
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
-        http: reqwest::Client::builder()
-            .pool_max_idle_per_host(64)
-            .build()
-            .map_err(std::io::Error::other)?,
+        secrets: cfg.secrets,
+        http,
         metrics,
         registry,
         next_id: AtomicU64::new(1),
@@ -100,7 +126,8 @@ pub async fn run(
         .with_state(app);
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown)
-        .await
+        .await?;
+    Ok(())
 }
 
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
@@ -141,12 +168,27 @@ fn error_response(status: StatusCode, kind: &str, message: &str, retry_after_ms:
     r
 }
 
-/// Where one request goes.
-struct Target {
-    url: String,
-    label: String,
-    body: Bytes,
-    matched_blocks: u32,
+/// Whether a provider's status passes the request to the next target.
+fn retry_on(status: reqwest::StatusCode) -> bool {
+    status.as_u16() == 429 || status.is_server_error()
+}
+
+/// The client's answer when provider `t` answered `status` and nothing else may be tried.
+fn provider_failed(t: &Target, status: reqwest::StatusCode) -> Response {
+    let why = match status.as_u16() {
+        401 | 403 => "refused the gateway's credentials",
+        429 => "is rate limiting the gateway",
+        _ => "failed",
+    };
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        "provider_error",
+        &format!(
+            "{} {why} ({status})",
+            t.label.replace("provider:", "provider ")
+        ),
+        0,
+    )
 }
 
 impl App {
@@ -160,23 +202,26 @@ impl App {
             .inc();
     }
 
+    /// Where the request goes: the pick, then the alternatives to retry on.
     async fn pick(
         &self,
         path: &str,
         headers: &HeaderMap,
         body: &Bytes,
         request_id: &str,
-    ) -> Result<Target, Response> {
+    ) -> Result<Vec<Target>, Response> {
         match &self.0.mode {
             Mode::RoundRobin(engines, next) => {
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize % engines.len();
                 let base = engines[i].trim_end_matches('/');
-                Ok(Target {
+                Ok(vec![Target {
                     url: format!("{base}{path}"),
                     label: base.to_owned(),
                     body: body.clone(),
                     matched_blocks: 0,
-                })
+                    provider: None,
+                    authorization: None,
+                }])
             }
             Mode::Kvplane(replicas) => {
                 let tenant = headers
@@ -230,28 +275,17 @@ impl App {
                     .route_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
-                match resp.decision {
-                    Some(Decision::Endpoint(e)) => {
-                        if e.address.is_empty() {
-                            return Err(error_response(
+                match resp.decision.clone() {
+                    Some(Decision::Endpoint(e)) => targets(resp, e, path, body, &self.0.secrets)
+                        .await
+                        .map_err(|e| {
+                            error_response(
                                 StatusCode::SERVICE_UNAVAILABLE,
                                 "unavailable",
-                                &format!(
-                                    "worker {}/{} has not announced an address",
-                                    e.pool, e.worker_id
-                                ),
+                                &e.to_string(),
                                 0,
-                            ));
-                        }
-                        Ok(Target {
-                            url: format!("{}{path}", e.address.trim_end_matches('/')),
-                            label: format!("{}/{}", e.pool, e.worker_id),
-                            body: resp
-                                .rewritten_body
-                                .map_or_else(|| body.clone(), Bytes::from),
-                            matched_blocks: resp.matched_blocks,
-                        })
-                    }
+                            )
+                        }),
                     Some(Decision::Rejection(r)) => {
                         let (status, kind) = match RejectCode::try_from(r.code) {
                             Ok(RejectCode::RateLimited) => {
@@ -279,6 +313,73 @@ impl App {
         }
     }
 
+    /// Sends the request to the first of `targets` that answers: one that cannot be reached,
+    /// or a provider that answers 429 or 5xx, passes it to the next before any byte reached
+    /// the client. The last one's failure is the answer.
+    async fn send(
+        &self,
+        targets: &[Target],
+        client: &HeaderMap,
+        request_id: &str,
+    ) -> Result<(Target, reqwest::Response), Response> {
+        let mut last = None;
+        for (i, t) in targets.iter().enumerate() {
+            if i > 0 {
+                self.0.metrics.upstream_retries.inc();
+            }
+            let more = i + 1 < targets.len();
+            let sent = self
+                .0
+                .http
+                .post(&t.url)
+                .headers(crate::target::upstream_headers(t, client, request_id))
+                .body(t.body.clone())
+                .send()
+                .await;
+            match sent {
+                Ok(r) if t.provider.is_some() && more && retry_on(r.status()) => {
+                    tracing::debug!(target = t.label, status = %r.status(), "trying the next target");
+                    last = Some(provider_failed(t, r.status()));
+                }
+                Ok(r)
+                    if t.provider.is_some()
+                        && r.status().is_client_error()
+                        && matches!(r.status().as_u16(), 401 | 403) =>
+                {
+                    return Err(provider_failed(t, r.status()));
+                }
+                Ok(r) => return Ok((t.clone(), r)),
+                Err(e) => {
+                    tracing::debug!(target = t.label, error = %e, "target did not answer");
+                    let (status, kind) = if e.is_timeout() {
+                        (StatusCode::GATEWAY_TIMEOUT, "timeout")
+                    } else {
+                        (StatusCode::BAD_GATEWAY, "bad_gateway")
+                    };
+                    let what = if t.provider.is_some() {
+                        "provider"
+                    } else {
+                        "engine"
+                    };
+                    last = Some(error_response(
+                        status,
+                        kind,
+                        &format!("{what} {} did not answer: {e}", t.label),
+                        0,
+                    ));
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                "bad_gateway",
+                "nowhere to send the request",
+                0,
+            )
+        }))
+    }
+
     async fn forward(&self, path: &str, headers: HeaderMap, body: Bytes) -> Response {
         let received = Instant::now();
         let request_id = format!(
@@ -286,32 +387,21 @@ impl App {
             self.0.id_prefix,
             self.0.next_id.fetch_add(1, Ordering::Relaxed)
         );
-        let target = match self.pick(path, &headers, &body, &request_id).await {
+        let targets = match self.pick(path, &headers, &body, &request_id).await {
             Ok(t) => t,
             Err(r) => {
                 self.count(r.status());
                 return r;
             }
         };
-        let upstream = match self
-            .0
-            .http
-            .post(&target.url)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(target.body.clone())
-            .send()
-            .await
-        {
-            Ok(r) => r,
-            Err(e) => {
-                let r = error_response(
-                    StatusCode::BAD_GATEWAY,
-                    "bad_gateway",
-                    &format!("engine {} did not answer: {e}", target.label),
-                    0,
-                );
+        let (target, upstream) = match self.send(&targets, &headers, &request_id).await {
+            Ok(sent) => sent,
+            Err(r) => {
                 self.count(r.status());
-                self.report(request_id, Usage::default(), 0.0, Outcome::Error);
+                self.report_after(
+                    None,
+                    AnswerTail::default().report(request_id, 0.0, Outcome::Error),
+                );
                 return r;
             }
         };
@@ -351,10 +441,11 @@ impl App {
                         if tx.send(Ok(bytes)).await.is_err() {
                             app.report_after(
                                 first_report.take(),
-                                request_id,
-                                tail.usage(),
-                                first_at.unwrap_or(0.0),
-                                Outcome::Cancelled,
+                                tail.report(
+                                    request_id,
+                                    first_at.unwrap_or(0.0),
+                                    Outcome::Cancelled,
+                                ),
                             );
                             return;
                         }
@@ -363,10 +454,7 @@ impl App {
                         let _ = tx.send(Err(std::io::Error::other(e))).await;
                         app.report_after(
                             first_report.take(),
-                            request_id,
-                            tail.usage(),
-                            first_at.unwrap_or(0.0),
-                            Outcome::Error,
+                            tail.report(request_id, first_at.unwrap_or(0.0), Outcome::Error),
                         );
                         return;
                     }
@@ -379,10 +467,7 @@ impl App {
             };
             app.report_after(
                 first_report.take(),
-                request_id,
-                tail.usage(),
-                first_at.unwrap_or(0.0),
-                outcome,
+                tail.report(request_id, first_at.unwrap_or(0.0), outcome),
             );
         });
         let mut resp = Response::new(Body::from_stream(stream));
@@ -431,20 +516,9 @@ impl App {
         }))
     }
 
-    /// The final report of a request: its usage and outcome (after its first-token report).
-    fn report(&self, request_id: String, usage: Usage, ttft_ms: f64, outcome: Outcome) {
-        self.report_after(None, request_id, usage, ttft_ms, outcome);
-    }
-
-    fn report_after(
-        &self,
-        first: Option<JoinHandle<()>>,
-        request_id: String,
-        usage: Usage,
-        ttft_ms: f64,
-        outcome: Outcome,
-    ) {
-        self.send_report(usage.report(request_id, ttft_ms, outcome), first);
+    /// Sends a request's final report (its usage and outcome) after its first-token report.
+    fn report_after(&self, first: Option<JoinHandle<()>>, report: UsageReport) {
+        self.send_report(report, first);
     }
 }
 

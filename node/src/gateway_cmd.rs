@@ -1,6 +1,7 @@
 //! `kvplane gateway`: the OpenAI-compatible front.
 
-use kvplane_gateway::{GatewayConfig, Strategy, run};
+use anyhow::Context;
+use kvplane_gateway::{GatewayConfig, Secrets, Strategy, run};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct GatewayArgs {
@@ -21,6 +22,18 @@ pub struct GatewayArgs {
     /// The header that carries the tenant.
     #[arg(long, default_value = "x-tenant")]
     pub tenant_header: String,
+    /// Providers' credentials: `<dir>/<secret name>/<key>` (a Kubernetes Secret mounted per
+    /// name), else `$KVPLANE_SECRET_<NAME>_<KEY>`.
+    #[arg(
+        long,
+        env = "KVPLANE_SECRETS_DIR",
+        default_value = "/etc/kvplane/secrets"
+    )]
+    pub secrets_dir: std::path::PathBuf,
+    /// More certificate authorities (a PEM bundle) to trust for providers' HTTPS, besides the
+    /// web's roots.
+    #[arg(long, env = "KVPLANE_PROVIDER_CA_FILE")]
+    pub provider_ca_file: Option<std::path::PathBuf>,
 }
 
 pub async fn gateway(
@@ -33,12 +46,25 @@ pub async fn gateway(
             replicas: a.replicas,
         },
     };
-    let listener = tokio::net::TcpListener::bind(&a.listen).await?;
+    let ca_pem = match &a.provider_ca_file {
+        Some(p) => Some(
+            std::fs::read(p)
+                .with_context(|| format!("cannot read --provider-ca-file {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(&a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
     println!("kvplane-gateway ready http={}", listener.local_addr()?);
     run(
         GatewayConfig {
             strategy,
             tenant_header: a.tenant_header,
+            secrets: Secrets {
+                dir: Some(a.secrets_dir),
+            },
+            ca_pem,
         },
         listener,
         shutdown,

@@ -9,7 +9,7 @@
 mod harness;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use harness::{eventually, free_port};
@@ -18,30 +18,12 @@ use serde_json::json;
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/envoy/envoy.yaml");
 
-/// Envoy's binary: `KVPLANE_ENVOY`, else what `scripts/install-envoy` links.
-fn envoy_binary() -> PathBuf {
-    let path = std::env::var_os("KVPLANE_ENVOY").map_or_else(
-        || {
-            PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../target/envoy/envoy"
-            ))
-        },
-        PathBuf::from,
-    );
-    assert!(
-        path.exists(),
-        "no Envoy at {}: run scripts/install-envoy (or set KVPLANE_ENVOY)",
-        path.display()
-    );
-    path
-}
-
 /// A running Envoy, killed on drop.
 struct Envoy {
     child: Child,
     full_duplex: u16,
     buffered: u16,
+    access_log: PathBuf,
 }
 
 impl Drop for Envoy {
@@ -60,17 +42,12 @@ impl Envoy {
             .replace("port_value: 9901", &format!("port_value: {admin}"))
             .replace("port_value: 10000", &format!("port_value: {full_duplex}"))
             .replace("port_value: 10001", &format!("port_value: {buffered}"))
-            .replace("port_value: 7070", &format!("port_value: {}", grpc.port()));
-        let path = dir.join("envoy.yaml");
-        std::fs::write(&path, config).unwrap();
-        let log = std::fs::File::create(dir.join("envoy.log")).unwrap();
-        let child = Command::new(envoy_binary())
-            .args(["-c", path.to_str().unwrap(), "--disable-hot-restart"])
-            .args(["--log-level", "warn"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
+            .replace("port_value: 7070", &format!("port_value: {}", grpc.port()))
+            .replace(
+                "path: /dev/stdout",
+                &format!("path: {}", dir.join("access.log").display()),
+            );
+        let child = harness::spawn_envoy(dir, "envoy", &config);
         eventually("envoy ready", Duration::from_secs(30), || async move {
             let r = reqwest::get(format!("http://127.0.0.1:{admin}/ready")).await;
             r.is_ok_and(|r| r.status().is_success()).then_some(())
@@ -80,8 +57,40 @@ impl Envoy {
             child,
             full_duplex,
             buffered,
+            access_log: dir.join("access.log"),
         }
     }
+
+    /// The full-duplex listener's access log lines so far.
+    fn access_log(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.access_log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+type Health = tonic_health::pb::health_client::HealthClient<tonic::transport::Channel>;
+
+/// Waits until the node's health for `service` is serving (or not, `serving`).
+async fn health_becomes(health: &Health, service: &str, serving: bool) {
+    eventually(service, Duration::from_secs(30), || {
+        let mut h = health.clone();
+        async move {
+            let r = h
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .ok()?
+                .into_inner();
+            let is =
+                r.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+            (is == serving).then_some(())
+        }
+    })
+    .await;
 }
 
 fn words(tag: &str, n: usize) -> String {
@@ -102,7 +111,7 @@ async fn post(url: &str, body: &serde_json::Value) -> reqwest::Response {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_its_usage() {
-    let (cluster, engines) = harness::node_with_engines(3).await;
+    let (mut cluster, engines) = harness::node_with_engines(3).await;
     let root = cluster.root.path().to_owned();
     let node = &cluster.nodes[0];
     // The health names a proxy checks, as the endpoint picker protocol names them.
@@ -117,21 +126,7 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
         "readiness",
         "envoy.service.ext_proc.v3.ExternalProcessor",
     ] {
-        eventually(service, Duration::from_secs(10), || {
-            let mut h = health.clone();
-            async move {
-                let r = h
-                    .check(tonic_health::pb::HealthCheckRequest {
-                        service: service.into(),
-                    })
-                    .await
-                    .ok()?
-                    .into_inner();
-                (r.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
-                    .then_some(())
-            }
-        })
-        .await;
+        health_becomes(&health, service, true).await;
     }
     let envoy = Envoy::start(node.grpc, &root).await;
 
@@ -149,18 +144,21 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
     .await;
     assert!(warm.status().is_success());
     let second = chat("a second, different question", false);
+    // Explain: the decision without its side effects (no queue entry, no reservation).
     eventually("kvplane to index engine-2's blocks", Duration::from_secs(20), || async {
         let r = node
             .router()
             .await
-            .route(RouteRequest {
+            .explain(RouteRequest {
                 request_id: "probe".into(),
                 body: serde_json::to_vec(&second).unwrap(),
                 ..Default::default()
             })
             .await
             .unwrap()
-            .into_inner();
+            .into_inner()
+            .decision
+            .unwrap();
         matches!(r.decision, Some(Decision::Endpoint(e)) if e.worker_id == "engine-2" && r.matched_blocks >= 70)
             .then_some(())
     })
@@ -239,6 +237,22 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
         m.contains(r#"kvplane_picker_requests_total{outcome="routed"} 3"#),
         "{m}"
     );
+    // Envoy's own record of the full-duplex requests: it connected where kvplane's envoy.lb
+    // metadata said, engine-2.
+    let engine_2 = engines[1].http.trim_start_matches("http://").to_owned();
+    let want = format!("200 upstream={engine_2} picked={engine_2}");
+    // Envoy flushes its access log every second.
+    eventually("envoy's access log", Duration::from_secs(10), || async {
+        let lines = envoy.access_log();
+        (lines.len() >= 2).then_some(())
+    })
+    .await;
+    let lines = envoy.access_log();
+    assert_eq!(
+        lines.iter().filter(|l| l.contains(&want)).count(),
+        2,
+        "{lines:#?}"
+    );
 
     // A refusal is Envoy's answer to the client: the status and kvplane's error body.
     let r = post(
@@ -249,4 +263,16 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
     assert_eq!(r.status().as_u16(), 404);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"]["code"], "unknown_model", "{body}");
+
+    // Cut off from NATS the node is not ready: the health names proxies check follow it, and
+    // liveness does not.
+    drop(envoy);
+    cluster.nats.kill();
+    for (service, serving) in [
+        ("readiness", false),
+        ("envoy.service.ext_proc.v3.ExternalProcessor", false),
+        ("liveness", true),
+    ] {
+        health_becomes(&health, service, serving).await;
+    }
 }

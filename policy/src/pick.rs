@@ -36,6 +36,24 @@ pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
+/// Up to `n` unfiltered candidates other than `chosen`, lowest objective first (equal ones in
+/// their order): where a request may go when the chosen one does not answer.
+pub fn alternatives(cands: &[Candidate<'_>], chosen: usize, n: usize) -> Vec<usize> {
+    let mut best: Vec<usize> = Vec::with_capacity(n + 1);
+    for (i, c) in cands.iter().enumerate() {
+        if i == chosen || c.filtered.is_some() {
+            continue;
+        }
+        // Insert after every kept one that is no worse: one pass, `n` kept at most.
+        let at = best.partition_point(|&j| cands[j].objective <= c.objective);
+        if at < n {
+            best.insert(at, i);
+            best.truncate(n);
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,5 +114,30 @@ mod tests {
         let mut first = order[..3].to_vec();
         first.sort_unstable();
         assert_eq!(first, [0, 1, 2]);
+    }
+
+    #[test]
+    fn alternatives_are_the_best_unfiltered_others_as_a_full_sort_orders_them() {
+        use proptest::prelude::*;
+        proptest!(|(objs in proptest::collection::vec((0u8..6, any::<bool>()), 0..12), chosen in 0usize..12, n in 0usize..4)| {
+            let cands: Vec<Candidate<'static>> = objs
+                .iter()
+                .map(|(o, filtered)| Candidate {
+                    objective: f64::from(*o),
+                    filtered: filtered.then(|| crate::candidate::Filtered {
+                        by: crate::candidate::FilterId("test"),
+                        text: String::new(),
+                    }),
+                    ..crate::candidate::test_worker(|_| {})
+                })
+                .collect();
+            // The oracle: every eligible other one, sorted stably by objective, the first n.
+            let mut all: Vec<usize> = (0..cands.len())
+                .filter(|&i| i != chosen && cands[i].filtered.is_none())
+                .collect();
+            all.sort_by(|a, b| cands[*a].objective.total_cmp(&cands[*b].objective));
+            all.truncate(n);
+            prop_assert_eq!(alternatives(&cands, chosen, n), all);
+        });
     }
 }

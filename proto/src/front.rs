@@ -46,8 +46,8 @@ impl AnswerTail {
     }
 
     /// The `usage` of a JSON answer or of the last SSE event that has one, as a final
-    /// report's token counts (zeros where the answer says nothing).
-    pub fn usage(&self) -> Usage {
+    /// report's token counts (zeros for counts it leaves out); `None` when there is none.
+    pub fn usage(&self) -> Option<Usage> {
         let text = String::from_utf8_lossy(&self.0);
         let usage = match serde_json::from_str::<serde_json::Value>(&text) {
             Ok(v) => v.get("usage").cloned(),
@@ -58,17 +58,40 @@ impl AnswerTail {
                 .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
                 .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned()),
         };
+        let usage = usage?;
         let n = |k: &str| {
             usage
-                .as_ref()
-                .and_then(|u| u.pointer(k))
+                .pointer(k)
                 .and_then(serde_json::Value::as_u64)
                 .map_or(0, |v| u32::try_from(v).unwrap_or(u32::MAX))
         };
-        Usage {
+        Some(Usage {
             prompt_tokens: n("/prompt_tokens"),
             completion_tokens: n("/completion_tokens"),
             cached_tokens: n("/prompt_tokens_details/cached_tokens"),
+        })
+    }
+
+    /// The final report of `request_id`: the answer's usage, or, for an answer that did not
+    /// fail and whose usage was not seen (cut off, or without `usage`), `usage_unknown`: tenant
+    /// limits keep what they reserved.
+    pub fn report(
+        &self,
+        request_id: String,
+        observed_ttft_ms: f64,
+        outcome: crate::v1::Outcome,
+    ) -> UsageReport {
+        let usage = self.usage();
+        let u = usage.unwrap_or_default();
+        UsageReport {
+            request_id,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u.cached_tokens,
+            observed_ttft_ms,
+            outcome: outcome.into(),
+            first_token: false,
+            usage_unknown: usage.is_none() && outcome != crate::v1::Outcome::Error,
         }
     }
 }
@@ -81,31 +104,11 @@ pub struct Usage {
     pub cached_tokens: u32,
 }
 
-impl Usage {
-    /// The final report of `request_id` with these counts.
-    pub fn report(
-        self,
-        request_id: String,
-        observed_ttft_ms: f64,
-        outcome: crate::v1::Outcome,
-    ) -> UsageReport {
-        UsageReport {
-            request_id,
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-            cached_tokens: self.cached_tokens,
-            observed_ttft_ms,
-            outcome: outcome.into(),
-            first_token: false,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn usage(bytes: &[u8]) -> Usage {
+    fn usage(bytes: &[u8]) -> Option<Usage> {
         let mut t = AnswerTail::default();
         t.keep(bytes);
         t.usage()
@@ -116,15 +119,15 @@ mod tests {
         let json = br#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}"#;
         assert_eq!(
             usage(json),
-            Usage {
+            Some(Usage {
                 prompt_tokens: 5,
                 completion_tokens: 2,
                 cached_tokens: 4
-            }
+            })
         );
         let sse = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n";
-        assert_eq!(usage(sse).prompt_tokens, 7);
-        assert_eq!(usage(b"data: {\"choices\":[]}\n\n"), Usage::default());
+        assert_eq!(usage(sse).unwrap().prompt_tokens, 7);
+        assert_eq!(usage(b"data: {\"choices\":[]}\n\n"), None);
     }
 
     #[test]
@@ -133,8 +136,22 @@ mod tests {
         t.keep(&vec![b'x'; 100_000]);
         t.keep(b"\n\n");
         t.keep(b"data: {\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n");
-        assert_eq!(t.usage().completion_tokens, 1);
+        assert_eq!(t.usage().unwrap().completion_tokens, 1);
         assert_eq!(t.0.len(), AnswerTail::KEEP);
+    }
+
+    #[test]
+    fn an_answer_without_usage_is_reported_unknown_unless_it_failed() {
+        use crate::v1::Outcome;
+        let t = AnswerTail::default();
+        assert!(t.report("r".into(), 0.0, Outcome::Success).usage_unknown);
+        assert!(t.report("r".into(), 0.0, Outcome::Cancelled).usage_unknown);
+        assert!(!t.report("r".into(), 0.0, Outcome::Error).usage_unknown);
+        let mut t = AnswerTail::default();
+        t.keep(br#"{"usage":{"prompt_tokens":5,"completion_tokens":2}}"#);
+        let r = t.report("r".into(), 1.0, Outcome::Success);
+        assert!(!r.usage_unknown);
+        assert_eq!((r.prompt_tokens, r.completion_tokens), (5, 2));
     }
 
     #[test]

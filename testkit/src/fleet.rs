@@ -614,17 +614,20 @@ pub fn field(line: &str, key: &str) -> String {
 
 /// `kvplane gateway` on a free port in front of `replicas` (comma-separated gRPC URLs).
 pub fn gateway(replicas: &str, log: PathBuf) -> Proc {
-    Proc::start(
-        vec![
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--replicas".into(),
-            replicas.into(),
-        ],
-        log,
-        "kvplane-gateway ready",
-    )
+    gateway_with(replicas, &[], log)
+}
+
+/// A gateway asking `replicas`, with more `kvplane gateway` flags.
+pub fn gateway_with(replicas: &str, args: &[String], log: PathBuf) -> Proc {
+    let mut all = vec![
+        "gateway".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--replicas".into(),
+        replicas.into(),
+    ];
+    all.extend_from_slice(args);
+    Proc::start(all, log, "kvplane-gateway ready")
 }
 
 /// A process killed when dropped.

@@ -25,5 +25,5 @@ pub use eventually::{eventually, eventually_sync};
 #[cfg(feature = "fleet")]
 pub use fleet::{
     Cluster, Engine, EngineOptions, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port,
-    gateway, http_get, kvplane_ok, metric_value, publish, spawn_ready,
+    gateway, gateway_with, http_get, kvplane_ok, metric_value, publish, spawn_ready,
 };

@@ -115,7 +115,7 @@ pub(crate) fn picked(resp: &RouteResponse, fallbacks: usize) -> Result<Picked, R
             for a in resp
                 .alternatives
                 .iter()
-                .filter(|a| !a.address.is_empty())
+                .filter(|a| !a.address.is_empty() && a.provider.is_empty())
                 .take(fallbacks)
             {
                 destination.push(',');
@@ -214,7 +214,15 @@ mod tests {
     fn a_worker_is_named_by_ip_and_port_with_its_fallbacks_only_when_asked() {
         let resp = RouteResponse {
             decision: Some(Decision::Endpoint(worker("a"))),
-            alternatives: vec![worker("bb"), worker("ccc"), Endpoint::default()],
+            alternatives: vec![
+                worker("bb"),
+                Endpoint {
+                    provider: "cloud".into(),
+                    ..worker("dddd")
+                },
+                worker("ccc"),
+                Endpoint::default(),
+            ],
             ..Default::default()
         };
         let alone = picked(&resp, 0).unwrap();
@@ -226,7 +234,7 @@ mod tests {
                 DESTINATION,
                 "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000".into()
             ),
-            "an alternative without an address is left out"
+            "providers and alternatives without an address are left out"
         );
         assert!(listed.metadata().is_some());
         assert_eq!(alone.headers(10)[0], ("content-length", "10".into()));

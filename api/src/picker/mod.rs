@@ -18,8 +18,16 @@
 mod answer;
 mod envoy;
 mod exchange;
+mod request;
+mod response;
 
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures::FutureExt;
+use tokio::sync::Semaphore;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
@@ -30,9 +38,13 @@ use tonic::{Request, Response, Status, Streaming};
 
 pub use answer::PROVIDER_HEADER;
 pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-pub use exchange::MAX_BODY_BYTES;
+pub use request::MAX_BODY_BYTES;
 
 use crate::RouterService;
+
+/// At most this much request body (in KiB) is held by all of a node's picker streams at once;
+/// a request whose body does not fit is refused with 503.
+const HELD_BODIES_KIB: usize = 256 << 10;
 
 /// The answer header naming where the request went (`pool/worker` or `provider:name`), as
 /// kvplane's own gateway names it.
@@ -66,9 +78,10 @@ impl PickerConfig {
 pub struct EndpointPicker {
     router: RouterService,
     config: PickerConfig,
-    /// Names requests that come without `x-request-id`: `picker-<start>-<n>`.
+    /// Names the streams (`picker-<start>-<n>`), and the requests without `x-request-id`.
     started_ns: u128,
-    next_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    next_id: Arc<AtomicU64>,
+    held_bodies: Arc<Semaphore>,
 }
 
 impl EndpointPicker {
@@ -79,8 +92,14 @@ impl EndpointPicker {
             started_ns: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos()),
-            next_id: std::sync::Arc::default(),
+            next_id: Arc::default(),
+            held_bodies: Arc::new(Semaphore::new(HELD_BODIES_KIB)),
         }
+    }
+
+    /// The gRPC service, taking messages as large as a body the picker reads.
+    pub fn server(self) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self).max_decoding_message_size(MAX_BODY_BYTES + (1 << 20))
     }
 }
 
@@ -94,43 +113,64 @@ impl ExternalProcessor for EndpointPicker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let mut inbound = request.into_inner();
+        let inbound = request.into_inner();
         let (tx, mut rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(16);
-        let n = self
-            .next_id
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut exchange = exchange::Exchange::new(
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let exchange = exchange::Exchange::new(
             self.router.clone(),
             self.config,
             format!("picker-{:x}-{n}", self.started_ns),
+            self.held_bodies.clone(),
         );
+        let on_panic = tx.clone();
         tokio::spawn(async move {
-            let mut ended = false;
-            while let Ok(Some(msg)) = inbound.message().await {
-                match exchange.on(msg).await {
-                    Ok(answers) => {
-                        for a in answers {
-                            if tx.send(Ok(a)).await.is_err() {
-                                break;
-                            }
-                        }
-                    }
-                    Err(status) => {
-                        let _ = tx.send(Err(status)).await;
-                        ended = true;
-                        break;
-                    }
-                }
-            }
-            if !ended {
-                // The proxy closed the stream: an answer it did not see to its end was
-                // cancelled (settled at what its usage said so far).
-                exchange
-                    .finish(Some(kvplane_proto::v1::Outcome::Cancelled))
+            // A stream that ends without a status would tell the proxy to go on without a
+            // pick, whatever its failure mode: a panic ends it with INTERNAL.
+            if AssertUnwindSafe(converse(inbound, exchange, tx))
+                .catch_unwind()
+                .await
+                .is_err()
+            {
+                let _ = on_panic
+                    .send(Err(Status::internal("the endpoint picker failed")))
                     .await;
             }
         });
         let answers = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
         Ok(Response::new(Box::pin(answers)))
     }
+}
+
+/// Answers the proxy's messages until it closes the stream; then settles the request.
+async fn converse(
+    mut inbound: Streaming<ProcessingRequest>,
+    mut exchange: exchange::Exchange,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    'messages: loop {
+        let msg = match inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(e) => {
+                // The proxy's side broke (or sent what cannot be read): say so rather than
+                // end as if all was answered.
+                let _ = tx.send(Err(e)).await;
+                break;
+            }
+        };
+        match exchange.on(msg).await {
+            Ok(answers) => {
+                for a in answers {
+                    if tx.send(Ok(a)).await.is_err() {
+                        break 'messages;
+                    }
+                }
+            }
+            Err(status) => {
+                let _ = tx.send(Err(status)).await;
+                break;
+            }
+        }
+    }
+    exchange.closed().await;
 }

@@ -2,7 +2,7 @@
 //! model it serves and the body rewritten to name it, or a refusal with its code and reason,
 //! always the applied index) and Explain's every candidate with its signals and cost parts.
 
-use kvplane_policy::Target;
+use kvplane_policy::{Catalog, Target};
 use kvplane_proto::v1::{
     CandidateExplanation, Endpoint, ExplainResponse, Rejection, RouteResponse, route_response,
 };
@@ -10,22 +10,29 @@ use kvplane_proto::v1::{
 use super::{Decision, Outcome};
 use crate::quota::Reservation;
 
-fn endpoint(t: &Target<'_>) -> Endpoint {
+fn endpoint(t: &Target<'_>, catalog: &Catalog, model: &str) -> Endpoint {
     match t {
         Target::Worker { worker_set, state } => Endpoint {
             address: state.address.unwrap_or_default().to_owned(),
             worker_id: state.worker.to_owned(),
             pool: worker_set.to_string(),
             dp_rank: state.dp_rank,
-            provider: String::new(),
+            model: model.to_owned(),
+            ..Default::default()
         },
-        Target::Provider { name, endpoint } => Endpoint {
-            address: (*endpoint).to_owned(),
-            worker_id: String::new(),
-            pool: String::new(),
-            dp_rank: 0,
-            provider: (*name).to_owned(),
-        },
+        Target::Provider { name, endpoint } => {
+            let spec = catalog.providers.get(*name);
+            let credentials = spec.and_then(|p| p.credentials.as_ref());
+            Endpoint {
+                address: (*endpoint).to_owned(),
+                provider: (*name).to_owned(),
+                provider_api: spec.map(|p| p.api.as_str().to_owned()).unwrap_or_default(),
+                credentials_name: credentials.map(|c| c.name.clone()).unwrap_or_default(),
+                credentials_key: credentials.map(|c| c.key.clone()).unwrap_or_default(),
+                model: model.to_owned(),
+                ..Default::default()
+            }
+        }
     }
 }
 
@@ -35,26 +42,6 @@ fn rewrite_body(body: &[u8], model: &str) -> Option<Vec<u8>> {
     v.as_object_mut()?
         .insert("model".into(), serde_json::Value::String(model.to_owned()));
     serde_json::to_vec(&v).ok()
-}
-
-/// At most this many other workers in a Route answer.
-const ALTERNATIVES: usize = 3;
-
-/// The workers besides the chosen one (`chosen`) that passed every filter, best objective
-/// first: where a proxy may retry before the first byte.
-fn alternatives(d: &Decision<'_>, chosen: usize) -> Vec<Endpoint> {
-    let mut rest: Vec<&kvplane_policy::Candidate<'_>> = d
-        .candidates
-        .iter()
-        .enumerate()
-        .filter(|(i, c)| *i != chosen && c.filtered.is_none() && c.worker().is_some())
-        .map(|(_, c)| c)
-        .collect();
-    rest.sort_by(|a, b| a.objective.total_cmp(&b.objective));
-    rest.iter()
-        .take(ALTERNATIVES)
-        .map(|c| endpoint(&c.target))
-        .collect()
 }
 
 /// The Route answer.
@@ -73,7 +60,11 @@ pub(crate) fn response(
     match &d.outcome {
         Outcome::Routed(i) => {
             let c = &d.candidates[*i];
-            out.decision = Some(route_response::Decision::Endpoint(endpoint(&c.target)));
+            out.decision = Some(route_response::Decision::Endpoint(endpoint(
+                &c.target,
+                &d.view.catalog,
+                &d.model,
+            )));
             out.predicted_ttft_ms = c.prediction.ttft_ms;
             out.model.clone_from(&d.model);
             if let Target::Worker { state, .. } = &c.target {
@@ -86,7 +77,11 @@ pub(crate) fn response(
                 out.rewritten_body = rewrite_body(body, m);
             }
             out.charges = reservations.iter().map(Reservation::charge).collect();
-            out.alternatives = alternatives(d, *i);
+            out.alternatives = d
+                .alternatives
+                .iter()
+                .map(|(j, model)| endpoint(&d.candidates[*j].target, &d.view.catalog, model))
+                .collect();
         }
         Outcome::Rejected {
             kind,
@@ -125,7 +120,7 @@ pub(crate) fn explanation(d: &Decision<'_>, body: &[u8]) -> ExplainResponse {
                 Target::Provider { .. } => (0, 0, 0, 0, 0.0),
             };
             CandidateExplanation {
-                endpoint: Some(endpoint(&c.target)),
+                endpoint: Some(endpoint(&c.target, &d.view.catalog, "")),
                 overlap_blocks: overlap,
                 uncached_blocks: prompt.saturating_sub(overlap),
                 running,

@@ -124,6 +124,9 @@ pub struct Decision<'v> {
     pub outcome: Outcome,
     /// The model the chosen candidate serves the request as (empty when none was chosen).
     pub model: String,
+    /// Other candidates that passed every filter, best first, with the model each serves the
+    /// request as: where a gateway may retry.
+    pub alternatives: Vec<(usize, String)>,
     /// Each stage's words (Explain only).
     pub steps: Vec<String>,
 }
@@ -178,6 +181,7 @@ impl RouterService {
                 retry_after_ms: 0,
             },
             model: String::new(),
+            alternatives: Vec::new(),
             steps: Vec::new(),
         };
         // 1. prompt: what the request says; its tokens once its model resolved
@@ -307,9 +311,16 @@ impl RouterService {
             }
         }
         let model = picked.map(|i| catalog.model_of(&cands[i], &resolved, &p.model));
+        let alternatives = picked.map_or_else(Vec::new, |i| {
+            pick::alternatives(&cands, i)
+                .into_iter()
+                .map(|j| (j, catalog.model_of(&cands[j], &resolved, &p.model)))
+                .collect()
+        });
         drop(_in);
         d.rule = rule_name;
         d.objective = rule.minimize;
+        d.alternatives = alternatives;
         d.steps.append(&mut steps);
         d.candidates = cands;
         if no_workers {

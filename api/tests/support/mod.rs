@@ -27,6 +27,26 @@ pub fn pools_node(lora: &[&str]) -> TestFleet {
     f
 }
 
+/// A limits-only policy: tenant `acme`, 100,000 tokens a minute.
+pub const ACME_LIMIT: &str = "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: limits}\nspec:\n  limits: [{tenant: acme, tokensPerMinute: 100000}]\n";
+
+/// Applies the policy documents `yaml` to `f` (checked as `kvplane validate` checks them).
+pub fn apply_policies(f: &mut TestFleet, yaml: &str) {
+    let mut docs = kvplane_policy::Documents::default();
+    docs.add_file("policies.yaml", yaml);
+    let (catalog, problems) = docs.check();
+    assert!(problems.is_empty(), "{problems:?}");
+    f.command(kvplane_state::Command::ConfigApply {
+        owner: Some(kvplane_state::Owner::Admin),
+        puts: catalog
+            .objects()
+            .iter()
+            .map(kvplane_state::ConfigObject::policy)
+            .collect(),
+        deletes: Vec::new(),
+    });
+}
+
 pub const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
 
 pub fn route(s: &RouterService, req: RouteRequest) -> RouteResponse {

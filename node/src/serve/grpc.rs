@@ -102,7 +102,7 @@ pub(super) async fn serve(
     let served = tonic::transport::Server::builder()
         .layer(crate::telemetry::GrpcTraceLayer)
         .add_service(RouterServer::new(services.router))
-        .add_service(ExternalProcessorServer::new(services.picker))
+        .add_service(services.picker.server())
         .add_service(AdminServer::new(services.admin))
         .add_service(health)
         .add_optional_service(reflection)

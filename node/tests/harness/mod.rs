@@ -6,9 +6,11 @@
 pub use kvplane_testkit::*;
 
 mod engines;
+mod envoy;
 mod in_process;
 mod raft;
 pub use engines::{node_with_engines, wait_workers_up};
+pub use envoy::spawn_envoy;
 pub use in_process::InProcess;
 pub use raft::{
     chain, prompt, publish_chains, routed_worker, started, started_with_limits,

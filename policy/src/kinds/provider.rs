@@ -50,6 +50,16 @@ pub enum ProviderApi {
     Bedrock,
 }
 
+impl ProviderApi {
+    /// Its name as the kind's YAML spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OpenAI => "OpenAI",
+            Self::Bedrock => "Bedrock",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SecretKeyRef {

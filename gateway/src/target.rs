@@ -1,0 +1,276 @@
+//! Where a request goes: an engine (its address and the request's path) or a provider (its
+//! base URL joined with the path as OpenAI's SDKs join it, with its credentials), in the order
+//! a Route answer gives them - the pick, then the alternatives a request is retried on when
+//! the one before did not answer.
+
+use bytes::Bytes;
+use kvplane_proto::v1::{Endpoint, RouteResponse};
+
+use crate::secrets::{SecretError, Secrets};
+
+/// One place to send a request.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    pub(crate) url: String,
+    /// `pool/worker`, `provider:name`, or an engine URL (round-robin).
+    pub(crate) label: String,
+    pub(crate) body: Bytes,
+    pub(crate) matched_blocks: u32,
+    /// The provider's name: the request carries its credentials, not the client's headers.
+    pub(crate) provider: Option<String>,
+    /// `Authorization` for a provider (`Bearer <key>`).
+    pub(crate) authorization: Option<String>,
+}
+
+/// Why a decision's endpoint cannot be called.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TargetError {
+    #[error("worker {pool}/{worker} has not announced an address")]
+    NoAddress { pool: String, worker: String },
+    #[error(
+        "provider {provider} speaks {api}, which this gateway cannot call (OpenAI-compatible providers only)"
+    )]
+    Api { provider: String, api: String },
+    #[error("provider {provider}: {source}")]
+    Credentials {
+        provider: String,
+        source: SecretError,
+    },
+}
+
+/// `path` (an OpenAI API path, `/v1/...`) under `base`. A base that ends in the API's version
+/// (`https://api.openai.com/v1`, as OpenAI's SDKs take it) is not given it twice.
+pub(crate) fn join(base: &str, path: &str) -> String {
+    let base = base.trim_end_matches('/');
+    match path.strip_prefix("/v1/") {
+        Some(rest) if base.ends_with("/v1") => format!("{base}/{rest}"),
+        _ => format!("{base}{path}"),
+    }
+}
+
+/// Where `e` is reached for `path` with `body`.
+pub(crate) async fn target(
+    e: &Endpoint,
+    path: &str,
+    body: Bytes,
+    matched_blocks: u32,
+    secrets: &Secrets,
+) -> Result<Target, TargetError> {
+    if e.address.is_empty() {
+        return Err(TargetError::NoAddress {
+            pool: e.pool.clone(),
+            worker: e.worker_id.clone(),
+        });
+    }
+    if e.provider.is_empty() {
+        return Ok(Target {
+            url: join(&e.address, path),
+            label: format!("{}/{}", e.pool, e.worker_id),
+            body,
+            matched_blocks,
+            provider: None,
+            authorization: None,
+        });
+    }
+    if !(e.provider_api.is_empty() || e.provider_api.eq_ignore_ascii_case("openai")) {
+        return Err(TargetError::Api {
+            provider: e.provider.clone(),
+            api: e.provider_api.clone(),
+        });
+    }
+    let authorization = if e.credentials_name.is_empty() {
+        None
+    } else {
+        let key = secrets
+            .get(&e.credentials_name, &e.credentials_key)
+            .await
+            .map_err(|source| TargetError::Credentials {
+                provider: e.provider.clone(),
+                source,
+            })?;
+        Some(format!("Bearer {key}"))
+    };
+    Ok(Target {
+        url: join(&e.address, path),
+        label: format!("provider:{}", e.provider),
+        body,
+        matched_blocks: 0,
+        provider: Some(e.provider.clone()),
+        authorization,
+    })
+}
+
+/// The pick and its alternatives for `resp` (the body rewritten for the pick is sent to the
+/// alternatives too only when they serve the same model: otherwise the original body).
+pub(crate) async fn targets(
+    resp: RouteResponse,
+    pick: Endpoint,
+    path: &str,
+    body: &Bytes,
+    secrets: &Secrets,
+) -> Result<Vec<Target>, TargetError> {
+    let rewritten = resp
+        .rewritten_body
+        .map_or_else(|| body.clone(), Bytes::from);
+    let mut out = vec![target(&pick, path, rewritten, resp.matched_blocks, secrets).await?];
+    for a in &resp.alternatives {
+        // An alternative that cannot be called is no reason to fail the pick.
+        let alt_body = if a.model.is_empty() || a.model == resp.model {
+            out[0].body.clone()
+        } else {
+            rewrite_model(body, &a.model).unwrap_or_else(|| body.clone())
+        };
+        if let Ok(t) = target(a, path, alt_body, 0, secrets).await {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
+/// Headers never passed on to an engine: connection-level ones, and what the gateway sets.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "content-type",
+];
+
+/// The headers of the request sent to `t`: an engine gets the client's (its credentials for
+/// an engine that checks them, the request id, trace context, tenant), less connection-level
+/// ones; a provider only the request id, what it may answer in, and its own credentials.
+pub(crate) fn upstream_headers(
+    t: &Target,
+    client: &http::HeaderMap,
+    request_id: &str,
+) -> http::HeaderMap {
+    let mut out = http::HeaderMap::new();
+    if t.provider.is_none() {
+        for (k, v) in client {
+            if !HOP_BY_HOP.contains(&k.as_str()) {
+                out.append(k.clone(), v.clone());
+            }
+        }
+    } else if let Some(a) = client.get(http::header::ACCEPT) {
+        out.insert(http::header::ACCEPT, a.clone());
+    }
+    out.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    if let Ok(v) = http::HeaderValue::from_str(request_id) {
+        out.insert("x-request-id", v);
+    }
+    if let Some(a) = &t.authorization
+        && let Ok(mut v) = http::HeaderValue::from_str(a)
+    {
+        v.set_sensitive(true);
+        out.insert(http::header::AUTHORIZATION, v);
+    }
+    out
+}
+
+/// `body` naming `model`, when it is a JSON object.
+fn rewrite_model(body: &[u8], model: &str) -> Option<Bytes> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.as_object_mut()?
+        .insert("model".into(), serde_json::Value::String(model.to_owned()));
+    serde_json::to_vec(&v).ok().map(Bytes::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_base_url_with_the_api_version_is_joined_as_openais_sdks_join_it() {
+        for (base, want) in [
+            (
+                "https://api.provider.example/v1",
+                "https://api.provider.example/v1/chat/completions",
+            ),
+            (
+                "https://api.provider.example/v1/",
+                "https://api.provider.example/v1/chat/completions",
+            ),
+            (
+                "https://api.provider.example",
+                "https://api.provider.example/v1/chat/completions",
+            ),
+            (
+                "http://10.0.0.7:8000",
+                "http://10.0.0.7:8000/v1/chat/completions",
+            ),
+            (
+                "https://gw.example/openai/v1",
+                "https://gw.example/openai/v1/chat/completions",
+            ),
+        ] {
+            assert_eq!(join(base, "/v1/chat/completions"), want, "{base}");
+        }
+    }
+
+    #[test]
+    fn an_engine_gets_the_clients_headers_and_a_provider_only_its_own_credentials() {
+        let mut client = http::HeaderMap::new();
+        client.insert("authorization", "Bearer client-key".parse().unwrap());
+        client.insert("x-tenant", "acme".parse().unwrap());
+        client.insert("connection", "keep-alive".parse().unwrap());
+        client.insert("traceparent", "00-abc-def-01".parse().unwrap());
+        let engine = Target {
+            url: String::new(),
+            label: "gpu/w0".into(),
+            body: Bytes::new(),
+            matched_blocks: 0,
+            provider: None,
+            authorization: None,
+        };
+        let h = upstream_headers(&engine, &client, "gw-1");
+        assert_eq!(h["authorization"], "Bearer client-key");
+        assert_eq!(h["x-tenant"], "acme");
+        assert_eq!(h["traceparent"], "00-abc-def-01");
+        assert_eq!(h["x-request-id"], "gw-1");
+        assert!(h.get("connection").is_none());
+        let provider = Target {
+            provider: Some("cloud".into()),
+            authorization: Some("Bearer sk-provider".into()),
+            ..engine
+        };
+        let h = upstream_headers(&provider, &client, "gw-1");
+        assert_eq!(h["authorization"], "Bearer sk-provider");
+        assert!(h.get("x-tenant").is_none() && h.get("traceparent").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_provider_gets_its_credentials_and_an_unknown_api_is_refused_by_name() {
+        let provider = |api: &str| Endpoint {
+            address: "https://api.provider.example/v1".into(),
+            provider: "cloud".into(),
+            provider_api: api.into(),
+            credentials_name: "cloud".into(),
+            credentials_key: "token".into(),
+            ..Default::default()
+        };
+        let dir = std::env::temp_dir().join(format!("kvplane-target-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("cloud")).unwrap();
+        std::fs::write(dir.join("cloud").join("token"), "sk-file").unwrap();
+        let secrets = Secrets {
+            dir: Some(dir.clone()),
+        };
+        let (openai, bedrock) = (provider("OpenAI"), provider("Bedrock"));
+        let at = |e| target(e, "/v1/completions", Bytes::new(), 0, &secrets);
+        let t = at(&openai).await.unwrap();
+        assert_eq!(t.url, "https://api.provider.example/v1/completions");
+        assert_eq!(t.authorization.as_deref(), Some("Bearer sk-file"));
+        assert_eq!(t.label, "provider:cloud");
+        let e = at(&bedrock).await.unwrap_err();
+        assert!(e.to_string().contains("Bedrock"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,277 @@
+//! Provider fallback that really reaches a provider: the reference gateway calls an
+//! OpenAI-compatible provider over HTTPS - Envoy (a real proxy) terminating TLS with a test CA's
+//! certificate and accepting only the provider's API key on the API's path, in front of an
+//! OpenAI-compatible engine - with the key from a mounted-Secret layout, the base URL joined as
+//! OpenAI's SDKs join it and the body naming the provider's model; a streamed answer comes back
+//! whole; a wrong key is a clear 502.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::Duration;
+
+use harness::{Cluster, NodeOptions, Proc, eventually, free_port};
+use serde_json::json;
+
+const KEY: &str = "sk-test-provider-key";
+
+/// A test CA and a certificate it signed for 127.0.0.1: (ca.pem, cert.pem, key.pem) in `dir`.
+fn test_ca(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "kvplane test CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut leaf = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    leaf.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let cert = leaf.signed_by(&key, &issuer).unwrap();
+    let paths = (
+        dir.join("ca.pem"),
+        dir.join("cert.pem"),
+        dir.join("key.pem"),
+    );
+    std::fs::write(&paths.0, ca_cert.pem()).unwrap();
+    std::fs::write(&paths.1, cert.pem()).unwrap();
+    std::fs::write(&paths.2, key.serialize_pem()).unwrap();
+    paths
+}
+
+/// The provider: Envoy on HTTPS at `port` (cert and key), answering only `POST
+/// /v1/chat/completions` with `Authorization: Bearer KEY` (from the engine at `backend`),
+/// everything else 401; its access log at `log`.
+fn provider(dir: &Path, port: u16, (cert, key): (&Path, &Path), backend: u16, log: &Path) -> Child {
+    let admin = free_port();
+    let config = format!(
+        r#"
+admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
+static_resources:
+  listeners:
+  - name: provider
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+            tls_certificates:
+            - certificate_chain: {{filename: {cert}}}
+              private_key: {{filename: {key}}}
+      filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: provider
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: {log}
+              log_format: {{text_format_source: {{inline_string: "%REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE%\n"}}}}
+          route_config:
+            virtual_hosts:
+            - name: provider
+              domains: ["*"]
+              routes:
+              - match:
+                  path: /v1/chat/completions
+                  headers: [{{name: authorization, string_match: {{exact: "Bearer {KEY}"}}}}]
+                route: {{cluster: backend, timeout: 60s}}
+              - match: {{prefix: /}}
+                direct_response:
+                  status: 401
+                  body: {{inline_string: '{{"error":{{"message":"invalid api key","type":"invalid_request_error","code":"invalid_api_key"}}}}'}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: backend
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {backend}}}}}}}}}]}}]
+"#,
+        cert = cert.display(),
+        key = key.display(),
+        log = log.display(),
+    );
+    harness::spawn_envoy(dir, "provider-envoy", &config)
+}
+
+/// Policies: public model `chat` on worker set `local` (no workers), falling back to provider
+/// `cloud` at `endpoint`, its key in Secret `cloud-api`, key `token`.
+fn policies(dir: &Path, endpoint: &str) {
+    std::fs::write(
+        dir.join("fleet.yaml"),
+        format!(
+            r#"apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {{name: local}}
+spec: {{model: llama-8b, blockSize: 16}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePool
+metadata: {{name: local}}
+spec: {{workerSets: [local]}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceProvider
+metadata: {{name: cloud}}
+spec:
+  endpoint: {endpoint}
+  api: OpenAI
+  model: gpt-cloud
+  credentials: {{name: cloud-api, key: token}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: GatewayBackend
+metadata: {{name: chat}}
+spec:
+  publicModel: chat
+  backends: [{{pool: local}}]
+  policies: [burst]
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePolicy
+metadata: {{name: burst}}
+spec:
+  rules:
+    - name: burst
+      candidates: {{pools: [local]}}
+      onEmpty:
+        action: Fallback
+        fallback: {{providers: [cloud]}}
+"#
+        ),
+    )
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_streams_its_answer() {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path();
+    let (ca, cert, key) = test_ca(dir);
+    // The provider's engine (OpenAI's API, any model name), and Envoy in front of it.
+    let engine = Proc::start(
+        vec![
+            "sim".into(),
+            "engine".into(),
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
+            "--zmq-pub".into(),
+            format!("tcp://127.0.0.1:{}", free_port()),
+            "--zmq-replay".into(),
+            format!("tcp://127.0.0.1:{}", free_port()),
+            "--speedup".into(),
+            "10".into(),
+        ],
+        dir.join("provider-engine.log"),
+        "kvplane-sim ready",
+    );
+    let backend: u16 = engine
+        .field("http")
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let https = free_port();
+    let access = dir.join("provider-access.log");
+    let mut envoy = provider(dir, https, (&cert, &key), backend, &access);
+    // kvplane: the provider's base URL as OpenAI's SDKs take it (with /v1).
+    let policy_dir = dir.join("policies");
+    std::fs::create_dir_all(&policy_dir).unwrap();
+    policies(&policy_dir, &format!("https://127.0.0.1:{https}/v1"));
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policy_dir),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    // The key where a Kubernetes Secret `cloud-api` mounted per name puts it.
+    let secrets = dir.join("secrets");
+    std::fs::create_dir_all(secrets.join("cloud-api")).unwrap();
+    std::fs::write(secrets.join("cloud-api").join("token"), format!("{KEY}\n")).unwrap();
+    let gw = harness::gateway_with(
+        &node.endpoint(),
+        &[
+            "--secrets-dir".into(),
+            secrets.display().to_string(),
+            "--provider-ca-file".into(),
+            ca.display().to_string(),
+        ],
+        dir.join("gateway.log"),
+    );
+    let url = format!("http://{}/v1/chat/completions", gw.field("http"));
+    let ask = |stream: bool| {
+        json!({"model": "chat", "max_tokens": 4, "stream": stream,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "hello"}]})
+    };
+    let client = reqwest::Client::new();
+    // Until the node holds the policies and Envoy listens.
+    let r = eventually("the provider answers", Duration::from_secs(30), || async {
+        let r = client.post(&url).json(&ask(true)).send().await.ok()?;
+        r.status().is_success().then_some(r)
+    })
+    .await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "provider:cloud");
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text().await.unwrap();
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(events.len() >= 2, "{text}");
+    // The body that reached the provider named the provider's model.
+    assert!(events.iter().all(|e| e["model"] == "gpt-cloud"), "{text}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e["usage"]["completion_tokens"].as_u64() > Some(0)),
+        "{text}"
+    );
+    // Envoy's own record: the API's path (not /v1/v1/...), answered 200 (its key matched).
+    let log = std::fs::read_to_string(&access).unwrap();
+    assert!(
+        log.lines().any(|l| l == "POST /v1/chat/completions 200"),
+        "{log}"
+    );
+
+    // A rotated key that the provider does not accept: a clear answer, not a pass-through.
+    std::fs::write(secrets.join("cloud-api").join("token"), "sk-wrong").unwrap();
+    let r = client.post(&url).json(&ask(false)).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("provider cloud refused the gateway's credentials"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("sk-wrong"),
+        "a credential is never repeated: {msg}"
+    );
+    let _ = envoy.kill();
+    let _ = envoy.wait();
+}
