@@ -114,6 +114,25 @@ impl pb::router_server::Router for RouterService {
     ) -> Result<Response<ExplainResponse>, Status> {
         self.explain_in(request).await
     }
+
+    async fn models(
+        &self,
+        _request: Request<pb::ModelsRequest>,
+    ) -> Result<Response<pb::ModelsResponse>, Status> {
+        let view = self.state.load();
+        Ok(Response::new(pb::ModelsResponse {
+            models: view
+                .catalog
+                .model_names()
+                .into_iter()
+                .map(|(id, kind)| pb::ModelInfo {
+                    id: id.to_owned(),
+                    kind: kind.to_owned(),
+                })
+                .collect(),
+            applied_index: view.applied_index,
+        }))
+    }
 }
 
 impl RouterService {

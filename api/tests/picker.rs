@@ -516,12 +516,12 @@ async fn an_error_answer_is_no_first_token_and_settles_once_at_its_headers_end()
     })))
     .await;
     p.recv().await;
+    // Settled as the headers ended, before their answer came back.
+    assert_eq!(metrics.usage_reports("known"), 2);
     p.send(msg(In::ResponseTrailers(Default::default()))).await;
     let Out::ResponseTrailers(_) = p.recv().await else {
         panic!("expected the trailers' answer");
     };
-    // Settled as the headers ended, before their answer came back.
-    assert_eq!(metrics.usage_reports("known"), 2);
     assert_eq!(metrics.usage_reports("unknown"), 0, "no second report");
 }
 

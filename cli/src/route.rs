@@ -157,6 +157,10 @@ pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
         } else {
             print_decision(&r);
         }
+        // A refusal is the command's failure: scripts see it in the exit status.
+        if let Some(kvplane_proto::v1::route_response::Decision::Rejection(x)) = &r.decision {
+            anyhow::bail!("the request was refused: {}", x.reason);
+        }
         return Ok(());
     }
     let x = client.explain(req).await?.into_inner();

@@ -13,6 +13,7 @@
 //! A `round-robin` mode skips kvplane and cycles over a fixed engine list: the baseline a
 //! Kubernetes Service gives, for comparisons.
 
+mod errors;
 mod metrics;
 mod proxy;
 mod replicas;

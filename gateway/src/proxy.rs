@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::errors::error_response;
 use crate::metrics::StatusLabel;
 use crate::secrets::Secrets;
 use crate::target::{Target, targets};
@@ -44,6 +45,11 @@ pub struct GatewayConfig {
     pub secrets: Secrets,
     /// More certificate authorities (PEM) to trust for providers, besides the web's roots.
     pub ca_pem: Option<Vec<u8>>,
+    /// How long requests in flight may take to finish after the shutdown signal.
+    pub drain: std::time::Duration,
+    /// How long a target may take to answer a request's headers (an engine answering a
+    /// request that is not streamed sends them at its end).
+    pub headers_timeout: std::time::Duration,
 }
 
 /// Why the gateway cannot start.
@@ -70,6 +76,7 @@ struct Inner {
     mode: Mode,
     tenant_header: String,
     secrets: Secrets,
+    headers_timeout: std::time::Duration,
     http: reqwest::Client,
     metrics: GatewayMetrics,
     registry: Registry,
@@ -112,6 +119,7 @@ pub async fn run(
         mode,
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
         secrets: cfg.secrets,
+        headers_timeout: cfg.headers_timeout,
         http,
         metrics,
         registry,
@@ -121,21 +129,149 @@ pub async fn run(
     let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(app);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    // On the shutdown signal: no new connections; requests in flight get `drain` to finish.
+    let (stopping, mut stopped) = tokio::sync::watch::channel(false);
+    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown.await;
+        let _ = stopping.send(true);
+    });
+    let drain = cfg.drain;
+    tokio::select! {
+        r = serve => r?,
+        () = async {
+            let _ = stopped.wait_for(|s| *s).await;
+            tokio::time::sleep(drain).await;
+        } => {
+            tracing::warn!(drain_s = drain.as_secs_f64(), "requests still open at the drain deadline: cut");
+        }
+    }
     Ok(())
 }
 
-async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    app.forward("/v1/completions", headers, body).await
+/// The largest request body taken (a larger one is refused with 413).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+type Body_ = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn completions(State(app): State<App>, headers: HeaderMap, body: Body_) -> Response {
+    app.post("/v1/completions", headers, body).await
 }
 
-async fn chat(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    app.forward("/v1/chat/completions", headers, body).await
+async fn chat(State(app): State<App>, headers: HeaderMap, body: Body_) -> Response {
+    app.post("/v1/chat/completions", headers, body).await
+}
+
+/// `GET /v1/models`: the models kvplane's catalog lets a client name (round-robin: the first
+/// engine's list).
+async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
+    let started = Instant::now();
+    let id = client_request_id(&headers).unwrap_or_default();
+    let resp = match &app.0.mode {
+        Mode::Kvplane(replicas) => match replicas.models().await {
+            Ok(m) => {
+                let data: Vec<Value> = m
+                    .models
+                    .iter()
+                    .map(|m| json!({"id": m.id, "object": "model", "created": 0, "owned_by": "kvplane"}))
+                    .collect();
+                axum::Json(json!({"object": "list", "data": data})).into_response()
+            }
+            Err(e) => error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                &e.to_string(),
+                1000,
+            ),
+        },
+        Mode::RoundRobin(engines, _) => {
+            let url = crate::target::join(&engines[0], "/v1/models");
+            match app.0.http.get(&url).send().await {
+                Ok(r) => {
+                    let status = StatusCode::from_u16(r.status().as_u16())
+                        .unwrap_or(StatusCode::BAD_GATEWAY);
+                    let body = r.bytes().await.unwrap_or_default();
+                    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+                }
+                Err(e) => error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "bad_gateway",
+                    &format!("engine {url} did not answer: {e}"),
+                    0,
+                ),
+            }
+        }
+    };
+    app.answered("GET", "/v1/models", &id, started, &resp);
+    resp
+}
+
+/// `GET /readyz`: ready while a kvplane replica says it is (its gRPC `readiness`); round-robin
+/// is always ready.
+async fn readyz(State(app): State<App>) -> Response {
+    match &app.0.mode {
+        Mode::Kvplane(replicas) => match replicas.ready().await {
+            Ok(replica) => (StatusCode::OK, format!("ready: {replica} is serving")).into_response(),
+            Err(why) => {
+                let mut r = (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: no kvplane replica is ready ({why})"),
+                )
+                    .into_response();
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+                r
+            }
+        },
+        Mode::RoundRobin(..) => (StatusCode::OK, "ready").into_response(),
+    }
+}
+
+/// Any other path: 404 in OpenAI's shape, counted.
+async fn not_found(
+    State(app): State<App>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    let r = error_response(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        &format!("{method} {} is not an endpoint of this gateway", uri.path()),
+        0,
+    );
+    app.answered(method.as_str(), uri.path(), "", Instant::now(), &r);
+    r
+}
+
+/// A known path with another method: 405 in OpenAI's shape, counted.
+async fn method_not_allowed(
+    State(app): State<App>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    let r = error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        &format!("{} does not take {method}", uri.path()),
+        0,
+    );
+    app.answered(method.as_str(), uri.path(), "", Instant::now(), &r);
+    r
+}
+
+/// The client's `x-request-id`, when it is one a header may carry back (visible ASCII, at most
+/// 200 bytes).
+fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("x-request-id")?.to_str().ok()?;
+    (!v.is_empty() && v.len() <= 200 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .then(|| v.to_owned())
 }
 
 async fn metrics_text(State(app): State<App>) -> Response {
@@ -153,42 +289,37 @@ async fn metrics_text(State(app): State<App>) -> Response {
     }
 }
 
-fn error_response(status: StatusCode, kind: &str, message: &str, retry_after_ms: u64) -> Response {
-    let mut r = (
-        status,
-        axum::Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}})),
-    )
-        .into_response();
-    if retry_after_ms > 0 {
-        let secs = retry_after_ms.div_ceil(1000).to_string();
-        if let Ok(v) = HeaderValue::from_str(&secs) {
-            r.headers_mut().insert(header::RETRY_AFTER, v);
-        }
-    }
-    r
-}
-
-/// Whether a provider's status passes the request to the next target.
-fn retry_on(status: reqwest::StatusCode) -> bool {
-    status.as_u16() == 429 || status.is_server_error()
-}
-
-/// The client's answer when provider `t` answered `status` and nothing else may be tried.
-fn provider_failed(t: &Target, status: reqwest::StatusCode) -> Response {
-    let why = match status.as_u16() {
-        401 | 403 => "refused the gateway's credentials",
-        429 => "is rate limiting the gateway",
-        _ => "failed",
-    };
-    error_response(
-        StatusCode::BAD_GATEWAY,
-        "provider_error",
-        &format!(
-            "{} {why} ({status})",
-            t.label.replace("provider:", "provider ")
+/// The client's answer when provider `t` answered `r` with an error: a 429 stays a 429 (its
+/// `Retry-After` kept), the rest is a 502 saying what the provider did.
+fn provider_failed(t: &Target, r: &reqwest::Response) -> Response {
+    let status = r.status();
+    let name = t.label.strip_prefix("provider:").unwrap_or(&t.label);
+    let retry_after_ms = r
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(0, |secs| secs.saturating_mul(1000));
+    match status.as_u16() {
+        429 => error_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            &format!("provider {name} is rate limiting the gateway"),
+            retry_after_ms.max(1000),
         ),
-        0,
-    )
+        401 | 403 => error_response(
+            StatusCode::BAD_GATEWAY,
+            "provider_error",
+            &format!("provider {name} refused the gateway's credentials ({status})"),
+            0,
+        ),
+        _ => error_response(
+            StatusCode::BAD_GATEWAY,
+            "provider_error",
+            &format!("provider {name} failed ({status})"),
+            0,
+        ),
+    }
 }
 
 impl App {
@@ -276,16 +407,29 @@ impl App {
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
                 match resp.decision.clone() {
-                    Some(Decision::Endpoint(e)) => targets(resp, e, path, body, &self.0.secrets)
-                        .await
-                        .map_err(|e| {
-                            error_response(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "unavailable",
-                                &e.to_string(),
-                                0,
-                            )
-                        }),
+                    Some(Decision::Endpoint(e)) => {
+                        match targets(resp, e, path, body, &self.0.secrets).await {
+                            Ok(t) => Ok(t),
+                            Err(e) => {
+                                // Routed, and nowhere it may go: settled at once.
+                                tracing::warn!(request_id, error = %e, "no target can be called");
+                                self.report_after(
+                                    None,
+                                    AnswerTail::default().report(
+                                        request_id.to_owned(),
+                                        0.0,
+                                        Outcome::Error,
+                                    ),
+                                );
+                                Err(error_response(
+                                    StatusCode::SERVICE_UNAVAILABLE,
+                                    "unavailable",
+                                    &e.public(),
+                                    0,
+                                ))
+                            }
+                        }
+                    }
                     Some(Decision::Rejection(r)) => {
                         let (status, kind) = match RejectCode::try_from(r.code) {
                             Ok(RejectCode::RateLimited) => {
@@ -295,7 +439,7 @@ impl App {
                                 (StatusCode::NOT_FOUND, "model_not_found")
                             }
                             Ok(RejectCode::InvalidRequest) => {
-                                (StatusCode::BAD_REQUEST, "invalid_request_error")
+                                (StatusCode::BAD_REQUEST, "invalid_request")
                             }
                             Ok(RejectCode::Policy) => (StatusCode::FORBIDDEN, "policy_rejected"),
                             _ => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
@@ -313,9 +457,11 @@ impl App {
         }
     }
 
-    /// Sends the request to the first of `targets` that answers: one that cannot be reached,
-    /// or a provider that answers 429 or 5xx, passes it to the next before any byte reached
-    /// the client. The last one's failure is the answer.
+    /// Sends the request to the first of `targets` that answers. One that cannot be connected
+    /// to, or a provider that answers 429 or 5xx (the request was not served there), passes it
+    /// to the next, before any byte reached the client; a request that may have reached a
+    /// target is never sent again. A provider's failure on the last target is told in the
+    /// gateway's words (its `Retry-After` kept), never in the provider's.
     async fn send(
         &self,
         targets: &[Target],
@@ -328,47 +474,66 @@ impl App {
                 self.0.metrics.upstream_retries.inc();
             }
             let more = i + 1 < targets.len();
-            let sent = self
-                .0
-                .http
-                .post(&t.url)
-                .headers(crate::target::upstream_headers(t, client, request_id))
-                .body(t.body.clone())
-                .send()
-                .await;
-            match sent {
-                Ok(r) if t.provider.is_some() && more && retry_on(r.status()) => {
-                    tracing::debug!(target = t.label, status = %r.status(), "trying the next target");
-                    last = Some(provider_failed(t, r.status()));
-                }
-                Ok(r)
-                    if t.provider.is_some()
-                        && r.status().is_client_error()
-                        && matches!(r.status().as_u16(), 401 | 403) =>
-                {
-                    return Err(provider_failed(t, r.status()));
-                }
-                Ok(r) => return Ok((t.clone(), r)),
-                Err(e) => {
+            let what = if t.provider.is_some() {
+                "provider"
+            } else {
+                "engine"
+            };
+            let sent = tokio::time::timeout(
+                self.0.headers_timeout,
+                self.0
+                    .http
+                    .post(&t.url)
+                    .headers(crate::target::upstream_headers(t, client, request_id))
+                    .body(t.body.clone())
+                    .send(),
+            )
+            .await;
+            let r = match sent {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    // Without the URL: a provider's may carry a key in its query.
+                    let e = e.without_url();
                     tracing::debug!(target = t.label, error = %e, "target did not answer");
-                    let (status, kind) = if e.is_timeout() {
-                        (StatusCode::GATEWAY_TIMEOUT, "timeout")
-                    } else {
-                        (StatusCode::BAD_GATEWAY, "bad_gateway")
-                    };
-                    let what = if t.provider.is_some() {
-                        "provider"
-                    } else {
-                        "engine"
-                    };
-                    last = Some(error_response(
-                        status,
-                        kind,
+                    let answer = error_response(
+                        StatusCode::BAD_GATEWAY,
+                        "bad_gateway",
                         &format!("{what} {} did not answer: {e}", t.label),
+                        0,
+                    );
+                    if e.is_connect() && more {
+                        last = Some(answer);
+                        continue;
+                    }
+                    return Err(answer);
+                }
+                Err(_) => {
+                    return Err(error_response(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "timeout",
+                        &format!(
+                            "{what} {} sent no answer within {} s",
+                            t.label,
+                            self.0.headers_timeout.as_secs()
+                        ),
                         0,
                     ));
                 }
+            };
+            let status = r.status();
+            if t.provider.is_none() || status.is_success() {
+                return Ok((t.clone(), r));
             }
+            if more && (status.as_u16() == 429 || status.is_server_error()) {
+                tracing::debug!(target = t.label, %status, "trying the next target");
+                last = Some(provider_failed(t, &r));
+                continue;
+            }
+            if matches!(status.as_u16(), 401 | 403 | 429) || status.is_server_error() {
+                return Err(provider_failed(t, &r));
+            }
+            // What the provider says of the request itself (400, 404, 422): its own answer.
+            return Ok((t.clone(), r));
         }
         Err(last.unwrap_or_else(|| {
             error_response(
@@ -380,24 +545,79 @@ impl App {
         }))
     }
 
+    /// A POST whose body could not be read (too large, cut off) is refused in OpenAI's shape.
+    async fn post(&self, path: &str, headers: HeaderMap, body: Body_) -> Response {
+        match body {
+            Ok(b) => self.forward(path, headers, b).await,
+            Err(e) => {
+                let (code, msg) = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    (
+                        "request_too_large",
+                        format!("the request body is over {MAX_BODY_BYTES} bytes"),
+                    )
+                } else {
+                    ("invalid_request", e.body_text())
+                };
+                let r = error_response(e.status(), code, &msg, 0);
+                self.answered("POST", path, "", Instant::now(), &r);
+                r
+            }
+        }
+    }
+
     async fn forward(&self, path: &str, headers: HeaderMap, body: Bytes) -> Response {
         let received = Instant::now();
-        let request_id = format!(
+        let own = format!(
             "{}-{}",
             self.0.id_prefix,
             self.0.next_id.fetch_add(1, Ordering::Relaxed)
         );
-        let targets = match self.pick(path, &headers, &body, &request_id).await {
+        let id = client_request_id(&headers).unwrap_or_else(|| own.clone());
+        let mut resp = self.forward_as(path, &headers, body, own, &id).await;
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert("x-request-id", v);
+        }
+        self.answered("POST", path, &id, received, &resp);
+        resp
+    }
+
+    /// Counts an answer by status and writes its access log line.
+    fn answered(&self, method: &str, path: &str, id: &str, since: Instant, resp: &Response) {
+        self.count(resp.status());
+        let worker = resp
+            .headers()
+            .get(WORKER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        tracing::info!(
+            target: "kvplane::access",
+            method,
+            path,
+            status = resp.status().as_u16(),
+            request_id = id,
+            worker,
+            ms = since.elapsed().as_secs_f64() * 1000.0,
+            "request"
+        );
+    }
+
+    /// `forward`'s work: `request_id` names it to kvplane, `upstream_id` to the engine.
+    async fn forward_as(
+        &self,
+        path: &str,
+        headers: &HeaderMap,
+        body: Bytes,
+        request_id: String,
+        upstream_id: &str,
+    ) -> Response {
+        let received = Instant::now();
+        let targets = match self.pick(path, headers, &body, &request_id).await {
             Ok(t) => t,
-            Err(r) => {
-                self.count(r.status());
-                return r;
-            }
+            Err(r) => return r,
         };
-        let (target, upstream) = match self.send(&targets, &headers, &request_id).await {
+        let (target, upstream) = match self.send(&targets, headers, upstream_id).await {
             Ok(sent) => sent,
             Err(r) => {
-                self.count(r.status());
                 self.report_after(
                     None,
                     AnswerTail::default().report(request_id, 0.0, Outcome::Error),
@@ -411,7 +631,6 @@ impl App {
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
             .cloned();
-        self.count(status);
         // A streamed answer's first chunk carries the first token: reported at once, so the
         // replica stops counting the request as waiting on its engine long before its end.
         let streamed = status.is_success()

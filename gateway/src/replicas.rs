@@ -3,8 +3,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvplane_proto::v1::router_client::RouterClient;
-use kvplane_proto::v1::{RouteRequest, RouteResponse, UsageReport};
+use kvplane_proto::v1::{ModelsRequest, ModelsResponse, RouteRequest, RouteResponse, UsageReport};
 use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 /// The W3C trace context headers a gateway passes on to kvplane.
 const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
@@ -13,6 +16,8 @@ const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 #[derive(Debug)]
 pub struct Replicas {
     clients: Vec<(String, RouterClient<Channel>)>,
+    /// Each replica's gRPC health, on the same connection.
+    health: Vec<HealthClient<Channel>>,
     preferred: AtomicUsize,
 }
 
@@ -49,14 +54,23 @@ impl Replicas {
                     })?
                     .connect_timeout(std::time::Duration::from_millis(500))
                     .timeout(std::time::Duration::from_secs(2));
-                Ok((u.clone(), RouterClient::new(ep.connect_lazy())))
+                Ok((u.clone(), ep.connect_lazy()))
             })
             .collect::<Result<Vec<_>, ReplicasError>>()?;
+        let health = clients
+            .iter()
+            .map(|(_, c)| HealthClient::new(c.clone()))
+            .collect();
+        let clients: Vec<(String, RouterClient<Channel>)> = clients
+            .into_iter()
+            .map(|(u, c)| (u, RouterClient::new(c)))
+            .collect();
         if clients.is_empty() {
             return Err(ReplicasError::None);
         }
         Ok(Self {
             clients,
+            health,
             preferred: AtomicUsize::new(0),
         })
     }
@@ -100,6 +114,42 @@ impl Replicas {
     }
 
     /// Best effort: usage goes to the preferred replica, then the others.
+    /// The models the first replica that answers lists.
+    pub async fn models(&self) -> Result<ModelsResponse, NoReplica> {
+        let n = self.clients.len();
+        let start = self.preferred.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for k in 0..n {
+            let i = (start + k) % n;
+            match self.clients[i].1.clone().models(ModelsRequest {}).await {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(status) => last = format!("{}: {}", self.clients[i].0, status.message()),
+            }
+        }
+        Err(NoReplica { tried: n, last })
+    }
+
+    /// The first replica whose gRPC health says it is ready (`readiness`), or why none is.
+    pub async fn ready(&self) -> Result<String, String> {
+        let mut why = Vec::new();
+        for ((url, _), h) in self.clients.iter().zip(&self.health) {
+            match h
+                .clone()
+                .check(HealthCheckRequest {
+                    service: "readiness".into(),
+                })
+                .await
+            {
+                Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => {
+                    return Ok(url.clone());
+                }
+                Ok(_) => why.push(format!("{url}: not ready")),
+                Err(status) => why.push(format!("{url}: {}", status.message())),
+            }
+        }
+        Err(why.join("; "))
+    }
+
     pub async fn report(&self, report: UsageReport) {
         let n = self.clients.len();
         let start = self.preferred.load(Ordering::Relaxed);

@@ -22,7 +22,8 @@ pub(crate) struct Target {
     pub(crate) authorization: Option<String>,
 }
 
-/// Why a decision's endpoint cannot be called.
+/// Why a decision's endpoint cannot be called (logged; [`TargetError::public`] is what a
+/// client is told).
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum TargetError {
     #[error("worker {pool}/{worker} has not announced an address")]
@@ -38,14 +39,34 @@ pub(crate) enum TargetError {
     },
 }
 
-/// `path` (an OpenAI API path, `/v1/...`) under `base`. A base that ends in the API's version
-/// (`https://api.openai.com/v1`, as OpenAI's SDKs take it) is not given it twice.
-pub(crate) fn join(base: &str, path: &str) -> String {
-    let base = base.trim_end_matches('/');
-    match path.strip_prefix("/v1/") {
-        Some(rest) if base.ends_with("/v1") => format!("{base}/{rest}"),
-        _ => format!("{base}{path}"),
+impl TargetError {
+    /// What a client may be told: no secret's path, no variable name.
+    pub(crate) fn public(&self) -> String {
+        match self {
+            Self::Credentials { provider, .. } => {
+                format!("provider {provider} has no credentials the gateway can read")
+            }
+            other => other.to_string(),
+        }
     }
+}
+
+/// `path` (an OpenAI API path, `/v1/...`) under `base`. A base with a path is an API's base URL
+/// as OpenAI's SDKs take it (`https://api.openai.com/v1`, `.../v1beta/openai`, an Azure
+/// deployment's with its `?api-version=`): the path's own `/v1` is not added, the base's query
+/// is kept. A bare origin (an engine's `http://10.0.0.7:8000`) gets the whole path.
+pub(crate) fn join(base: &str, path: &str) -> String {
+    let Ok(mut url) = reqwest::Url::parse(base) else {
+        return format!("{}{path}", base.trim_end_matches('/'));
+    };
+    let own = url.path().trim_end_matches('/').to_owned();
+    let joined = if own.is_empty() {
+        path.to_owned()
+    } else {
+        format!("{own}{}", path.strip_prefix("/v1").unwrap_or(path))
+    };
+    url.set_path(&joined);
+    url.to_string()
 }
 
 /// Where `e` is reached for `path` with `body`.
@@ -100,8 +121,8 @@ pub(crate) async fn target(
     })
 }
 
-/// The pick and its alternatives for `resp` (the body rewritten for the pick is sent to the
-/// alternatives too only when they serve the same model: otherwise the original body).
+/// The pick and its alternatives for `resp`, the ones that can be called (each with the body
+/// naming the model it serves); the pick's error when none can.
 pub(crate) async fn targets(
     resp: RouteResponse,
     pick: Endpoint,
@@ -109,22 +130,43 @@ pub(crate) async fn targets(
     body: &Bytes,
     secrets: &Secrets,
 ) -> Result<Vec<Target>, TargetError> {
-    let rewritten = resp
+    let picked_body = resp
         .rewritten_body
         .map_or_else(|| body.clone(), Bytes::from);
-    let mut out = vec![target(&pick, path, rewritten, resp.matched_blocks, secrets).await?];
+    let mut out = Vec::new();
+    let first = match target(
+        &pick,
+        path,
+        picked_body.clone(),
+        resp.matched_blocks,
+        secrets,
+    )
+    .await
+    {
+        Ok(t) => {
+            out.push(t);
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the pick cannot be called; trying its alternatives");
+            Some(e)
+        }
+    };
     for a in &resp.alternatives {
-        // An alternative that cannot be called is no reason to fail the pick.
         let alt_body = if a.model.is_empty() || a.model == resp.model {
-            out[0].body.clone()
+            picked_body.clone()
         } else {
             rewrite_model(body, &a.model).unwrap_or_else(|| body.clone())
         };
-        if let Ok(t) = target(a, path, alt_body, 0, secrets).await {
-            out.push(t);
+        match target(a, path, alt_body, 0, secrets).await {
+            Ok(t) => out.push(t),
+            Err(e) => tracing::debug!(error = %e, "an alternative cannot be called"),
         }
     }
-    Ok(out)
+    match first {
+        Some(e) if out.is_empty() => Err(e),
+        _ => Ok(out),
+    }
 }
 
 /// Headers never passed on to an engine: connection-level ones, and what the gateway sets.
@@ -140,6 +182,8 @@ const HOP_BY_HOP: &[&str] = &[
     "host",
     "content-length",
     "content-type",
+    // The answer is relayed as the engine sends it: no encoding the gateway did not ask for.
+    "accept-encoding",
 ];
 
 /// The headers of the request sent to `t`: an engine gets the client's (its credentials for

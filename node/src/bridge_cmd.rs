@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use kvplane_ingest::bridge::{BridgeConfig, BridgeMetrics, run};
 use kvplane_state::valid_name;
 use prometheus_client::registry::Registry;
@@ -86,7 +87,9 @@ pub async fn bridge(
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     let registry = Arc::new(registry);
-    let listener = tokio::net::TcpListener::bind(&a.http_listen).await?;
+    let listener = tokio::net::TcpListener::bind(&a.http_listen)
+        .await
+        .with_context(|| format!("cannot listen on --http-listen {}", a.http_listen))?;
     let addr = listener.local_addr()?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = axum::Router::new().route(
@@ -96,7 +99,14 @@ pub async fn bridge(
             async move {
                 let mut out = String::new();
                 let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-                out
+                // What prometheus-client writes is OpenMetrics text, and says so.
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    out,
+                )
             }
         }),
     );

@@ -83,19 +83,19 @@ pub fn main() -> ExitCode {
         Cmd::Explain(a) => rt.block_on(explain::run(a)),
         Cmd::Status(a) => rt.block_on(route::status(a)),
         Cmd::Sim(SimCmd::Engine(a)) => rt.block_on(async {
-            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-sim");
+            let t = crate::telemetry::init(crate::config::LogFormat::from_env(), "kvplane-sim");
             let r = sim_engine::engine(a, shutdown_signal()).await;
             t.shutdown();
             r
         }),
         Cmd::Bridge(a) => rt.block_on(async {
-            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-bridge");
+            let t = crate::telemetry::init(crate::config::LogFormat::from_env(), "kvplane-bridge");
             let r = crate::bridge_cmd::bridge(a, shutdown_signal()).await;
             t.shutdown();
             r
         }),
         Cmd::Gateway(a) => rt.block_on(async {
-            let t = crate::telemetry::init(crate::config::LogFormat::Text, "kvplane-gateway");
+            let t = crate::telemetry::init(crate::config::LogFormat::from_env(), "kvplane-gateway");
             let r = crate::gateway_cmd::gateway(a, shutdown_signal()).await;
             t.shutdown();
             r

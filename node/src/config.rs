@@ -32,6 +32,17 @@ pub enum LogFormat {
     Json,
 }
 
+impl LogFormat {
+    /// `KVPLANE_LOG_FORMAT` (`json` or `text`), for the subcommands without a config file
+    /// (bridge, gateway, simulated engine); text otherwise.
+    pub fn from_env() -> Self {
+        match std::env::var("KVPLANE_LOG_FORMAT").as_deref() {
+            Ok("json") => Self::Json,
+            _ => Self::Text,
+        }
+    }
+}
+
 /// Everything `kvplane serve` needs.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -34,6 +34,13 @@ pub struct GatewayArgs {
     /// web's roots.
     #[arg(long, env = "KVPLANE_PROVIDER_CA_FILE")]
     pub provider_ca_file: Option<std::path::PathBuf>,
+    /// After SIGTERM, how long requests in flight may take to finish (new ones are refused).
+    #[arg(long, default_value_t = 30)]
+    pub drain_seconds: u64,
+    /// How long an engine or provider may take to answer a request's headers (a request that
+    /// is not streamed gets them at its end).
+    #[arg(long, default_value_t = 600)]
+    pub upstream_timeout_seconds: u64,
 }
 
 pub async fn gateway(
@@ -65,6 +72,8 @@ pub async fn gateway(
                 dir: Some(a.secrets_dir),
             },
             ca_pem,
+            drain: std::time::Duration::from_secs(a.drain_seconds),
+            headers_timeout: std::time::Duration::from_secs(a.upstream_timeout_seconds),
         },
         listener,
         shutdown,

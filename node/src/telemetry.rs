@@ -69,7 +69,10 @@ pub fn otlp_requested() -> bool {
 /// `service` names the process when `OTEL_SERVICE_NAME` does not.
 pub fn init(format: LogFormat, service: &str) -> Telemetry {
     let logs = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only for a terminal: a log written to a file or collected stays plain text.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let fmt = match format {
         LogFormat::Text => fmt.boxed(),
         LogFormat::Json => fmt.json().flatten_event(true).boxed(),

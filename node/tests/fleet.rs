@@ -18,19 +18,22 @@ fn words(tag: &str, n: usize) -> String {
         .join(" ")
 }
 
-/// Blocks kvplane holds for this prompt on its best worker, and that worker.
+/// Blocks kvplane holds for this prompt on its best worker, and that worker (Explain: the
+/// decision without a queue entry or a reservation).
 async fn routed(node: &harness::Node, body: &serde_json::Value) -> (String, u32, u32) {
     let r = node
         .router()
         .await
-        .route(RouteRequest {
+        .explain(RouteRequest {
             request_id: "probe".into(),
             body: serde_json::to_vec(body).unwrap(),
             ..Default::default()
         })
         .await
         .unwrap()
-        .into_inner();
+        .into_inner()
+        .decision
+        .unwrap();
     match r.decision {
         Some(Decision::Endpoint(e)) => (e.worker_id, r.matched_blocks, r.prompt_blocks),
         other => panic!("{other:?}"),
@@ -47,6 +50,53 @@ async fn complete(url: &str, body: &serde_json::Value) -> reqwest::Response {
         .unwrap();
     assert!(r.status().is_success(), "{}", r.status());
     r
+}
+
+/// Warms `engine` (worker `worker`) directly with a chat whose system prompt is 1,200 words,
+/// waits until kvplane would send a second question under it there, and returns that chat.
+async fn cached_on(node: &harness::Node, engine: &Engine, worker: &str) -> serde_json::Value {
+    let system = words("sys", 1200);
+    let chat = |q: &str| {
+        json!({"model": "sim-8b", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    complete(
+        &format!("{}/v1/chat/completions", engine.http),
+        &chat("first question"),
+    )
+    .await;
+    let second = chat("a second, different question");
+    eventually(
+        &format!("kvplane to index {worker}'s blocks"),
+        Duration::from_secs(20),
+        || async {
+            let (w, matched, _) = routed(node, &second).await;
+            (w == worker && matched >= 70).then_some(())
+        },
+    )
+    .await;
+    second
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_engine_is_gone_goes_to_the_next_alternative() {
+    let (cluster, mut engines) = harness::node_with_engines(2).await;
+    let root = cluster.root.path().to_owned();
+    let node = &cluster.nodes[0];
+    let gateway = harness::gateway(&node.endpoint(), root.join("gateway.log"));
+    let gw = format!("http://{}/v1/chat/completions", gateway.field("http"));
+    // engine-1 caches a long system prompt, so kvplane picks it for that prompt...
+    let second = cached_on(node, &engines[0], "engine-1").await;
+    // ...then its engine process is gone (its bridge still says it is up).
+    engines[0].sim.kill();
+    let r = complete(&gw, &second).await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "default/engine-2");
+    let metrics = harness::http_get(&format!("http://{}/metrics", gateway.field("http"))).await;
+    assert_eq!(
+        harness::metric_value(&metrics, "kvplane_gateway_upstream_retries_total"),
+        1.0,
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,26 +116,7 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     let gw = format!("http://{}/v1/chat/completions", gateway.field("http"));
 
     // Warm engine-2 directly with a long system prompt.
-    let system = words("sys", 1200);
-    let chat = |q: &str| {
-        json!({"model": "sim-8b", "max_tokens": 4, "messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": q}]})
-    };
-    complete(
-        &format!("{}/v1/chat/completions", engines[1].http),
-        &chat("first question"),
-    )
-    .await;
-    let second = chat("a second, different question");
-    eventually(
-        "kvplane to index engine-2's blocks",
-        Duration::from_secs(20),
-        || async {
-            let (w, matched, _) = routed(node, &second).await;
-            (w == "engine-2" && matched >= 70).then_some(())
-        },
-    )
-    .await;
+    let second = cached_on(node, &engines[1], "engine-2").await;
 
     let hits_before: Vec<f64> = futures::future::join_all(
         engines
@@ -125,7 +156,8 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     .await;
     // A streamed answer is reported at its first chunk too (the request stops counting as
     // waiting there), then whole; an answer in one piece only whole.
-    let mut streamed = chat("a third question, streamed");
+    let mut streamed = second.clone();
+    streamed["messages"][1]["content"] = json!("a third question, streamed");
     streamed["stream"] = json!(true);
     let text = complete(&gw, &streamed).await.text().await.unwrap();
     assert!(text.contains("data: [DONE]"), "{text}");

@@ -75,7 +75,7 @@ static_resources:
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
               path: {log}
-              log_format: {{text_format_source: {{inline_string: "%REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE%\n"}}}}
+              log_format: {{text_format_source: {{inline_string: "%REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE% cookie=%REQ(COOKIE)%\n"}}}}
           route_config:
             virtual_hosts:
             - name: provider
@@ -221,9 +221,17 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
             "messages": [{"role": "user", "content": "hello"}]})
     };
     let client = reqwest::Client::new();
-    // Until the node holds the policies and Envoy listens.
+    // Until the node holds the policies and Envoy listens. The client's own credentials and
+    // cookies are not the provider's business.
     let r = eventually("the provider answers", Duration::from_secs(30), || async {
-        let r = client.post(&url).json(&ask(true)).send().await.ok()?;
+        let r = client
+            .post(&url)
+            .header("authorization", "Bearer the-clients-own-key")
+            .header("cookie", "session=the-clients")
+            .json(&ask(true))
+            .send()
+            .await
+            .ok()?;
         r.status().is_success().then_some(r)
     })
     .await;
@@ -251,10 +259,20 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
             .any(|e| e["usage"]["completion_tokens"].as_u64() > Some(0)),
         "{text}"
     );
-    // Envoy's own record: the API's path (not /v1/v1/...), answered 200 (its key matched).
-    let log = std::fs::read_to_string(&access).unwrap();
+    // Envoy's own record (flushed every second): the API's path (not /v1/v1/...), answered 200
+    // (the provider's key matched, not the client's), no cookie of the client's.
+    let log = eventually(
+        "the provider's access log",
+        Duration::from_secs(10),
+        || async {
+            let log = std::fs::read_to_string(&access).unwrap_or_default();
+            (!log.is_empty()).then_some(log)
+        },
+    )
+    .await;
     assert!(
-        log.lines().any(|l| l == "POST /v1/chat/completions 200"),
+        log.lines()
+            .any(|l| l == "POST /v1/chat/completions 200 cookie=-"),
         "{log}"
     );
 

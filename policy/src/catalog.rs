@@ -167,6 +167,32 @@ impl Catalog {
         }
     }
 
+    /// The models a client may name, each with its kind (`public`: a backend's public model;
+    /// `served`: what a worker set, or a config pool listing its models, runs; `adapter`: a
+    /// worker set's LoRA adapter), sorted; a name of several kinds has the first of these.
+    pub fn model_names(&self) -> BTreeMap<&str, &'static str> {
+        let mut out = BTreeMap::new();
+        for b in self.backends.values() {
+            out.insert(b.public_model.as_str(), "public");
+        }
+        for (name, ws) in &self.worker_sets {
+            match self.config_pools.get(name) {
+                Some(models) => {
+                    for m in models {
+                        out.entry(m.as_str()).or_insert("served");
+                    }
+                }
+                None => {
+                    out.entry(ws.model.as_str()).or_insert("served");
+                }
+            }
+            for a in &ws.lora_adapters {
+                out.entry(a.as_str()).or_insert("adapter");
+            }
+        }
+        out
+    }
+
     /// The model worker set `name` runs for a request naming `requested` (the body names it
     /// when it differs).
     pub fn served_model(&self, name: &str, requested: &str) -> String {

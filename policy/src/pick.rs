@@ -45,7 +45,7 @@ pub fn alternatives(cands: &[Candidate<'_>], chosen: usize, n: usize) -> Vec<usi
             continue;
         }
         // Insert after every kept one that is no worse: one pass, `n` kept at most.
-        let at = best.partition_point(|&j| cands[j].objective <= c.objective);
+        let at = best.partition_point(|&j| cands[j].objective.total_cmp(&c.objective).is_le());
         if at < n {
             best.insert(at, i);
             best.truncate(n);

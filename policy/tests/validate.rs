@@ -103,6 +103,19 @@ fn the_examples_directory_is_valid() {
         (2, 3, 1)
     );
     assert_eq!((catalog.policies.len(), catalog.backends.len()), (5, 3));
+    // What a gateway's /v1/models lists: the three public names and the two models the worker
+    // sets run (the provider's model is not a client's to name).
+    let names: Vec<(&str, &str)> = catalog.model_names().into_iter().collect();
+    assert_eq!(
+        names,
+        [
+            ("assistant", "public"),
+            ("chat", "public"),
+            ("llama-70b", "served"),
+            ("llama-8b", "served"),
+            ("standard-model", "public"),
+        ]
+    );
 }
 
 #[test]

@@ -56,9 +56,11 @@ impl AnswerTail {
                 .rev()
                 .filter_map(|l| l.strip_prefix("data:"))
                 .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
-                .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned()),
+                .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+                // A JSON answer longer than the tail: its `usage` is near its end.
+                .or_else(|| last_usage_object(&text)),
         };
-        let usage = usage?;
+        let usage = usage.filter(serde_json::Value::is_object)?;
         let n = |k: &str| {
             usage
                 .pointer(k)
@@ -96,6 +98,18 @@ impl AnswerTail {
     }
 }
 
+/// The object after the last `"usage":` of `text`, when one parses there.
+fn last_usage_object(text: &str) -> Option<serde_json::Value> {
+    let at = text.rfind("\"usage\"")?;
+    let rest = text[at + "\"usage\"".len()..]
+        .trim_start()
+        .strip_prefix(':')?;
+    serde_json::Deserializer::from_str(rest)
+        .into_iter::<serde_json::Value>()
+        .next()?
+        .ok()
+}
+
 /// Token counts of an answer's `usage`.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -128,6 +142,26 @@ mod tests {
         let sse = b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7}}\n\ndata: [DONE]\n\n";
         assert_eq!(usage(sse).unwrap().prompt_tokens, 7);
         assert_eq!(usage(b"data: {\"choices\":[]}\n\n"), None);
+    }
+
+    #[test]
+    fn a_json_answer_longer_than_the_tail_still_gives_its_usage() {
+        let text = "x".repeat(20_000);
+        let answer = format!(
+            r#"{{"id":"c","choices":[{{"text":"{text}"}}],"usage":{{"prompt_tokens":9,"completion_tokens":4000}}}}"#
+        );
+        let mut t = AnswerTail::default();
+        for chunk in answer.as_bytes().chunks(1000) {
+            t.keep(chunk);
+        }
+        assert_eq!(
+            t.usage(),
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: 4000,
+                cached_tokens: 0
+            })
+        );
     }
 
     #[test]

@@ -110,6 +110,8 @@ struct App {
     publisher: KvPublisher,
     cfg: Arc<SimConfig>,
     started: Instant,
+    /// Tells this process's answer ids from another engine's (the wall clock at its start).
+    instance: u64,
 }
 
 impl App {
@@ -156,6 +158,7 @@ pub async fn run(
         publisher,
         cfg: Arc::new(cfg),
         started: Instant::now(),
+        instance: unix_now().as_nanos() as u64,
     };
     tokio::spawn(drive(app.clone()));
     let router = Router::new()
@@ -219,11 +222,24 @@ async fn drive(app: App) {
     }
 }
 
+/// The wall clock since the Unix epoch (answers' `created`, ids).
+fn unix_now() -> Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
 fn error(status: StatusCode, message: &str) -> Box<Response> {
     Box::new(
         (
             status,
-            Json(json!({"error": {"message": message, "type": "invalid_request_error"}})),
+            // As vLLM answers: its exception's name as the type, the status as the code.
+            Json(json!({"error": {
+                "message": message,
+                "type": if status == StatusCode::BAD_REQUEST { "BadRequestError" } else { "InternalServerError" },
+                "param": null,
+                "code": status.as_u16(),
+            }})),
         )
             .into_response(),
     )
@@ -242,6 +258,23 @@ struct Parsed {
 fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid json: {e}")))?;
+    // What vLLM refuses too: more than one choice, a maximum that is no positive count.
+    if v.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+        return Err(error(
+            StatusCode::BAD_REQUEST,
+            "n must be 1: the simulator answers with one choice",
+        ));
+    }
+    for k in ["max_tokens", "max_completion_tokens"] {
+        if v.get(k)
+            .is_some_and(|m| !m.is_null() && m.as_u64().is_none_or(|m| m < 1))
+        {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                &format!("{k} must be at least 1"),
+            ));
+        }
+    }
     let p = kvplane_tokenize::prompt_from_body_with(body, app.cfg.tokenizer.as_deref())
         .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
     let model = p.model.clone().unwrap_or_else(|| app.cfg.model.clone());
@@ -315,7 +348,12 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
     } else {
         "text_completion"
     };
-    let rid = format!("{}-{id}", if chat { "chatcmpl" } else { "cmpl" });
+    let rid = format!(
+        "{}-{:x}-{id}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        app.instance
+    );
+    let created = unix_now().as_secs();
     let model = p.model.clone();
     if !p.stream {
         let mut text = String::new();
@@ -340,7 +378,7 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
             json!({"index": 0, "text": text, "finish_reason": "length"})
         };
         return Json(json!({
-            "id": rid, "object": object, "model": model,
+            "id": rid, "object": object, "created": created, "model": model,
             "choices": [choice], "usage": usage_json(&usage),
         }))
         .into_response();
@@ -359,20 +397,33 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
             } else {
                 format!(" {word}")
             };
-            let choice = if chat {
+            let choice = if chat && first {
+                // The first chunk of a chat stream names the speaker, as OpenAI's do.
+                json!({"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": null})
+            } else if chat {
                 json!({"index": 0, "delta": {"content": text}, "finish_reason": null})
             } else {
                 json!({"index": 0, "text": text, "finish_reason": null})
             };
             vec![
-                json!({"id": rid, "object": chunk_object, "model": model, "choices": [choice]})
+                json!({"id": rid, "object": chunk_object, "created": created, "model": model, "choices": [choice]})
                     .to_string(),
             ]
         }
         Output::Finished { usage, .. } => {
-            let mut v = Vec::new();
+            // The last choice chunk says why the answer ended (the simulator always runs to
+            // the maximum).
+            let last = if chat {
+                json!({"index": 0, "delta": {}, "finish_reason": "length"})
+            } else {
+                json!({"index": 0, "text": "", "finish_reason": "length"})
+            };
+            let mut v = vec![
+                json!({"id": rid, "object": chunk_object, "created": created, "model": model, "choices": [last]})
+                    .to_string(),
+            ];
             if include_usage {
-                v.push(json!({"id": rid, "object": chunk_object, "model": model, "choices": [], "usage": usage_json(&usage)}).to_string());
+                v.push(json!({"id": rid, "object": chunk_object, "created": created, "model": model, "choices": [], "usage": usage_json(&usage)}).to_string());
             }
             v.push("[DONE]".to_owned());
             v

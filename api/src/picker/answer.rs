@@ -115,7 +115,12 @@ pub(crate) fn picked(resp: &RouteResponse, fallbacks: usize) -> Result<Picked, R
             for a in resp
                 .alternatives
                 .iter()
-                .filter(|a| !a.address.is_empty() && a.provider.is_empty())
+                // Workers serving the pick's model only: the body streamed back names it.
+                .filter(|a| {
+                    !a.address.is_empty()
+                        && a.provider.is_empty()
+                        && (a.model.is_empty() || a.model == resp.model)
+                })
                 .take(fallbacks)
             {
                 destination.push(',');
@@ -221,6 +226,10 @@ mod tests {
                     ..worker("dddd")
                 },
                 worker("ccc"),
+                Endpoint {
+                    model: "another-model".into(),
+                    ..worker("eeeee")
+                },
                 Endpoint::default(),
             ],
             ..Default::default()
@@ -234,7 +243,7 @@ mod tests {
                 DESTINATION,
                 "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000".into()
             ),
-            "providers and alternatives without an address are left out"
+            "providers, other models and alternatives without an address are left out"
         );
         assert!(listed.metadata().is_some());
         assert_eq!(alone.headers(10)[0], ("content-length", "10".into()));

@@ -153,10 +153,14 @@ impl Exchange {
         r.answer()
     }
 
-    /// The stream ended: a request whose answer began and did not end was cancelled (its
-    /// usage unknown, so it keeps its reservation); one whose answer never came failed.
+    /// The stream ended: a request whose successful answer began and did not end was
+    /// cancelled (its usage unknown, so it keeps its reservation); one whose answer never came,
+    /// or failed, is settled as failed.
     pub(crate) async fn closed(&mut self) {
-        let began = self.routed.as_ref().is_some_and(|r| r.answered);
+        let began = self
+            .routed
+            .as_ref()
+            .is_some_and(|r| r.answered && r.success);
         self.finish(Some(if began {
             kvplane_proto::v1::Outcome::Cancelled
         } else {
@@ -169,6 +173,28 @@ impl Exchange {
     pub(super) fn release_body(&mut self) {
         self.body = Vec::new();
         self.held.clear();
+    }
+}
+
+impl Drop for Exchange {
+    /// An exchange dropped without settling its request (its task panicked): settled as failed
+    /// in a task of its own.
+    fn drop(&mut self) {
+        let Some(r) = self.routed.as_mut().filter(|r| !r.reported) else {
+            return;
+        };
+        r.reported = true;
+        let report = AnswerTail::default().report(
+            r.request_id.clone(),
+            0.0,
+            kvplane_proto::v1::Outcome::Error,
+        );
+        let router = self.router.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = router.report_usage_in(tonic::Request::new(report)).await;
+            });
+        }
     }
 }
 

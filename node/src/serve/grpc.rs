@@ -88,15 +88,21 @@ pub(super) async fn serve(
     health_reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
+    health_reporter
+        .set_serving::<AdminServer<AdminService>>()
+        .await;
     let follow = tokio::spawn(follow_readiness(health_reporter, ready, stop.clone()));
-    let reflection = match tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kvplane_proto::FILE_DESCRIPTOR_SET)
-        .build_v1()
-    {
-        Ok(r) => Some(r),
-        Err(e) => {
+    // Server reflection in both protocol versions: grpcurl and the official Python client
+    // (grpcio-reflection) still ask v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kvplane_proto::FILE_DESCRIPTOR_SET)
+    };
+    let (v1, v1alpha) = match (reflection().build_v1(), reflection().build_v1alpha()) {
+        (Ok(a), Ok(b)) => (Some(a), Some(b)),
+        (Err(e), _) | (_, Err(e)) => {
             tracing::warn!(error = %e, "grpc reflection unavailable");
-            None
+            (None, None)
         }
     };
     let served = tonic::transport::Server::builder()
@@ -105,7 +111,8 @@ pub(super) async fn serve(
         .add_service(services.picker.server())
         .add_service(AdminServer::new(services.admin))
         .add_service(health)
-        .add_optional_service(reflection)
+        .add_optional_service(v1)
+        .add_optional_service(v1alpha)
         .add_service(member.grpc_service())
         // Accepted connections without Nagle: answers (AppendEntries acks, Route decisions) are
         // small writes, and Nagle holds one back until the peer's delayed ACK, about 40 ms.

@@ -25,13 +25,19 @@ pub async fn wait_workers_up(node: &Node, n: usize) {
 /// One node whose pool serves `sim-8b`, and `n` simulated engines (`engine-1`...) with their
 /// bridges, every one up on the node.
 pub async fn node_with_engines(n: usize) -> (Cluster, Vec<Engine>) {
-    let cluster = Cluster::start_with(
-        1,
+    node_with_engines_under(
+        n,
         &NodeOptions {
             pool_models: vec!["sim-8b".into()],
             ..Default::default()
         },
-    );
+    )
+    .await
+}
+
+/// The same with the node's options `o` (a policy directory declaring pool `default`...).
+pub async fn node_with_engines_under(n: usize, o: &NodeOptions) -> (Cluster, Vec<Engine>) {
+    let cluster = Cluster::start_with(1, o);
     let root = cluster.root.path().to_owned();
     let engines: Vec<Engine> = (1..=n)
         .map(|i| {

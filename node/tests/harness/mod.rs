@@ -9,7 +9,7 @@ mod engines;
 mod envoy;
 mod in_process;
 mod raft;
-pub use engines::{node_with_engines, wait_workers_up};
+pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up};
 pub use envoy::spawn_envoy;
 pub use in_process::InProcess;
 pub use raft::{

@@ -1,0 +1,109 @@
+//! kvplane through clients we did not write: the official OpenAI Python SDK against the
+//! reference gateway (models, completions and chat, whole and streamed, usage, request ids,
+//! each of the SDK's exception classes for each refusal), and grpcio's reflection and health
+//! clients against a node. The Python side is installed by `scripts/install-test-python`.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use harness::NodeOptions;
+
+const CLIENTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients");
+
+/// The test venv's python (`scripts/install-test-python`).
+fn python() -> PathBuf {
+    let py = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../target/test-venv/bin/python"
+    ));
+    assert!(
+        py.exists(),
+        "no {}: run scripts/install-test-python",
+        py.display()
+    );
+    py
+}
+
+/// Runs `script` with `arg`; fails the test with its output unless every check passed.
+fn run(script: &str, arg: &str) -> String {
+    let out = Command::new(python())
+        .arg(Path::new(CLIENTS).join(script))
+        .arg(arg)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script}:\n{text}");
+    text
+}
+
+/// Policies for the SDK's every case: public model `chat` on the engines' worker set, a rule
+/// that refuses `x-data-class: secret`, tenant `tiny` limited to 10 tokens a minute, and model
+/// `idle` whose worker set has no engine.
+const POLICIES: &str = r#"apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: default}
+spec: {model: sim-8b, blockSize: 16}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: idle}
+spec: {model: idle, blockSize: 16}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePool
+metadata: {name: all}
+spec: {workerSets: [default]}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: GatewayBackend
+metadata: {name: chat}
+spec:
+  publicModel: chat
+  backends: [{pool: all}]
+  policies: [guard]
+  tagHeaders: [{header: x-data-class}]
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePolicy
+metadata: {name: guard}
+spec:
+  rules:
+    - name: secret
+      match: {tags: [secret]}
+      candidates: {pools: [all]}
+      filter: {labels: {clearance: top}}
+      onEmpty: {action: Reject, reason: secret data is not served here}
+  limits: [{tenant: tiny, tokensPerMinute: 10}]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_and_grpcio_work_against_kvplane_as_against_any_server() {
+    let policy_dir = tempfile::tempdir().unwrap();
+    std::fs::write(policy_dir.path().join("fleet.yaml"), POLICIES).unwrap();
+    let (cluster, _engines) = harness::node_with_engines_under(
+        2,
+        &NodeOptions {
+            policy_dir: Some(policy_dir.path().to_owned()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let root = cluster.root.path().to_owned();
+    let node = &cluster.nodes[0];
+    let gateway = harness::gateway(&node.endpoint(), root.join("gateway.log"));
+    let sdk = run(
+        "openai_sdk.py",
+        &format!("http://{}/v1", gateway.field("http")),
+    );
+    assert!(sdk.contains("openai sdk: all checks passed"), "{sdk}");
+    let grpc = run("grpcio_node.py", &node.grpc.to_string());
+    assert!(grpc.contains("grpcio: all checks passed"), "{grpc}");
+}
