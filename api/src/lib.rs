@@ -19,6 +19,7 @@ mod router;
 mod tokenizers;
 mod trace;
 mod usage;
+mod usage_forward;
 
 pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeInfo};
 pub use consistency::{Consistency, propose_status};

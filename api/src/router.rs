@@ -30,6 +30,7 @@ pub struct RouterService {
     pub(crate) predictor: Arc<Predictor>,
     routed_sink: Option<crate::predict::RoutedSink>,
     pub(crate) tokenizers: Arc<crate::Tokenizers>,
+    forwarder: Option<Arc<crate::usage_forward::Forwarder>>,
 }
 
 impl RouterService {
@@ -44,7 +45,15 @@ impl RouterService {
             predictor: Arc::new(Predictor::new(crate::predict::wall_clock())),
             routed_sink: None,
             tokenizers: Arc::default(),
+            forwarder: None,
         }
+    }
+
+    /// A cluster member: Route answers name this replica (`routed_by`), and a report for a
+    /// request another replica routed is forwarded there.
+    pub fn with_cluster(mut self, cluster: Arc<dyn crate::ClusterControl>) -> Self {
+        self.forwarder = Some(Arc::new(crate::usage_forward::Forwarder::new(cluster)));
+        self
     }
 
     /// Tells the other replicas where requests went (they count them in those workers' queues).
@@ -216,11 +225,9 @@ impl RouterService {
         self.metrics
             .decision(d.outcome.label(), started.elapsed().as_secs_f64());
         self.metrics.stages(&d);
-        Ok(Response::new(crate::pipeline::response(
-            &d,
-            &req.body,
-            &reservations,
-        )))
+        let mut answer = crate::pipeline::response(&d, &req.body, &reservations);
+        answer.routed_by = self.forwarder.as_ref().map_or(0, |f| f.self_id);
+        Ok(Response::new(answer))
     }
 
     pub(crate) async fn report_usage_in(
@@ -228,6 +235,22 @@ impl RouterService {
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
         let report = request.into_inner();
+        if let Some(f) = &self.forwarder
+            && f.elsewhere(&report)
+        {
+            let routed_by = report.routed_by;
+            match f.forward(report.clone()).await {
+                Ok(ack) => {
+                    self.metrics.usage("forwarded");
+                    return Ok(Response::new(ack));
+                }
+                Err(e) => {
+                    // Settled here as far as this replica can (it holds nothing of it).
+                    tracing::warn!(request_id = report.request_id, routed_by, error = %e, "usage report not forwarded");
+                    self.metrics.usage("not_forwarded");
+                }
+            }
+        }
         let applied_index = self.state.load().applied_index;
         if report.first_token {
             // The request started: it leaves its worker's queue here now; what tenant limits

@@ -74,6 +74,9 @@ enum Mode {
 
 struct Inner {
     mode: Mode,
+    /// The replica that decided each request in flight (`RouteResponse.routed_by`), named in
+    /// its reports so that any replica settles them where its reservation is.
+    routed_by: std::sync::Mutex<HashMap<String, u64>>,
     tenant_header: String,
     secrets: Secrets,
     headers_timeout: std::time::Duration,
@@ -117,6 +120,7 @@ pub async fn run(
     metrics.register(&mut registry);
     let app = App(Arc::new(Inner {
         mode,
+        routed_by: std::sync::Mutex::default(),
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
         secrets: cfg.secrets,
         headers_timeout: cfg.headers_timeout,
@@ -136,6 +140,7 @@ pub async fn run(
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(echo_request_id))
         .with_state(app);
     // On the shutdown signal: no new connections; requests in flight get `drain` to finish.
     let (stopping, mut stopped) = tokio::sync::watch::channel(false);
@@ -192,8 +197,12 @@ async fn models(State(app): State<App>, headers: HeaderMap) -> Response {
             ),
         },
         Mode::RoundRobin(engines, _) => {
-            let url = crate::target::join(&engines[0], "/v1/models");
-            match app.0.http.get(&url).send().await {
+            let url = format!("{}/v1/models", engines[0].trim_end_matches('/'));
+            let mut get = app.0.http.get(&url);
+            if let Some(a) = headers.get(header::AUTHORIZATION) {
+                get = get.header(header::AUTHORIZATION, a.clone());
+            }
+            match get.send().await {
                 Ok(r) => {
                     let status = StatusCode::from_u16(r.status().as_u16())
                         .unwrap_or(StatusCode::BAD_GATEWAY);
@@ -263,6 +272,19 @@ async fn method_not_allowed(
         0,
     );
     app.answered(method.as_str(), uri.path(), "", Instant::now(), &r);
+    r
+}
+
+/// Every answer to a request that named itself (`x-request-id`) names it back.
+async fn echo_request_id(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let id = client_request_id(req.headers());
+    let mut r = next.run(req).await;
+    if let Some(id) = id
+        && !r.headers().contains_key("x-request-id")
+        && let Ok(v) = HeaderValue::from_str(&id)
+    {
+        r.headers_mut().insert("x-request-id", v);
+    }
     r
 }
 
@@ -406,6 +428,14 @@ impl App {
                     .route_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
+                if resp.routed_by != 0 {
+                    let mut m = self.0.routed_by.lock().unwrap_or_else(|p| p.into_inner());
+                    // Bounded: a request whose final report never came must not pin memory.
+                    if m.len() >= 100_000 {
+                        m.clear();
+                    }
+                    m.insert(request_id.to_owned(), resp.routed_by);
+                }
                 match resp.decision.clone() {
                     Some(Decision::Endpoint(e)) => {
                         match targets(resp, e, path, body, &self.0.secrets).await {
@@ -572,8 +602,14 @@ impl App {
             self.0.id_prefix,
             self.0.next_id.fetch_add(1, Ordering::Relaxed)
         );
-        let id = client_request_id(&headers).unwrap_or_else(|| own.clone());
-        let mut resp = self.forward_as(path, &headers, body, own, &id).await;
+        let client = client_request_id(&headers);
+        // The engine's id of the request: unique even when clients repeat theirs (vLLM refuses
+        // a second request under an id still running), the client's first for tracing.
+        let upstream = client
+            .as_ref()
+            .map_or_else(|| own.clone(), |c| format!("{c}-{own}"));
+        let id = client.unwrap_or_else(|| own.clone());
+        let mut resp = self.forward_as(path, &headers, body, own, &upstream).await;
         if let Ok(v) = HeaderValue::from_str(&id) {
             resp.headers_mut().insert("x-request-id", v);
         }
@@ -715,15 +751,25 @@ impl App {
         self.send_report(report, None)
     }
 
-    /// Sends `report` to the replicas in the background, after the report `after` (if any).
+    /// Sends `report` to the replicas in the background, after the report `after` (if any),
+    /// naming the replica that routed the request.
     fn send_report(
         &self,
-        report: UsageReport,
+        mut report: UsageReport,
         after: Option<JoinHandle<()>>,
     ) -> Option<JoinHandle<()>> {
         let Mode::Kvplane(_) = &self.0.mode else {
             return None;
         };
+        {
+            let mut m = self.0.routed_by.lock().unwrap_or_else(|p| p.into_inner());
+            report.routed_by = if report.first_token {
+                m.get(&report.request_id).copied()
+            } else {
+                m.remove(&report.request_id)
+            }
+            .unwrap_or(0);
+        }
         let app = self.clone();
         Some(tokio::spawn(async move {
             if let Some(before) = after {

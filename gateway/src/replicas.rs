@@ -129,22 +129,31 @@ impl Replicas {
         Err(NoReplica { tried: n, last })
     }
 
-    /// The first replica whose gRPC health says it is ready (`readiness`), or why none is.
+    /// The first replica (in order) whose gRPC health says it is ready (`readiness`), or why
+    /// none is; all asked at once, each given half a second (a probe's own timeout is short).
     pub async fn ready(&self) -> Result<String, String> {
-        let mut why = Vec::new();
-        for ((url, _), h) in self.clients.iter().zip(&self.health) {
-            match h
-                .clone()
-                .check(HealthCheckRequest {
+        let checks = self.clients.iter().zip(&self.health).map(|((url, _), h)| {
+            let mut h = h.clone();
+            async move {
+                let asked = h.check(HealthCheckRequest {
                     service: "readiness".into(),
-                })
-                .await
-            {
-                Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => {
-                    return Ok(url.clone());
+                });
+                match tokio::time::timeout(std::time::Duration::from_millis(500), asked).await {
+                    Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32 => {
+                        Ok(url.clone())
+                    }
+                    Ok(Ok(_)) => Err(format!("{url}: not ready")),
+                    Ok(Err(status)) => Err(format!("{url}: {}", status.message())),
+                    Err(_) => Err(format!("{url}: no answer within 500 ms")),
                 }
-                Ok(_) => why.push(format!("{url}: not ready")),
-                Err(status) => why.push(format!("{url}: {}", status.message())),
+            }
+        });
+        let answers = futures::future::join_all(checks).await;
+        let mut why = Vec::new();
+        for a in answers {
+            match a {
+                Ok(url) => return Ok(url),
+                Err(w) => why.push(w),
             }
         }
         Err(why.join("; "))

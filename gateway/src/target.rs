@@ -51,10 +51,10 @@ impl TargetError {
     }
 }
 
-/// `path` (an OpenAI API path, `/v1/...`) under `base`. A base with a path is an API's base URL
+/// `path` (an OpenAI API path, `/v1/...`) under a provider's `base`. A base with a path is an API's base URL
 /// as OpenAI's SDKs take it (`https://api.openai.com/v1`, `.../v1beta/openai`, an Azure
 /// deployment's with its `?api-version=`): the path's own `/v1` is not added, the base's query
-/// is kept. A bare origin (an engine's `http://10.0.0.7:8000`) gets the whole path.
+/// is kept. A bare origin (`https://api.example`) gets the whole path.
 pub(crate) fn join(base: &str, path: &str) -> String {
     let Ok(mut url) = reqwest::Url::parse(base) else {
         return format!("{}{path}", base.trim_end_matches('/'));
@@ -84,8 +84,9 @@ pub(crate) async fn target(
         });
     }
     if e.provider.is_empty() {
+        // An engine's address is where its API's paths start.
         return Ok(Target {
-            url: join(&e.address, path),
+            url: format!("{}{path}", e.address.trim_end_matches('/')),
             label: format!("{}/{}", e.pool, e.worker_id),
             body,
             matched_blocks,
@@ -254,6 +255,14 @@ mod tests {
             (
                 "https://gw.example/openai/v1",
                 "https://gw.example/openai/v1/chat/completions",
+            ),
+            (
+                "https://generativelanguage.googleapis.com/v1beta/openai",
+                "https://generativelanguage.googleapis.com/v1beta/openai/chat/completions",
+            ),
+            (
+                "https://x.openai.azure.com/openai/deployments/d?api-version=2024-10-21",
+                "https://x.openai.azure.com/openai/deployments/d/chat/completions?api-version=2024-10-21",
             ),
         ] {
             assert_eq!(join(base, "/v1/chat/completions"), want, "{base}");

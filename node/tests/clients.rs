@@ -104,6 +104,42 @@ async fn the_openai_sdk_and_grpcio_work_against_kvplane_as_against_any_server() 
         &format!("http://{}/v1", gateway.field("http")),
     );
     assert!(sdk.contains("openai sdk: all checks passed"), "{sdk}");
+    // What the SDK does not reach: other paths and methods, a body over the limit, readiness.
+    let base = format!("http://{}", gateway.field("http"));
+    let client = reqwest::Client::new();
+    for (req, status, code) in [
+        (client.get(format!("{base}/v1/nothing")), 404, "not_found"),
+        (
+            client.get(format!("{base}/v1/chat/completions")),
+            405,
+            "method_not_allowed",
+        ),
+        (
+            client
+                .post(format!("{base}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(vec![b' '; kvplane_gateway::MAX_BODY_BYTES + 1]),
+            413,
+            "request_too_large",
+        ),
+    ] {
+        let r = req.header("x-request-id", "edge-1").send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status);
+        assert_eq!(r.headers()["x-request-id"], "edge-1");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], code, "{body}");
+    }
+    let r = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    let metrics = harness::http_get(&format!("{base}/metrics")).await;
+    for status in [404, 405, 413] {
+        assert!(
+            metrics.contains(&format!(
+                "kvplane_gateway_requests_total{{status=\"{status}\"}}"
+            )),
+            "{metrics}"
+        );
+    }
     let grpc = run("grpcio_node.py", &node.grpc.to_string());
     assert!(grpc.contains("grpcio: all checks passed"), "{grpc}");
 }

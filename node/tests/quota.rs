@@ -379,3 +379,78 @@ async fn a_burst_on_a_replica_releasing_its_escrow_never_takes_the_window_over_i
         "the nodes' records are the clients' counts"
     );
 }
+
+/// A gateway that fails over between Route and ReportUsage reports to a replica that never
+/// saw the request: that replica forwards the report to the one that routed it (named in the
+/// answer, `routed_by`), where the tenant's reservation is settled as if reported there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_to_another_replica_settles_where_the_request_was_routed() {
+    let (cluster, _dir) = harness::started_with_limits(
+        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 60}\n",
+        Vec::new(),
+    )
+    .await;
+    let spent = |i: usize| {
+        let c = &cluster;
+        async move {
+            c.nodes[i]
+                .status()
+                .await
+                .quota
+                .iter()
+                .filter(|q| q.tenant == "acme")
+                .map(|q| q.spent_tokens)
+                .sum::<u64>()
+        }
+    };
+    let routed = cluster.nodes[0]
+        .router()
+        .await
+        .route(RouteRequest {
+            request_id: "failover-1".into(),
+            tenant: "acme".into(),
+            model: "m".into(),
+            token_ids: prompt(1),
+            max_output_tokens: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        matches!(routed.decision, Some(Decision::Endpoint(_))),
+        "{routed:?}"
+    );
+    assert_eq!(routed.routed_by, cluster.nodes[0].raft_id.unwrap());
+    let reserved = spent(0).await;
+    assert!(
+        reserved >= 500,
+        "prompt and the output limit are held: {reserved}"
+    );
+    // Reported to node 1, which never saw it.
+    let ack = cluster.nodes[1]
+        .router()
+        .await
+        .report_usage(kvplane_proto::v1::UsageReport {
+            request_id: "failover-1".into(),
+            prompt_tokens: 40,
+            completion_tokens: 10,
+            routed_by: routed.routed_by,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ack.known, "the routing replica knew it");
+    assert_eq!(
+        spent(0).await,
+        50,
+        "settled at what it used, on the replica that holds it"
+    );
+    assert_eq!(spent(1).await, 0);
+    let m = cluster.nodes[1].metrics().await;
+    assert!(
+        m.contains(r#"kvplane_usage_reports_total{outcome="forwarded"} 1"#),
+        "{m}"
+    );
+}

@@ -36,6 +36,11 @@ pub fn pick(cands: &[Candidate<'_>], tie_break: u64) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
+/// An objective for ordering: NaN (whatever its sign) after every number.
+fn last_if_nan(x: f64) -> f64 {
+    if x.is_nan() { f64::INFINITY } else { x }
+}
+
 /// Up to `n` unfiltered candidates other than `chosen`, lowest objective first (equal ones in
 /// their order): where a request may go when the chosen one does not answer.
 pub fn alternatives(cands: &[Candidate<'_>], chosen: usize, n: usize) -> Vec<usize> {
@@ -45,7 +50,8 @@ pub fn alternatives(cands: &[Candidate<'_>], chosen: usize, n: usize) -> Vec<usi
             continue;
         }
         // Insert after every kept one that is no worse: one pass, `n` kept at most.
-        let at = best.partition_point(|&j| cands[j].objective.total_cmp(&c.objective).is_le());
+        let at =
+            best.partition_point(|&j| last_if_nan(cands[j].objective) <= last_if_nan(c.objective));
         if at < n {
             best.insert(at, i);
             best.truncate(n);

@@ -94,6 +94,7 @@ impl AnswerTail {
             outcome: outcome.into(),
             first_token: false,
             usage_unknown: usage.is_none() && outcome != crate::v1::Outcome::Error,
+            ..Default::default()
         }
     }
 }

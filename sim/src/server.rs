@@ -259,7 +259,9 @@ fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("invalid json: {e}")))?;
     // What vLLM refuses too: more than one choice, a maximum that is no positive count.
-    if v.get("n").is_some_and(|n| n.as_u64() != Some(1)) {
+    if v.get("n")
+        .is_some_and(|n| !n.is_null() && n.as_u64() != Some(1))
+    {
         return Err(error(
             StatusCode::BAD_REQUEST,
             "n must be 1: the simulator answers with one choice",

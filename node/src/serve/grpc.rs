@@ -48,7 +48,8 @@ pub(super) fn services(
         .with_consistency(consistency.clone())
         .with_quota(shared.escrow.clone())
         .with_predictor(shared.predictor)
-        .with_routed_sink(shared.routed);
+        .with_routed_sink(shared.routed)
+        .with_cluster(member.clone() as Arc<dyn ClusterControl>);
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: {

@@ -100,4 +100,9 @@ raises(
     lambda: chat(model="idle", max_tokens=2),
     "no_capacity",
 )
+try:
+    chat(model="no-such-model", extra_headers={"x-request-id": "sdk-error-1"})
+    check("an error names the client's request id", False, "no exception")
+except openai.NotFoundError as e:
+    check("an error names the client's request id", e.response.headers.get("x-request-id") == "sdk-error-1", e.response.headers)
 print("openai sdk: all checks passed")
