@@ -46,8 +46,49 @@ impl Default for ApiMetrics {
     }
 }
 
+/// The outcomes each family counts, present (at 0) from the start: a dashboard's rate of a
+/// series that does not exist yet is no rate at all.
+const DECISIONS: &[&str] = &[
+    "routed",
+    "invalid_request",
+    "unknown_model",
+    "no_capacity",
+    "policy",
+    "rate_limited",
+];
+const USAGE_REPORTS: &[&str] = &[
+    "known",
+    "unknown",
+    "first_token",
+    "forwarded",
+    "not_forwarded",
+];
+const PICKER: &[&str] = &[
+    "routed",
+    "provider",
+    "invalid_request",
+    "unknown_model",
+    "no_capacity",
+    "policy",
+    "rate_limited",
+    "unavailable",
+    "no_address",
+    "body_too_large",
+    "picker_busy",
+    "served_elsewhere",
+];
+
 impl ApiMetrics {
     pub fn register(&self, registry: &mut Registry) {
+        for (family, outcomes) in [
+            (&self.decisions, DECISIONS),
+            (&self.usage_reports, USAGE_REPORTS),
+            (&self.picker, PICKER),
+        ] {
+            for &outcome in outcomes {
+                let _created = family.get_or_create(&OutcomeLabel { outcome });
+            }
+        }
         registry.register(
             "kvplane_route_decisions",
             "Route decisions, by outcome (routed or the rejection code)",
@@ -143,5 +184,26 @@ impl ApiMetrics {
         self.decisions
             .get_or_create(&OutcomeLabel { outcome })
             .get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_outcome_has_a_series_before_its_first_event() {
+        let m = ApiMetrics::default();
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+        for line in [
+            r#"kvplane_route_decisions_total{outcome="rate_limited"} 0"#,
+            r#"kvplane_usage_reports_total{outcome="forwarded"} 0"#,
+            r#"kvplane_picker_requests_total{outcome="picker_busy"} 0"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
     }
 }

@@ -196,7 +196,9 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     )
     .await;
     assert!(
-        !node.metrics().await.contains(r#"outcome="unknown""#),
+        node.metrics()
+            .await
+            .contains(r#"kvplane_usage_reports_total{outcome="unknown"} 0"#),
         "every report found its request"
     );
 
