@@ -146,4 +146,20 @@ mod tests {
             prop_assert_eq!(alternatives(&cands, chosen, n), all);
         });
     }
+
+    #[test]
+    fn an_objective_that_is_nan_of_either_sign_comes_after_every_number() {
+        let with = |objective: f64| Candidate {
+            objective,
+            ..crate::candidate::test_worker(|_| {})
+        };
+        let cands = [
+            with(-f64::NAN),
+            with(5.0),
+            with(f64::NAN),
+            with(1.0),
+            with(0.0),
+        ];
+        assert_eq!(alternatives(&cands, 4, 4), [3, 1, 0, 2]);
+    }
 }

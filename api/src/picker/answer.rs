@@ -235,7 +235,10 @@ mod tests {
             ..Default::default()
         };
         let alone = picked(&resp, 0).unwrap();
-        assert_eq!(alone.headers(10)[1], (DESTINATION, "10.0.0.1:8000".into()));
+        assert_eq!(
+            alone.headers(10)[1],
+            ("x-gateway-destination-endpoint", "10.0.0.1:8000".into())
+        );
         let listed = picked(&resp, 3).unwrap();
         assert_eq!(
             listed.headers(10)[1],
@@ -260,7 +263,7 @@ mod tests {
             ..Default::default()
         };
         let p = picked(&resp, 0).unwrap();
-        assert_eq!(p.headers(3)[1], (PROVIDER_HEADER, "cloud".into()));
+        assert_eq!(p.headers(3)[1], ("x-kvplane-provider", "cloud".into()));
         assert!(p.metadata().is_none());
         assert_eq!(
             (p.outcome, p.label.as_str()),
