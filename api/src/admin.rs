@@ -88,6 +88,12 @@ impl AdminService {
                     kv_cache_usage: w.metrics.kv_cache_usage,
                     prefix_cache_hit_rate: w.metrics.prefix_cache_hit_rate,
                     metrics_index: w.metrics_index,
+                    streaming: w.streaming,
+                    found: w
+                        .discovered
+                        .as_ref()
+                        .map_or("", |d| d.found.as_str())
+                        .to_owned(),
                 })
                 .collect(),
             indexed_blocks: view.indexed_blocks,

@@ -308,3 +308,25 @@ fn a_rule_that_reads_no_prefix_decides_without_it_and_still_predicts_its_pick() 
         .unwrap();
     assert_eq!(w0.overlap_blocks, 4);
 }
+
+#[test]
+fn a_worker_set_with_static_endpoints_routes_to_them_before_any_bridge_speaks() {
+    // No stream message at all: the listed engines are the candidates, at their addresses;
+    // a bridge streaming for one of them later adds its cache to the same worker.
+    let prompt = tokens(8, 64);
+    let mut f = TestFleet::with_yaml(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: ws}\nspec:\n  model: m\n  endpoints:\n  - {worker: e0, address: 'http://10.0.0.1:8000'}\n  - {worker: e1, address: 'http://10.0.0.2:8000'}\n",
+    );
+    let r = route(&f.service(), request("a", "m", &[], prompt.clone()));
+    let use_address = |r: &kvplane_proto::v1::RouteResponse| match &r.decision {
+        Some(kvplane_proto::v1::route_response::Decision::Endpoint(e)) => e.address.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert!(target(&r).starts_with("ws/e"), "{}", target(&r));
+    assert!(use_address(&r).starts_with("http://10.0.0."));
+    f.caches("ws", "e1", &prompt, 16, None, None);
+    let r = route(&f.service(), request("b", "m", &[], prompt));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("ws/e1", 4));
+    assert_eq!(use_address(&r), "http://10.0.0.2:8000");
+    assert_eq!(f.sm.handle().load().workers().count(), 2);
+}

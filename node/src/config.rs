@@ -73,6 +73,9 @@ pub struct Config {
     pub quota: QuotaSection,
     /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
     pub policy_kubernetes: Option<crate::sources::kubernetes::KubeSourceSection>,
+    /// Engines found as pods of the Kubernetes cluster the node runs in (worker sets with a
+    /// `selector` or an `inferencePoolRef`).
+    pub kubernetes_engines: Option<crate::sources::kube_engines::KubeEnginesSection>,
     /// Replication. Absent (or with no peers, join addresses or kubernetes): a one-member
     /// cluster of its own.
     pub raft: RaftSection,
@@ -164,6 +167,7 @@ impl Default for Config {
             policy_dir: None,
             policy_poll_ms: 1000,
             policy_kubernetes: None,
+            kubernetes_engines: None,
             quota: QuotaSection::default(),
         }
     }
@@ -331,6 +335,14 @@ impl Config {
                 "policy_dir and policy_kubernetes are two sources of the same objects: set one"
                     .into(),
             );
+        }
+        if let Some(k) = &self.kubernetes_engines {
+            if k.resync_ms == 0 {
+                p.push("kubernetes_engines.resync_ms must be at least 1".into());
+            }
+            if k.namespace.as_deref() == Some("") {
+                p.push("kubernetes_engines.namespace must not be empty".into());
+            }
         }
         if let Some(k) = &self.policy_kubernetes {
             if k.resync_ms == 0 {

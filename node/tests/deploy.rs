@@ -5,6 +5,9 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "deploy_types/gateway_api.rs"]
+mod gateway_api;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -94,7 +97,10 @@ struct Rendered {
     config_maps: Vec<ConfigMap>,
     crds: Vec<CustomResourceDefinition>,
     deployments: Vec<Deployment>,
-    kvplane_objects: usize,
+    kvplane_objects: Vec<Value>,
+    inference_pools: Vec<gateway_api::InferencePool>,
+    gateways: Vec<gateway_api::Gateway>,
+    http_routes: Vec<gateway_api::HttpRoute>,
 }
 
 fn parse(docs: &[Value]) -> Rendered {
@@ -120,7 +126,14 @@ fn parse(docs: &[Value]) -> Rendered {
                 docs.add_file(kind, &serde_yaml_ng::to_string(d).unwrap());
                 let (_, problems) = docs.check();
                 assert!(problems.is_empty(), "{}: {problems:?}", name_of(d));
-                r.kvplane_objects += 1;
+                r.kvplane_objects.push(d.clone());
+            }
+            (Some("inference.networking.k8s.io/v1"), Some("InferencePool")) => {
+                r.inference_pools.push(strict(d));
+            }
+            (Some("gateway.networking.k8s.io/v1"), Some("Gateway")) => r.gateways.push(strict(d)),
+            (Some("gateway.networking.k8s.io/v1"), Some("HTTPRoute")) => {
+                r.http_routes.push(strict(d));
             }
             other => panic!("{}: no strict check for {other:?}", name_of(d)),
         }
@@ -230,7 +243,7 @@ fn every_overlay_renders_and_each_object_parses_strictly_as_its_kind() {
     }
     let vllm = parse(&render("examples/vllm"));
     assert_eq!(vllm.deployments.len(), 1);
-    assert_eq!(vllm.kvplane_objects, 1);
+    assert_eq!(vllm.kvplane_objects.len(), 1);
     let pod = vllm.deployments[0]
         .spec
         .as_ref()
@@ -270,7 +283,7 @@ fn the_crds_in_deploy_are_the_ones_the_code_generates() {
 }
 
 #[test]
-fn the_role_grants_the_watcher_exactly_the_policy_kinds_and_their_status() {
+fn the_role_grants_exactly_what_the_watchers_read_and_write() {
     let r = parse(&render("overlays/dev"));
     let plurals: BTreeSet<String> = r.crds.iter().map(|c| c.spec.names.plural.clone()).collect();
     assert_eq!(plurals.len(), kvplane_policy::Kind::ALL.len());
@@ -286,21 +299,130 @@ fn the_role_grants_the_watcher_exactly_the_policy_kinds_and_their_status() {
     assert_eq!(granted("kvplane.io", &["get", "list", "watch"]), plurals);
     let status: BTreeSet<String> = plurals.iter().map(|p| format!("{p}/status")).collect();
     assert_eq!(granted("kvplane.io", &["get", "patch", "update"]), status);
-    // Nothing else but reading its own StatefulSet.
-    let other: Vec<_> = rules
+    // Besides: reading its own StatefulSet, and watching the engines' pods and InferencePools.
+    let other: BTreeSet<(String, String, String, Vec<String>)> = rules
         .iter()
         .filter(|x| x.api_groups.as_deref() != Some(&["kvplane.io".to_owned()][..]))
+        .flat_map(|x| {
+            let group = x.api_groups.clone().unwrap_or_default().join(",");
+            let names = x.resource_names.clone().unwrap_or_default().join(",");
+            x.resources
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |r| (group.clone(), r, names.clone(), x.verbs.clone()))
+        })
         .collect();
-    assert_eq!(other.len(), 1);
+    let read = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let want: BTreeSet<(String, String, String, Vec<String>)> = [
+        ("apps", "statefulsets", "kvplane", read(&["get"])),
+        ("", "pods", "", read(&["get", "list", "watch"])),
+        (
+            "inference.networking.k8s.io",
+            "inferencepools",
+            "",
+            read(&["get", "list", "watch"]),
+        ),
+    ]
+    .into_iter()
+    .map(|(g, r, n, v)| (g.to_owned(), r.to_owned(), n.to_owned(), v))
+    .collect();
+    assert_eq!(other, want);
+    // The plural the engines' watcher reads is the one granted.
     assert_eq!(
-        other[0].resources.as_deref(),
-        Some(&["statefulsets".to_owned()][..])
+        kvplane_node::sources::kube_engines::inference_pool_resource().plural,
+        "inferencepools"
+    );
+}
+
+#[test]
+fn the_inference_extension_example_points_its_inference_pool_at_kvplane_and_its_engines() {
+    let control_plane = parse(&render("overlays/dev"));
+    let r = parse(&render("examples/inference-extension"));
+    let [pool] = &r.inference_pools[..] else {
+        panic!("one InferencePool")
+    };
+    let spec = &pool.spec;
+    // The picker is kvplane's client Service, on the port that serves the picker (gRPC).
+    let picker = control_plane
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some(spec.endpoint_picker_ref.name.as_str()))
+        .unwrap_or_else(|| panic!("no Service {}", spec.endpoint_picker_ref.name));
+    let port = spec.endpoint_picker_ref.port.as_ref().unwrap().number;
+    let grpc = picker.spec.as_ref().unwrap().ports.as_ref().unwrap();
+    assert!(
+        grpc.iter()
+            .any(|p| p.name.as_deref() == Some("grpc") && p.port == i32::from(port)),
+        "the picker port {port} is not the Service's grpc port"
     );
     assert_eq!(
-        other[0].resource_names.as_deref(),
-        Some(&["kvplane".to_owned()][..])
+        pool.metadata.namespace, picker.metadata.namespace,
+        "an endpointPickerRef names a Service of its own namespace"
     );
-    assert_eq!(other[0].verbs, ["get"]);
+    // Its selector takes the Deployment's pods, on vLLM's port.
+    let [deployment] = &r.deployments[..] else {
+        panic!("one Deployment")
+    };
+    let template = &deployment.spec.as_ref().unwrap().template;
+    let labels = template.metadata.as_ref().unwrap().labels.clone().unwrap();
+    for (k, v) in &spec.selector.match_labels {
+        assert_eq!(labels.get(k), Some(v), "the pods lack label {k}");
+    }
+    let vllm = &template.spec.as_ref().unwrap().containers[0];
+    let ports: Vec<i32> = vllm
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.container_port)
+        .collect();
+    assert_eq!(ports, [i32::from(spec.target_ports[0].number)]);
+    // The worker set finds its engines through it - as the nodes' watcher reads it - and the
+    // route sends requests to it.
+    let [ws] = &r.kvplane_objects[..] else {
+        panic!("one worker set")
+    };
+    let ws_spec: kvplane_policy::kinds::InferenceWorkerSetSpec =
+        serde_json::from_value(ws["spec"].clone()).unwrap();
+    let pools = std::collections::BTreeMap::from([(
+        pool.metadata.name.clone().unwrap(),
+        serde_json::to_value(spec).unwrap(),
+    )]);
+    let of = kvplane_node::sources::kube_engines::pods_of(&ws_spec, Some(&pools))
+        .unwrap()
+        .unwrap();
+    assert_eq!((of.labels, i32::from(of.port)), (labels.clone(), ports[0]));
+    assert_eq!(
+        ws["spec"]["inferencePoolRef"],
+        pool.metadata.name.clone().unwrap().as_str()
+    );
+    let route = &r.http_routes[0];
+    assert_eq!(
+        route.spec.parent_refs[0].name,
+        r.gateways[0].metadata.name.clone().unwrap()
+    );
+    let backend = &route.spec.rules[0].backend_refs[0];
+    assert_eq!(
+        (
+            backend.group.as_str(),
+            backend.kind.as_str(),
+            Some(&backend.name)
+        ),
+        (
+            "inference.networking.k8s.io",
+            "InferencePool",
+            pool.metadata.name.as_ref()
+        )
+    );
+    // Everything in kvplane's namespace, which the nodes watch for engines.
+    for ns in r
+        .deployments
+        .iter()
+        .map(|d| d.metadata.namespace.clone())
+        .chain(r.http_routes.iter().map(|h| h.metadata.namespace.clone()))
+    {
+        assert_eq!(ns.as_deref(), Some("kvplane"));
+    }
 }
 
 #[test]
@@ -320,6 +442,7 @@ fn the_node_configuration_in_the_config_map_is_valid() {
         k.namespace = Some("kvplane".into());
         assert_eq!(cfg.problems(), Vec::<String>::new(), "{overlay}");
         assert!(cfg.policy_kubernetes.is_some());
+        assert!(cfg.kubernetes_engines.is_some());
         assert_eq!(cfg.http_listen, "0.0.0.0:7071");
         assert_eq!(cfg.grpc_listen, "0.0.0.0:7070");
     }

@@ -134,6 +134,7 @@ impl Catalog {
                 block_size,
                 endpoints: Vec::new(),
                 selector: None,
+                inference_pool_ref: None,
                 labels: Default::default(),
                 cost: None,
                 prefill_tokens_per_second: None,
@@ -419,6 +420,34 @@ impl Catalog {
                     format!("{:?} is listed twice", e.worker),
                 );
             }
+            if !is_http_url(&e.address) {
+                c.fail(
+                    format!("spec.endpoints[{i}].address"),
+                    format!(
+                        "{:?} is not an http(s) URL such as http://10.0.0.7:8000",
+                        e.address
+                    ),
+                );
+            }
+        }
+        if let Some(s) = &ws.selector {
+            if s.match_labels.is_empty() {
+                c.fail(
+                    "spec.selector.matchLabels",
+                    "must hold a label (an empty selector would take every pod)",
+                );
+            }
+            if s.port == 0 {
+                c.fail("spec.selector.port", "must be a port number");
+            }
+        }
+        if let Some(p) = &ws.inference_pool_ref
+            && !crate::valid_object_name(p)
+        {
+            c.fail(
+                "spec.inferencePoolRef",
+                format!("{p:?} is not a valid object name"),
+            );
         }
         if let Some(r) = ws.prefill_tokens_per_second {
             c.positive("spec.prefillTokensPerSecond", r);
@@ -426,8 +455,16 @@ impl Catalog {
         if let Some(cost) = &ws.cost {
             cost_problems(c, cost);
         }
-        if !ws.endpoints.is_empty() && ws.selector.is_some() {
-            c.fail("spec.selector", "give endpoints or a selector, not both");
+        let sources = [
+            !ws.endpoints.is_empty(),
+            ws.selector.is_some(),
+            ws.inference_pool_ref.is_some(),
+        ];
+        if sources.into_iter().filter(|s| *s).count() > 1 {
+            c.fail(
+                "spec",
+                "give one of endpoints, selector and inferencePoolRef (where the engines are)",
+            );
         }
     }
 
@@ -764,4 +801,15 @@ fn cost_problems(c: &mut Check<'_>, cost: &crate::kinds::TokenCost) {
             c.fail(p, format!("must be zero or more, got {v}"));
         }
     }
+}
+
+/// Whether `s` is an `http://` or `https://` URL with a host.
+fn is_http_url(s: &str) -> bool {
+    let rest = s
+        .strip_prefix("http://")
+        .or_else(|| s.strip_prefix("https://"));
+    rest.is_some_and(|r| {
+        let host = r.split(['/', '?', '#']).next().unwrap_or("");
+        !host.is_empty() && !host.starts_with(':') && !r.contains(char::is_whitespace)
+    })
 }

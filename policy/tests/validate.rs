@@ -58,6 +58,60 @@ fn a_policy_no_backend_lists_and_that_names_no_model_is_reported() {
 }
 
 #[test]
+fn where_a_worker_sets_engines_are_is_checked() {
+    let mut docs = Documents::default();
+    let set = |name: &str, spec: &str| {
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: {name}}}\nspec: {spec}\n---\n"
+        )
+    };
+    let text = [
+        set(
+            "no-scheme",
+            "{model: m, endpoints: [{worker: w0, address: '10.0.0.1:8000'}]}",
+        ),
+        set(
+            "no-host",
+            "{model: m, endpoints: [{worker: w0, address: 'http://:8000'}]}",
+        ),
+        set(
+            "empty-selector",
+            "{model: m, selector: {matchLabels: {}, port: 0}}",
+        ),
+        set(
+            "two-sources",
+            "{model: m, selector: {matchLabels: {app: a}, port: 8000}, inferencePoolRef: p}",
+        ),
+        set("bad-ref", "{model: m, inferencePoolRef: 'Not A Name'}"),
+        set(
+            "fine",
+            "{model: m, endpoints: [{worker: w0, address: 'https://[fd00::1]:8000/'}]}",
+        ),
+        set("by-pool", "{model: m, inferencePoolRef: llama}"),
+    ]
+    .concat();
+    docs.add_file("w.yaml", &text);
+    let (_, problems) = docs.check();
+    let p: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    let expect = [
+        "InferenceWorkerSet/no-scheme spec.endpoints[0].address: \"10.0.0.1:8000\" is not an http(s) URL",
+        "InferenceWorkerSet/no-host spec.endpoints[0].address: \"http://:8000\" is not an http(s) URL",
+        "InferenceWorkerSet/empty-selector spec.selector.matchLabels: must hold a label",
+        "InferenceWorkerSet/empty-selector spec.selector.port: must be a port number",
+        "InferenceWorkerSet/two-sources spec: give one of endpoints, selector and inferencePoolRef",
+        "InferenceWorkerSet/bad-ref spec.inferencePoolRef: \"Not A Name\" is not a valid object name",
+    ];
+    for e in expect {
+        assert!(
+            p.iter().any(|x| x.contains(e)),
+            "missing {e:?} in\n{}",
+            p.join("\n")
+        );
+    }
+    assert_eq!(p.len(), expect.len(), "{p:#?}");
+}
+
+#[test]
 fn a_rule_after_a_wider_one_is_unreachable_within_and_across_policies() {
     let policy = |name: &str, rules: &str| {
         format!(

@@ -56,6 +56,11 @@ impl fmt::Display for Proposal {
                 b.releases.len()
             ),
             Command::ExpireLeases { lease_ms } => format!("expire leases older than {lease_ms} ms"),
+            Command::Endpoints(u) => format!(
+                "endpoints of {} ({} from kubernetes)",
+                u.pool,
+                u.endpoints.len()
+            ),
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

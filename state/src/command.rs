@@ -49,6 +49,9 @@ pub enum Command {
     /// `lease_ms` before this entry's timestamp goes down, as if it had announced so: a
     /// stopped bridge cannot leave its worker routable. Proposed by the leader.
     ExpireLeases { lease_ms: u64 },
+    /// Every endpoint Kubernetes reports now for a worker set that finds its engines there
+    /// (its selector's pods, or its `InferencePool`'s). Proposed by the leader.
+    Endpoints(crate::EndpointsUpdate),
 }
 
 impl Command {
@@ -87,6 +90,7 @@ impl Command {
             Self::ConfigApply { .. } => "config_apply",
             Self::Quota(_) => "quota",
             Self::ExpireLeases { .. } => "expire_leases",
+            Self::Endpoints(_) => "endpoints",
         }
     }
 }

@@ -17,6 +17,7 @@ mod config;
 mod digest;
 #[cfg(test)]
 mod digest_covers_index;
+mod endpoints;
 mod error;
 mod hash_bytes;
 mod index;
@@ -35,6 +36,7 @@ pub use command::{
 };
 pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;
+pub use endpoints::{Discovered, DiscoveredEndpoint, EndpointsUpdate, Found};
 pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
 pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};

@@ -9,6 +9,7 @@ use crate::Owner;
 use crate::blocks::{Change, RankBlocks};
 use crate::config::{POOL_KIND, PoolConfig, worker_set_pool};
 use crate::digest::{Digest, Hasher};
+use crate::endpoints::Discovered;
 use crate::index::{MAX_DP_RANK, Writes};
 use crate::view::{PoolView, StateHandle, View, WorkerView};
 use crate::writer::IndexWriter;
@@ -118,6 +119,30 @@ pub(crate) struct Worker {
     /// what it decides (a worker going down) is.
     #[serde(default)]
     pub(crate) heard_ms: u64,
+    /// What its worker set's static endpoints or Kubernetes say of it, if they know it (see
+    /// [`crate::endpoints`]).
+    #[serde(default)]
+    pub(crate) discovered: Option<Discovered>,
+    /// Created by its endpoint source, no stream message of its applied yet: its first one
+    /// starts its stream as a new worker's would (down until then, so no lease expires).
+    #[serde(default)]
+    pub(crate) awaiting_stream: bool,
+}
+
+impl Worker {
+    /// Whether requests may go to it: what its endpoint source says when it has one, else
+    /// what its stream says.
+    pub(crate) fn routable(&self) -> bool {
+        self.discovered.as_ref().map_or(self.up, |d| d.ready)
+    }
+
+    /// Where requests go: its endpoint source's address, else the one it announced.
+    pub(crate) fn serving_address(&self) -> Option<&str> {
+        self.discovered
+            .as_ref()
+            .map(|d| d.address.as_str())
+            .or(self.address.as_deref())
+    }
 }
 
 /// Index writes gathered before apply hands them to the index writer (a few events' worth:
@@ -194,6 +219,14 @@ pub(crate) fn worker_fact(pool: &str, name: &str, w: &Worker) -> u128 {
         .f64(w.metrics.prefix_cache_hit_rate)
         .f64(w.metrics.ttft_sum_s)
         .u64(w.metrics.ttft_count);
+    // Hashed only when present: workers known from their streams alone keep the facts they
+    // had before endpoints could be discovered.
+    if let Some(d) = &w.discovered {
+        h.str(d.found.as_str())
+            .str(&d.address)
+            .u64(u64::from(d.ready))
+            .u64(u64::from(w.awaiting_stream));
+    }
     h.finish().0
 }
 
@@ -329,6 +362,7 @@ impl StateMachine {
                 self.parts.quota = quota_part(&self.quota);
             }
             Command::ExpireLeases { lease_ms } => self.expire_leases(at, *lease_ms, &mut out),
+            Command::Endpoints(update) => out.rejected = self.apply_endpoints(update).err(),
         }
         self.flush_writes();
         for (reason, n) in &out.dropped {
@@ -450,10 +484,10 @@ impl StateMachine {
         let mut key = std::mem::take(&mut self.key_buffer);
         key.0.clone_from(&item.pool);
         key.1.clone_from(&item.worker);
-        // KV events change no fact of a worker that exists (its blocks are facts of their own):
-        // the worker's digest part is recomputed only for what can change it.
-        let facts_change =
-            !matches!(item.payload, IngestPayload::Kv(_)) || !self.workers.contains_key(&key);
+        // KV events change no fact of a worker whose stream has started (its blocks are facts
+        // of their own): the worker's digest part is recomputed only for what can change it.
+        let facts_change = !matches!(item.payload, IngestPayload::Kv(_))
+            || self.workers.get(&key).is_none_or(|w| w.awaiting_stream);
         let fact = |sm: &Self| {
             sm.workers
                 .get(&key)
@@ -501,12 +535,21 @@ impl StateMachine {
                     metrics_index: 0,
                     metrics_at_ms: 0,
                     heard_ms: at.timestamp_ms,
+                    discovered: None,
+                    awaiting_stream: false,
                 },
             );
         }
         let Some(worker) = self.workers.get_mut(key) else {
             return;
         };
+        if worker.awaiting_stream {
+            if matches!(item.payload, IngestPayload::Worker { up: false, .. }) {
+                return;
+            }
+            worker.awaiting_stream = false;
+            worker.up = true;
+        }
         worker.heard_ms = at.timestamp_ms;
         let wid = worker.id;
         match &item.payload {
@@ -901,6 +944,7 @@ impl StateMachine {
                 && p.kind == Kind::WorkerSet.as_str()
             {
                 self.ensure_index(&p.name, worker_set_pool(ws));
+                self.apply_static_endpoints(&p.name, ws);
             }
             self.config
                 .insert((p.kind.clone(), p.name.clone()), p.value.clone());
@@ -1188,8 +1232,10 @@ impl StateMachine {
                 pool: p.clone(),
                 name: same.map_or_else(|| n.as_str().into(), |o| o.name.clone()),
                 id: w.id,
-                up: w.up,
-                address: match (same.and_then(|o| o.address.as_ref()), w.address.as_deref()) {
+                up: w.routable(),
+                streaming: w.up,
+                discovered: w.discovered.clone(),
+                address: match (same.and_then(|o| o.address.as_ref()), w.serving_address()) {
                     (Some(kept), Some(a)) if **kept == *a => Some(kept.clone()),
                     (_, a) => a.map(Into::into),
                 },

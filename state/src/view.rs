@@ -48,7 +48,15 @@ pub struct WorkerView {
     /// Shared with the candidates of every decision that reads it.
     pub name: Arc<str>,
     pub id: u64,
+    /// Whether requests may go to it: what its endpoint source says when it has one (static
+    /// endpoints, Kubernetes), else what its stream says.
     pub up: bool,
+    /// Whether its stream is up (its bridge announced it and its lease holds): its KV events
+    /// and metrics count.
+    pub streaming: bool,
+    /// What its static endpoints or Kubernetes say of it, if they know it.
+    pub discovered: Option<crate::Discovered>,
+    /// Where requests go: the endpoint source's address, else the one its bridge announced.
     pub address: Option<Arc<str>>,
     pub metrics: WorkerMetrics,
     /// Index of the entry that carried the last metrics (0: none yet).

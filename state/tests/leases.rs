@@ -6,52 +6,12 @@
 
 mod support;
 
-use kvplane_state::{
-    Applied, Command, Entry, IngestBatch, IngestItem, IngestPayload, KvBatch, KvEvent,
-    StateMachine, Tier, WorkerMetrics,
-};
+use support::{apply_at, two_blocks};
 
-fn apply_at(sm: &mut StateMachine, timestamp_ms: u64, command: Command) -> Applied {
-    let index = sm.applied_index() + 1;
-    let out = sm
-        .apply(&Entry {
-            index,
-            timestamp_ms,
-            command,
-        })
-        .unwrap();
-    assert_eq!(sm.handle().load().digest, sm.digest());
-    out
-}
+use kvplane_state::{Command, IngestPayload, StateMachine, WorkerMetrics};
 
 fn message(sm: &StateMachine, worker: &str, payload: IngestPayload) -> Command {
-    let seq = sm.handle().load().last_stream_seq + 1;
-    Command::Ingest(IngestBatch {
-        source: Default::default(),
-        first_seq: seq,
-        last_seq: seq,
-        items: vec![IngestItem {
-            seq,
-            pool: "p".into(),
-            worker: worker.into(),
-            payload,
-        }],
-    })
-}
-
-fn store() -> IngestPayload {
-    IngestPayload::Kv(KvBatch {
-        dp_rank: 0,
-        events: vec![KvEvent::Stored {
-            block_hashes: vec![11, 12],
-            parent_hash: None,
-            token_ids: (0..8).collect(),
-            block_size: 4,
-            lora_name: None,
-            cache_salt: None,
-            tier: Tier::Gpu,
-        }],
-    })
+    support::message(sm, "p", worker, payload)
 }
 
 /// (up, indexed blocks) of each worker, by name.
@@ -68,7 +28,7 @@ fn fleet() -> StateMachine {
     let mut sm = StateMachine::new();
     let pool = support::pool("p", 4);
     apply_at(&mut sm, 1, pool);
-    let m = message(&sm, "w0", store());
+    let m = message(&sm, "w0", two_blocks());
     apply_at(&mut sm, 1_000, m);
     let metrics = IngestPayload::Metrics(WorkerMetrics::default());
     let m = message(&sm, "w1", metrics.clone());
@@ -121,7 +81,7 @@ fn a_worker_heard_again_keeps_its_lease_and_one_that_announces_itself_comes_back
     };
     let m = message(&sm, "w0", up);
     apply_at(&mut sm, 3_100, m);
-    let m = message(&sm, "w0", store());
+    let m = message(&sm, "w0", two_blocks());
     apply_at(&mut sm, 3_100, m);
     assert_eq!(workers(&sm)[0], ("w0".into(), true, 2));
 }

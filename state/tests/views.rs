@@ -9,25 +9,8 @@ mod support;
 
 use std::sync::Arc;
 
-use kvplane_state::{
-    Command, IngestBatch, IngestItem, IngestPayload, StateMachine, View, WorkerMetrics,
-};
-use support::{apply_checked, pool};
-
-fn message(sm: &StateMachine, pool: &str, worker: &str, payload: IngestPayload) -> Command {
-    let seq = sm.handle().load().last_stream_seq + 1;
-    Command::Ingest(IngestBatch {
-        source: Default::default(),
-        first_seq: seq,
-        last_seq: seq,
-        items: vec![IngestItem {
-            seq,
-            pool: pool.into(),
-            worker: worker.into(),
-            payload,
-        }],
-    })
-}
+use kvplane_state::{IngestPayload, StateMachine, View, WorkerMetrics};
+use support::{apply_checked, message, pool};
 
 fn up(sm: &mut StateMachine, pool: &str, worker: &str, address: &str) {
     let payload = IngestPayload::Worker {

@@ -722,6 +722,31 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A simulated engine alone (10x real time), no bridge: an engine kvplane knows only from
+    /// where a worker set says it is. `ports` as in [`Self::start_on`].
+    pub fn sim(dir: &Path, worker: &str, ports: [u16; 3], sim_args: &[String]) -> Proc {
+        std::fs::create_dir_all(dir).unwrap();
+        let s = |v: &str| v.to_owned();
+        let mut args = vec![
+            s("sim"),
+            s("engine"),
+            s("--http-listen"),
+            format!("127.0.0.1:{}", ports[0]),
+            s("--zmq-pub"),
+            format!("tcp://127.0.0.1:{}", ports[1]),
+            s("--zmq-replay"),
+            format!("tcp://127.0.0.1:{}", ports[2]),
+            s("--speedup"),
+            s("10"),
+        ];
+        args.extend_from_slice(sim_args);
+        Proc::start(
+            args,
+            dir.join(format!("{worker}.sim.log")),
+            "kvplane-sim ready",
+        )
+    }
+
     pub fn start(dir: &Path, nats_url: &str, worker: &str) -> Self {
         Self::start_on(dir, nats_url, worker, [0, 0, 0])
     }
@@ -751,27 +776,11 @@ impl Engine {
 
     /// With every option of [`EngineOptions`].
     pub fn start_with(dir: &Path, nats_url: &str, worker: &str, o: &EngineOptions) -> Self {
-        let (pool, ports, sim_args) = (o.pool.as_str(), o.ports, o.sim_args.as_slice());
-        std::fs::create_dir_all(dir).unwrap();
-        let s = |v: &str| v.to_owned();
-        let mut args = vec![
-            s("sim"),
-            s("engine"),
-            s("--http-listen"),
-            format!("127.0.0.1:{}", ports[0]),
-            s("--zmq-pub"),
-            format!("tcp://127.0.0.1:{}", ports[1]),
-            s("--zmq-replay"),
-            format!("tcp://127.0.0.1:{}", ports[2]),
-            s("--speedup"),
-            s("10"),
-        ];
-        args.extend_from_slice(sim_args);
-        let sim = Proc::start(
-            args,
-            dir.join(format!("{worker}.sim.log")),
-            "kvplane-sim ready",
+        let (pool, sim) = (
+            o.pool.as_str(),
+            Self::sim(dir, worker, o.ports, &o.sim_args),
         );
+        let s = |v: &str| v.to_owned();
         let http = format!("http://{}", sim.field("http"));
         let bridge = Proc::start(
             vec![

@@ -79,6 +79,12 @@ pub(super) fn config_sources(p: &mut Parts, tasks: &mut Tasks) -> Option<watch::
             sources::directory::run(dir, every, s, m, stop)
         });
     }
+    if let Some((client, namespace, resync)) = p.kube_engines.take() {
+        let (s, m) = (source.clone(), p.metrics.kube_engines.clone());
+        tasks.spawn("kubernetes engines", |stop| {
+            sources::kube_engines::run(client, namespace, resync, s, m, stop)
+        });
+    }
     if let Some((client, namespace, resync)) = p.kube.take() {
         let m = p.metrics.kubernetes.clone();
         tasks.spawn("kubernetes policies", |stop| {

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 
 use crate::routed_share::ShareMetrics;
 use crate::sources::directory::PolicySourceMetrics;
+use crate::sources::kube_engines::KubeEnginesMetrics;
 use crate::sources::kubernetes::KubeSourceMetrics;
 
 /// The families of every component, registered once.
@@ -26,14 +27,15 @@ pub(super) struct NodeMetrics {
     pub state: Arc<StateMetrics>,
     pub directory: Arc<PolicySourceMetrics>,
     pub kubernetes: Arc<KubeSourceMetrics>,
+    pub kube_engines: Arc<KubeEnginesMetrics>,
     pub share: Arc<ShareMetrics>,
     pub quota: QuotaMetrics,
     pub raft: Arc<RaftGauges>,
 }
 
 impl NodeMetrics {
-    /// Registers every family; the Kubernetes source's only when it runs.
-    pub(super) fn register(&self, r: &mut Registry, kubernetes: bool) {
+    /// Registers every family; the Kubernetes sources' only when they run.
+    pub(super) fn register(&self, r: &mut Registry, kubernetes: bool, kube_engines: bool) {
         self.ingest.register(r);
         self.api.register(r);
         self.state.register(r);
@@ -43,6 +45,9 @@ impl NodeMetrics {
         self.raft.register(r);
         if kubernetes {
             self.kubernetes.register(r);
+        }
+        if kube_engines {
+            self.kube_engines.register(r);
         }
     }
 }

@@ -25,7 +25,9 @@ pub(super) struct Parts {
     /// Every component's metrics.
     pub registry: Arc<Registry>,
     /// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`.
-    pub kube: Option<(kube::Client, String, Duration)>,
+    pub kube: Option<KubeWatch>,
+    /// The same of `[kubernetes_engines]`.
+    pub kube_engines: Option<KubeWatch>,
     /// This process's incarnation in the quota ledger.
     pub incarnation: u64,
 }
@@ -36,8 +38,23 @@ impl Parts {
     pub(super) async fn assemble(cfg: Config, bound: Bound) -> anyhow::Result<Self> {
         let metrics = NodeMetrics::default();
         let mut registry = Registry::default();
-        metrics.register(&mut registry, cfg.policy_kubernetes.is_some());
-        let kube = kube_source(&cfg).await?;
+        metrics.register(
+            &mut registry,
+            cfg.policy_kubernetes.is_some(),
+            cfg.kubernetes_engines.is_some(),
+        );
+        let kube = match &cfg.policy_kubernetes {
+            Some(k) => {
+                Some(kube_watch("policy_kubernetes", k.namespace.as_deref(), k.resync_ms).await?)
+            }
+            None => None,
+        };
+        let kube_engines = match &cfg.kubernetes_engines {
+            Some(k) => {
+                Some(kube_watch("kubernetes_engines", k.namespace.as_deref(), k.resync_ms).await?)
+            }
+            None => None,
+        };
         let tokenizers =
             Arc::new(Tokenizers::with_models(&cfg.tokenizer_dirs()).context("tokenizers")?);
         tokenizers.register(&mut registry);
@@ -81,6 +98,7 @@ impl Parts {
             predictor,
             registry: Arc::new(registry),
             kube,
+            kube_engines,
             incarnation,
         })
     }
@@ -102,21 +120,18 @@ impl Parts {
     }
 }
 
-/// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`, when set.
-async fn kube_source(cfg: &Config) -> anyhow::Result<Option<(kube::Client, String, Duration)>> {
-    let Some(k) = &cfg.policy_kubernetes else {
-        return Ok(None);
-    };
+/// A Kubernetes client, the namespace it watches and how often its watcher resyncs.
+pub(super) type KubeWatch = (kube::Client, String, Duration);
+
+/// The client, namespace (default: the client's) and resync period of config section `section`.
+async fn kube_watch(
+    section: &str,
+    namespace: Option<&str>,
+    resync_ms: u64,
+) -> anyhow::Result<KubeWatch> {
     let client = kube::Client::try_default()
         .await
-        .map_err(|e| anyhow::anyhow!("policy_kubernetes: no kubernetes client: {e}"))?;
-    let namespace = k
-        .namespace
-        .clone()
-        .unwrap_or_else(|| client.default_namespace().to_owned());
-    Ok(Some((
-        client,
-        namespace,
-        Duration::from_millis(k.resync_ms),
-    )))
+        .map_err(|e| anyhow::anyhow!("{section}: no kubernetes client: {e}"))?;
+    let namespace = namespace.map_or_else(|| client.default_namespace().to_owned(), str::to_owned);
+    Ok((client, namespace, Duration::from_millis(resync_ms)))
 }

@@ -3,6 +3,7 @@
 //! ([`Owner`]) and reconciles only that; what they share is here.
 
 pub mod directory;
+pub mod kube_engines;
 pub mod kubernetes;
 
 use std::sync::Arc;

@@ -49,8 +49,8 @@ impl FakeApi {
         kube::Client::new(service, namespace)
     }
 
-    /// Creates or replaces an object (`plural` as in the URL); its generation goes up when the
-    /// spec changes, as the API server does.
+    /// Creates or replaces an object (`plural` as [`key`] names it); its generation goes up
+    /// when the spec changes, as the API server does.
     pub fn apply(&self, plural: &str, mut object: Value) {
         let mut g = self.0.lock().unwrap();
         g.resource_version += 1;
@@ -62,7 +62,11 @@ impl FakeApi {
             Some(o) => o["metadata"]["generation"].as_i64().unwrap() + 1,
             None => 1,
         };
-        if let Some(o) = &old {
+        // The status is a subresource: kept unless the object brings its own (as the kubelet
+        // writes a pod's).
+        if let Some(o) = &old
+            && object.get("status").is_none()
+        {
             object["status"] = o["status"].clone();
         }
         object["metadata"]["generation"] = json!(generation);
@@ -113,14 +117,18 @@ impl FakeApi {
         let (parts, body) = req.into_parts();
         let path = parts.uri.path().to_owned();
         let query = parts.uri.query().unwrap_or("").to_owned();
-        // /apis/kvplane.io/v1alpha1/namespaces/{ns}/{plural}[/{name}[/status]]
+        // /apis/{group}/{version}/namespaces/{ns}/{plural}[/{name}[/status]], or
+        // /api/v1/namespaces/{ns}/{plural} for the core group.
         let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let (plural, name, sub) = match segments.as_slice() {
-            ["apis", _, _, "namespaces", _, plural] => (*plural, None, None),
-            ["apis", _, _, "namespaces", _, plural, name] => (*plural, Some(*name), None),
-            ["apis", _, _, "namespaces", _, plural, name, sub] => {
-                (*plural, Some(*name), Some(*sub))
-            }
+        let (group, rest) = match segments.as_slice() {
+            ["apis", group, _, "namespaces", _, rest @ ..] => (*group, rest),
+            ["api", _, "namespaces", _, rest @ ..] => ("", rest),
+            _ => ("", &[][..]),
+        };
+        let (plural, name, sub) = match rest {
+            [plural] => (*plural, None, None),
+            [plural, name] => (*plural, Some(*name), None),
+            [plural, name, sub] => (*plural, Some(*name), Some(*sub)),
             _ => {
                 return respond(
                     StatusCode::NOT_FOUND,
@@ -128,6 +136,7 @@ impl FakeApi {
                 );
             }
         };
+        let plural = &*key(group, plural);
         match (&parts.method, name, sub) {
             (&Method::GET, None, None) if query.contains("watch=true") => {
                 let (tx, rx) = mpsc::unbounded_channel();
@@ -178,6 +187,17 @@ impl FakeApi {
                 json!({"kind": "Status", "code": 405}),
             ),
         }
+    }
+}
+
+/// Where the fake keeps a resource: by its plural for kvplane's own kinds and the core group,
+/// `{group}/{plural}` for any other group (the Inference Extension's `InferencePool` shares
+/// its plural with kvplane's).
+pub fn key(group: &str, plural: &str) -> String {
+    if group.is_empty() || group == "kvplane.io" {
+        plural.to_owned()
+    } else {
+        format!("{group}/{plural}")
     }
 }
 

@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod engines;
 mod fake_api;
 
 use std::sync::Arc;
@@ -89,9 +90,9 @@ struct Source {
     _dir: tempfile::TempDir,
 }
 
-/// The source in front of a one-member Raft cluster of its own (a real log and state in a
-/// temporary directory; nothing listens, as a single voter talks to no one).
-async fn start(api: FakeApi) -> Source {
+/// A one-member Raft cluster of its own (a real log and state in a temporary directory;
+/// nothing listens, as a single voter talks to no one), leading.
+async fn one_member() -> (RaftMember, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let member = RaftMember::start(
         &RaftSection::default(),
@@ -103,6 +104,12 @@ async fn start(api: FakeApi) -> Source {
     .unwrap();
     let (_keep, mut never) = tokio::sync::watch::channel(false);
     assert!(member.wait_leadership(&mut never).await);
+    (member, dir)
+}
+
+/// The source in front of [`one_member`].
+async fn start(api: FakeApi) -> Source {
+    let (member, dir) = one_member().await;
     let (log, state) = (member.log.clone(), member.handle.clone());
     let leading = Arc::new(AtomicBool::new(false));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);

@@ -26,12 +26,22 @@ pub struct InferenceWorkerSetSpec {
     /// Tokens per KV block (vLLM's `--block-size`).
     #[serde(default = "default_block_size")]
     pub block_size: u32,
-    /// Engines at fixed addresses (otherwise they announce themselves over NATS).
+    /// Engines at fixed addresses: routable from the start, whether or not a bridge streams
+    /// for them (otherwise they are found from `selector`, `inferencePoolRef`, or their
+    /// bridges' announcements over NATS).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<StaticEndpoint>,
-    /// Engines found as pods with these labels, on this port.
+    /// Engines found as the pods with these labels, on this port, in the namespace of the
+    /// node's `[kubernetes_engines]`: each pod is the worker of its name, routable while it is
+    /// ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<PodSelector>,
+    /// Engines found as the pods of this `InferencePool` of the Gateway API Inference
+    /// Extension (`inference.networking.k8s.io/v1`, in the namespace of the node's
+    /// `[kubernetes_engines]`): its `selector` and first `targetPorts` entry, so an
+    /// InferencePool whose `endpointPickerRef` names kvplane is routed over the pods it selects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool_ref: Option<String>,
     /// GPU type, cluster, region...: what rule filters match on.
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
     pub labels: Labels,
@@ -53,6 +63,12 @@ pub struct InferenceWorkerSetSpec {
 }
 
 impl InferenceWorkerSetSpec {
+    /// Whether its engines are the pods Kubernetes reports (its selector's, or its
+    /// `InferencePool`'s).
+    pub fn finds_engines_in_kubernetes(&self) -> bool {
+        self.selector.is_some() || self.inference_pool_ref.is_some()
+    }
+
     /// Whether requests for `model` are served here: the base model or one of its adapters.
     pub fn serves(&self, model: &str) -> bool {
         self.model == model || self.lora_adapters.iter().any(|a| a == model)
