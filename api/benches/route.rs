@@ -581,6 +581,7 @@ fn main() {
                     })
                     .collect(),
                 releases: vec![],
+                settles: vec![],
             }),
         })
         .unwrap();

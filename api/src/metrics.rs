@@ -62,6 +62,7 @@ const USAGE_REPORTS: &[&str] = &[
     "first_token",
     "forwarded",
     "not_forwarded",
+    "ledger",
 ];
 const PICKER: &[&str] = &[
     "routed",

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvplane_policy::{LimitKey, MatchedLimit};
 use kvplane_proto::v1::{QuotaCharge, QuotaStatus};
-use kvplane_state::{Amount, QuotaAsk, QuotaBatch, QuotaRelease, StateHandle};
+use kvplane_state::{Amount, QuotaAsk, QuotaBatch, QuotaRelease, QuotaSettle, StateHandle};
 use tokio::sync::{Notify, watch};
 
 use crate::quota_metrics::QuotaMetrics;
@@ -170,6 +170,9 @@ struct Local {
     seq: u64,
     /// Why the last grant attempt failed, if it did.
     failing: Option<kvplane_state::ProposeError>,
+    /// Other replicas' reservations to settle through the ledger, sent in every batch until
+    /// the ledger has them (it takes each ticket once).
+    settles: Vec<QuotaSettle>,
 }
 
 impl Local {
@@ -476,6 +479,19 @@ impl Escrow {
         }
     }
 
+    /// Asks the ledger to give back what a request another process routed did not use (its
+    /// routing process is gone: see [`kvplane_state::QuotaSettle`]).
+    pub fn settle_elsewhere(&self, settles: Vec<QuotaSettle>) {
+        if settles.is_empty() {
+            return;
+        }
+        for s in &settles {
+            self.metrics.settled(&s.key.tenant, 0, s.tokens);
+        }
+        self.lock().settles.extend(settles);
+        self.wake.notify_one();
+    }
+
     /// The next batch for the ledger: grants for keys that ran short or are running low,
     /// releases of escrow that idle keys (every key, at `shutdown`) will not use. `None` when
     /// there is nothing to ask. Updates the escrow gauges.
@@ -553,7 +569,21 @@ impl Escrow {
         // of this replica: send one (empty) rather than keep the tokens from everyone.
         let applied = view.quota.replicas.get(&self.cfg.replica).copied();
         local.prune_released(applied, self.cfg.incarnation);
-        if asks.is_empty() && releases.is_empty() && local.releasing.is_empty() {
+        // Settles stay until the ledger has their ticket, or their window is over.
+        local.settles.retain(|s| {
+            view.quota.books.get(&s.key).is_some_and(|b| {
+                b.window_start_ms == s.window_start_ms && !b.settled.contains(&s.ticket)
+            })
+        });
+        // A new process says so at once: what its earlier one held becomes no one's, and that
+        // one's requests reported elsewhere give back what they did not use.
+        let restarted = applied.is_some_and(|(inc, _)| inc < self.cfg.incarnation);
+        if asks.is_empty()
+            && releases.is_empty()
+            && local.releasing.is_empty()
+            && local.settles.is_empty()
+            && !restarted
+        {
             return None;
         }
         local.seq += 1;
@@ -563,6 +593,7 @@ impl Escrow {
             seq: local.seq,
             asks,
             releases,
+            settles: local.settles.clone(),
         })
     }
 
@@ -733,6 +764,7 @@ mod tests {
                         requests: 0,
                     }],
                     releases: vec![],
+                    settles: vec![],
                 }),
             );
         }

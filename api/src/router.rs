@@ -227,6 +227,16 @@ impl RouterService {
         self.metrics.stages(&d);
         let mut answer = crate::pipeline::response(&d, &req.body, &reservations);
         answer.routed_by = self.forwarder.as_ref().map_or(0, |f| f.self_id);
+        if matches!(
+            answer.decision,
+            Some(kvplane_proto::v1::route_response::Decision::Endpoint(_))
+        ) {
+            answer.ticket = Some(crate::usage_forward::ticket(
+                answer.routed_by,
+                self.incarnation(),
+                &reservations,
+            ));
+        }
         Ok(Response::new(answer))
     }
 
@@ -238,16 +248,20 @@ impl RouterService {
         if let Some(f) = &self.forwarder
             && f.elsewhere(&report)
         {
-            let routed_by = report.routed_by;
+            let routed_by = crate::usage_forward::routed_by(&report);
             match f.forward(report.clone()).await {
                 Ok(ack) => {
                     self.metrics.usage("forwarded");
                     return Ok(Response::new(ack));
                 }
                 Err(e) => {
-                    // Settled here as far as this replica can (it holds nothing of it).
+                    // The routing process is out of reach: its ticket settles through the
+                    // ledger (given back once that process is known to be gone).
                     tracing::warn!(request_id = report.request_id, routed_by, error = %e, "usage report not forwarded");
                     self.metrics.usage("not_forwarded");
+                    if let Some(ack) = self.settle_by_ledger(&report) {
+                        return Ok(Response::new(ack));
+                    }
                 }
             }
         }
@@ -277,9 +291,20 @@ impl RouterService {
             return Ok(Response::new(UsageAck {
                 known: start != Start::Unknown,
                 applied_index,
+                settled_by_ledger: false,
             }));
         }
         let routed = self.usage.take(&report.request_id);
+        if routed.is_none()
+            && report
+                .ticket
+                .as_ref()
+                .is_some_and(|t| t.incarnation != self.incarnation())
+            && let Some(ack) = self.settle_by_ledger(&report)
+        {
+            // Routed by this replica's earlier process, which took its reservation along.
+            return Ok(Response::new(ack));
+        }
         self.metrics
             .usage(if routed.is_some() { "known" } else { "unknown" });
         if let (Some(r), Some(escrow)) = (&routed, &self.escrow) {
@@ -322,7 +347,29 @@ impl RouterService {
         Ok(Response::new(UsageAck {
             known: routed.is_some(),
             applied_index,
+            settled_by_ledger: false,
         }))
+    }
+
+    /// This process's incarnation (0 without tenant limits).
+    fn incarnation(&self) -> u64 {
+        self.escrow.as_ref().map_or(0, |e| e.config().incarnation)
+    }
+
+    /// Settles `report` through the ledger from its ticket, when it gives anything back.
+    fn settle_by_ledger(&self, report: &UsageReport) -> Option<UsageAck> {
+        let escrow = self.escrow.as_ref()?;
+        let settles = crate::usage_forward::ledger_settles(report);
+        if settles.is_empty() {
+            return None;
+        }
+        escrow.settle_elsewhere(settles);
+        self.metrics.usage("ledger");
+        Some(UsageAck {
+            known: false,
+            applied_index: self.state.load().applied_index,
+            settled_by_ledger: true,
+        })
     }
 
     async fn explain_in(

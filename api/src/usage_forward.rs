@@ -1,15 +1,20 @@
 //! Reports for requests another replica routed: a gateway that failed over between Route and
 //! ReportUsage reports to a replica that never saw the request. The report names the replica
-//! that did (`UsageReport.routed_by`), which holds the request's reservation and queue entry;
-//! this one forwards it there, once (a forwarded report is never forwarded again).
+//! that did (its ticket, or `UsageReport.routed_by`), which holds the request's reservation and
+//! queue entry; this one forwards it there, once (a forwarded report is never forwarded again).
+//! When that replica's process is gone - it cannot be reached, or it restarted and forgot the
+//! request - what the ticket says was reserved and the report says was not used goes back
+//! through the quota ledger instead ([`ledger_settles`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvplane_policy::LimitKey;
 use kvplane_proto::v1::router_client::RouterClient;
-use kvplane_proto::v1::{UsageAck, UsageReport};
+use kvplane_proto::v1::{Ticket, UsageAck, UsageReport};
 use kvplane_raft::ClusterControl;
+use kvplane_state::QuotaSettle;
 use tonic::transport::{Channel, Endpoint};
 
 /// Why a report could not be forwarded.
@@ -54,12 +59,13 @@ impl Forwarder {
 
     /// Whether `report` is another replica's to settle.
     pub(crate) fn elsewhere(&self, report: &UsageReport) -> bool {
-        !report.forwarded && report.routed_by != 0 && report.routed_by != self.self_id
+        let by = routed_by(report);
+        !report.forwarded && by != 0 && by != self.self_id
     }
 
     /// Forwards `report` to the replica that routed it; its answer.
     pub(crate) async fn forward(&self, mut report: UsageReport) -> Result<UsageAck, ForwardError> {
-        let id = report.routed_by;
+        let id = routed_by(&report);
         let mut client = self.client(id)?;
         report.forwarded = true;
         client
@@ -99,5 +105,137 @@ impl Forwarder {
         let c = RouterClient::new(channel);
         clients.insert(id, c.clone());
         Ok(c)
+    }
+}
+
+/// The replica that routed a reported request: its ticket's, else the report's `routed_by`.
+pub(crate) fn routed_by(report: &UsageReport) -> u64 {
+    report
+        .ticket
+        .as_ref()
+        .map_or(report.routed_by, |t| t.routed_by)
+}
+
+/// The ticket of a request this process (`incarnation` of replica `routed_by`) routed with
+/// `reservations`.
+pub(crate) fn ticket(
+    routed_by: u64,
+    incarnation: u64,
+    reservations: &[crate::Reservation],
+) -> Ticket {
+    Ticket {
+        routed_by,
+        incarnation,
+        charges: reservations
+            .iter()
+            .filter(|r| !r.fail_open)
+            .map(crate::Reservation::charge)
+            .collect(),
+    }
+}
+
+/// What a final report gives back through the ledger: for each limit its ticket names, the
+/// reservation less what the request used. Nothing for a first-token report, a report without
+/// a ticket, or one whose usage was not seen (the request keeps what was reserved).
+pub(crate) fn ledger_settles(report: &UsageReport) -> Vec<QuotaSettle> {
+    let Some(t) = report
+        .ticket
+        .as_ref()
+        .filter(|_| !report.first_token && !report.usage_unknown)
+    else {
+        return Vec::new();
+    };
+    let used = u64::from(report.prompt_tokens) + u64::from(report.completion_tokens);
+    t.charges
+        .iter()
+        .filter(|c| c.tokens > used)
+        .map(|c| QuotaSettle {
+            ticket: kvplane_state::Ticket {
+                replica: t.routed_by,
+                incarnation: t.incarnation,
+                request_id: report.request_id.clone(),
+            },
+            key: LimitKey {
+                tenant: c.tenant.clone(),
+                model: c.model.clone(),
+            },
+            window_start_ms: c.window_start_ms,
+            tokens: c.tokens - used,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::Reservation;
+
+    fn reservation(model: &str, tokens: u64, fail_open: bool) -> Reservation {
+        Reservation {
+            key: LimitKey {
+                tenant: "acme".into(),
+                model: model.into(),
+            },
+            window_start_ms: 60_000,
+            tokens,
+            fail_open,
+        }
+    }
+
+    fn report(ticket: Ticket) -> UsageReport {
+        UsageReport {
+            request_id: "r".into(),
+            prompt_tokens: 40,
+            completion_tokens: 10,
+            ticket: Some(ticket),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_final_report_gives_back_each_ledger_reservation_less_what_was_used() {
+        let t = ticket(
+            3,
+            7,
+            &[
+                reservation("", 540, false),
+                reservation("m", 540, false),
+                reservation("x", 900, true),
+                reservation("y", 30, false),
+            ],
+        );
+        assert_eq!(
+            t.charges.len(),
+            3,
+            "fail-open admissions are not the ledger's"
+        );
+        let settles = ledger_settles(&report(t.clone()));
+        let got: Vec<(u64, u64, &str, &str, u64, u64)> = settles
+            .iter()
+            .map(|s| {
+                let k = &s.ticket;
+                (
+                    k.replica,
+                    k.incarnation,
+                    k.request_id.as_str(),
+                    s.key.model.as_str(),
+                    s.window_start_ms,
+                    s.tokens,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [(3, 7, "r", "", 60_000, 490), (3, 7, "r", "m", 60_000, 490)],
+            "a reservation smaller than the use gives nothing back"
+        );
+        let mut unknown = report(t.clone());
+        unknown.usage_unknown = true;
+        assert!(ledger_settles(&unknown).is_empty());
+        let mut first = report(t);
+        first.first_token = true;
+        assert!(ledger_settles(&first).is_empty());
     }
 }

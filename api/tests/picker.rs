@@ -357,6 +357,7 @@ fn under_a_limit(body: &[u8]) -> (TestFleet, RouterService, Arc<Escrow>, Arc<Api
             requests: 0,
         }],
         releases: Vec::new(),
+        settles: Vec::new(),
     }));
     let escrow = Arc::new(Escrow::new(
         QuotaConfig {

@@ -70,6 +70,7 @@ pub fn workload(a: &GrantArgs) -> Vec<Command> {
                 })
                 .collect(),
             releases: Vec::new(),
+            settles: Vec::new(),
         }));
     }
     out

@@ -15,7 +15,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvplane_proto::front::{self, AnswerTail};
-use kvplane_proto::v1::{Outcome, RejectCode, RouteRequest, UsageReport, route_response::Decision};
+use kvplane_proto::v1::{
+    Outcome, RejectCode, RouteRequest, Ticket, UsageReport, route_response::Decision,
+};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
@@ -74,9 +76,10 @@ enum Mode {
 
 struct Inner {
     mode: Mode,
-    /// The replica that decided each request in flight (`RouteResponse.routed_by`), named in
-    /// its reports so that any replica settles them where its reservation is.
-    routed_by: std::sync::Mutex<HashMap<String, u64>>,
+    /// The ticket of each request in flight (`RouteResponse.ticket`: the replica and process
+    /// that decided it, what it reserved), carried in its reports so that any replica settles
+    /// them, even when that process is gone.
+    tickets: std::sync::Mutex<HashMap<String, Ticket>>,
     tenant_header: String,
     secrets: Secrets,
     headers_timeout: std::time::Duration,
@@ -120,7 +123,7 @@ pub async fn run(
     metrics.register(&mut registry);
     let app = App(Arc::new(Inner {
         mode,
-        routed_by: std::sync::Mutex::default(),
+        tickets: std::sync::Mutex::default(),
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
         secrets: cfg.secrets,
         headers_timeout: cfg.headers_timeout,
@@ -428,13 +431,13 @@ impl App {
                     .route_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
-                if resp.routed_by != 0 {
-                    let mut m = self.0.routed_by.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(ticket) = &resp.ticket {
+                    let mut m = self.0.tickets.lock().unwrap_or_else(|p| p.into_inner());
                     // Bounded: a request whose final report never came must not pin memory.
                     if m.len() >= 100_000 {
                         m.clear();
                     }
-                    m.insert(request_id.to_owned(), resp.routed_by);
+                    m.insert(request_id.to_owned(), ticket.clone());
                 }
                 match resp.decision.clone() {
                     Some(Decision::Endpoint(e)) => {
@@ -762,13 +765,13 @@ impl App {
             return None;
         };
         {
-            let mut m = self.0.routed_by.lock().unwrap_or_else(|p| p.into_inner());
-            report.routed_by = if report.first_token {
-                m.get(&report.request_id).copied()
+            let mut m = self.0.tickets.lock().unwrap_or_else(|p| p.into_inner());
+            report.ticket = if report.first_token {
+                m.get(&report.request_id).cloned()
             } else {
                 m.remove(&report.request_id)
-            }
-            .unwrap_or(0);
+            };
+            report.routed_by = report.ticket.as_ref().map_or(0, |t| t.routed_by);
         }
         let app = self.clone();
         Some(tokio::spawn(async move {

@@ -99,6 +99,8 @@ struct Rendered {
     deployments: Vec<Deployment>,
     kvplane_objects: Vec<Value>,
     inference_pools: Vec<gateway_api::InferencePool>,
+    /// The same, as rendered.
+    inference_pool_docs: Vec<Value>,
     gateways: Vec<gateway_api::Gateway>,
     http_routes: Vec<gateway_api::HttpRoute>,
 }
@@ -130,6 +132,7 @@ fn parse(docs: &[Value]) -> Rendered {
             }
             (Some("inference.networking.k8s.io/v1"), Some("InferencePool")) => {
                 r.inference_pools.push(strict(d));
+                r.inference_pool_docs.push(d.clone());
             }
             (Some("gateway.networking.k8s.io/v1"), Some("Gateway")) => r.gateways.push(strict(d)),
             (Some("gateway.networking.k8s.io/v1"), Some("HTTPRoute")) => {
@@ -386,7 +389,7 @@ fn the_inference_extension_example_points_its_inference_pool_at_kvplane_and_its_
         serde_json::from_value(ws["spec"].clone()).unwrap();
     let pools = std::collections::BTreeMap::from([(
         pool.metadata.name.clone().unwrap(),
-        serde_json::to_value(spec).unwrap(),
+        r.inference_pool_docs[0]["spec"].clone(),
     )]);
     let of = kvplane_node::sources::kube_engines::pods_of(&ws_spec, Some(&pools))
         .unwrap()

@@ -403,20 +403,7 @@ async fn a_report_to_another_replica_settles_where_the_request_was_routed() {
                 .sum::<u64>()
         }
     };
-    let routed = cluster.nodes[0]
-        .router()
-        .await
-        .route(RouteRequest {
-            request_id: "failover-1".into(),
-            tenant: "acme".into(),
-            model: "m".into(),
-            token_ids: prompt(1),
-            max_output_tokens: 500,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let routed = route_acme(&cluster.nodes[0], "failover-1").await;
     assert!(
         matches!(routed.decision, Some(Decision::Endpoint(_))),
         "{routed:?}"
@@ -451,6 +438,114 @@ async fn a_report_to_another_replica_settles_where_the_request_was_routed() {
     let m = cluster.nodes[1].metrics().await;
     assert!(
         m.contains(r#"kvplane_usage_reports_total{outcome="forwarded"} 1"#),
+        "{m}"
+    );
+}
+
+/// One of acme's requests (its prompt, at most 500 output tokens) routed by `node`.
+async fn route_acme(node: &harness::Node, request_id: &str) -> kvplane_proto::v1::RouteResponse {
+    node.router()
+        .await
+        .route(RouteRequest {
+            request_id: request_id.into(),
+            tenant: "acme".into(),
+            model: "m".into(),
+            token_ids: prompt(1),
+            max_output_tokens: 500,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// The tenant's book in `node`'s ledger (read from its exported state).
+async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
+    let sm = harness::exported_state(node).await;
+    let key = kvplane_policy::LimitKey {
+        tenant: "acme".into(),
+        model: String::new(),
+    };
+    sm.handle().load().quota.books[&key].clone()
+}
+
+/// A gateway that fails over between Route and ReportUsage while the replica that routed the
+/// request is dead: the report's ticket settles it through the ledger. What the request did not
+/// use comes back to the tenant's window once that replica's process is known to be gone (its
+/// next process speaks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
+    let (mut cluster, _dir) = harness::started_with_limits(
+        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 60}\n",
+        Vec::new(),
+    )
+    .await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    let (router, reporter) = (followers[0], followers[1]);
+    let routed = route_acme(&cluster.nodes[router], "dies-1").await;
+    let ticket = routed.ticket.clone().unwrap();
+    assert_eq!(ticket.routed_by, cluster.nodes[router].raft_id.unwrap());
+    let reserved = ticket.charges[0].tokens;
+    assert!(reserved >= 500, "{ticket:?}");
+    let before = acme_book(&cluster.nodes[leader]).await;
+    assert!(before.holders.contains_key(&ticket.routed_by));
+
+    cluster.nodes[router].kill();
+    let report = kvplane_proto::v1::UsageReport {
+        request_id: "dies-1".into(),
+        prompt_tokens: 40,
+        completion_tokens: 10,
+        ticket: Some(ticket.clone()),
+        ..Default::default()
+    };
+    let ack = cluster.nodes[reporter]
+        .router()
+        .await
+        .report_usage(report.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
+    // Its process may be alive behind a partition: the ticket waits, nothing comes back yet.
+    let waiting = eventually(
+        "the ticket in the ledger",
+        Duration::from_secs(20),
+        || async {
+            let b = acme_book(&cluster.nodes[leader]).await;
+            (!b.pending.is_empty()).then_some(b)
+        },
+    )
+    .await;
+    assert_eq!(waiting.granted, before.granted);
+
+    // Its next process speaks: the holdings of the old one are no one's, and what the request
+    // did not use of them comes back.
+    cluster.nodes[router].restart();
+    let after = eventually("the ticket given back", Duration::from_secs(30), || async {
+        let b = acme_book(&cluster.nodes[leader]).await;
+        b.pending.is_empty().then_some(b)
+    })
+    .await;
+    assert_eq!(
+        after.granted.tokens,
+        before.granted.tokens - (reserved - 50)
+    );
+    assert!(!after.holders.contains_key(&ticket.routed_by));
+
+    // Reported again, to the restarted replica itself: it knows the ticket for its earlier
+    // process's (the ledger takes each ticket once: state/src/quota_settle.rs).
+    let ack = cluster.nodes[router]
+        .router()
+        .await
+        .report_usage(report)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
+    let m = cluster.nodes[reporter].metrics().await;
+    assert!(
+        m.contains(r#"kvplane_usage_reports_total{outcome="ledger"} 1"#),
         "{m}"
     );
 }

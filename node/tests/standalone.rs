@@ -10,24 +10,11 @@ use std::time::Duration;
 
 use harness::{Cluster, NodeOptions, RaftOptions, kvplane_ok, prompt, publish, publish_chains};
 use kvplane_ingest::ensure_stream;
-use kvplane_proto::v1::{
-    ExportStateRequest, PutConfigRequest, RejectCode, RouteRequest, route_response::Decision,
-};
+use kvplane_proto::v1::{PutConfigRequest, RejectCode, RouteRequest, route_response::Decision};
 
 /// The pools in `node`'s state, read from its exported state by the state crate itself.
 async fn pools(node: &harness::Node) -> Vec<String> {
-    let mut stream = node
-        .admin()
-        .await
-        .export_state(ExportStateRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let mut bytes = Vec::new();
-    while let Some(chunk) = stream.message().await.unwrap() {
-        bytes.extend_from_slice(&chunk.data);
-    }
-    let sm = kvplane_state::StateMachine::restore(&bytes).unwrap();
+    let sm = harness::exported_state(node).await;
     sm.handle().load().pools.keys().cloned().collect()
 }
 

@@ -96,6 +96,18 @@ impl StateMachine {
         spec: &kvplane_policy::kinds::InferenceWorkerSetSpec,
     ) {
         if spec.finds_engines_in_kubernetes() {
+            // Kubernetes tells the rest; a static endpoint left from before is no one's now.
+            let kept: Vec<(String, Discovered)> = self
+                .workers
+                .range((pool.to_owned(), String::new())..)
+                .take_while(|((p, _), _)| p == pool)
+                .filter_map(|((_, n), w)| {
+                    let d = w.discovered.as_ref()?;
+                    (d.found != Found::Static).then(|| (n.clone(), d.clone()))
+                })
+                .collect();
+            let kept = kept.iter().map(|(n, d)| (n.as_str(), d.clone())).collect();
+            self.set_discovered(pool, kept);
             return;
         }
         let endpoints = spec.endpoints.iter().map(|e| {
@@ -111,7 +123,8 @@ impl StateMachine {
 
     /// Sets the endpoints of `pool`'s workers to `endpoints` (by worker name): a listed worker
     /// not known yet is created, its stream not started; a known one not listed keeps only
-    /// what its stream says.
+    /// what its stream says, and is forgotten when its stream never started (a pod gone
+    /// before its bridge spoke leaves nothing behind).
     fn set_discovered(&mut self, pool: &str, mut endpoints: Vec<(&str, Discovered)>) {
         endpoints.sort_by(|a, b| a.0.cmp(b.0));
         endpoints.dedup_by(|a, b| a.0 == b.0);
@@ -137,6 +150,11 @@ impl StateMachine {
                 .workers
                 .get(&key)
                 .map_or(0, |w| worker_fact(&key.0, &key.1, w));
+            if found.is_none() && self.workers.get(&key).is_some_and(|w| w.awaiting_stream) {
+                self.workers.remove(&key);
+                self.parts.workers = self.parts.workers.wrapping_sub(before);
+                continue;
+            }
             let next_id = &mut self.next_worker_id;
             let worker = self.workers.entry(key.clone()).or_insert_with(|| {
                 let id = *next_id;

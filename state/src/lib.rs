@@ -25,6 +25,7 @@ mod log;
 mod machine;
 mod owner;
 mod quota;
+mod quota_settle;
 mod snapshot;
 mod token_bytes;
 mod view;
@@ -42,6 +43,8 @@ pub use index::{Overlap, PoolIndex};
 pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};
 pub use machine::{Applied, DropReason, Stamp, StateMachine};
 pub use owner::Owner;
-pub use quota::{Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease};
+pub use quota::{
+    Amount, Book, Ledger, QuotaApplied, QuotaAsk, QuotaBatch, QuotaRelease, QuotaSettle, Ticket,
+};
 pub use snapshot::Captured;
 pub use view::{PoolView, StateHandle, View, WorkerView};

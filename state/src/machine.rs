@@ -224,8 +224,10 @@ pub(crate) fn worker_fact(pool: &str, name: &str, w: &Worker) -> u128 {
     if let Some(d) = &w.discovered {
         h.str(d.found.as_str())
             .str(&d.address)
-            .u64(u64::from(d.ready))
-            .u64(u64::from(w.awaiting_stream));
+            .u64(u64::from(d.ready));
+    }
+    if w.awaiting_stream {
+        h.str("awaiting_stream");
     }
     h.finish().0
 }
@@ -561,6 +563,12 @@ impl StateMachine {
             }
             IngestPayload::Worker { up: false, .. } => {
                 worker.up = false;
+                if worker.discovered.is_some() {
+                    // Still routable: no load it last reported stands for how loaded it is.
+                    worker.metrics = WorkerMetrics::default();
+                    worker.metrics_index = 0;
+                    worker.metrics_at_ms = 0;
+                }
                 let ranks: Vec<u32> = self
                     .ranks
                     .range((wid, 0)..=(wid, u32::MAX))
@@ -1234,7 +1242,11 @@ impl StateMachine {
                 id: w.id,
                 up: w.routable(),
                 streaming: w.up,
-                discovered: w.discovered.clone(),
+                // Shared with the view before while it stays (publishing is on the ingest path).
+                discovered: match (same.and_then(|o| o.discovered.as_ref()), &w.discovered) {
+                    (Some(kept), Some(d)) if **kept == *d => Some(kept.clone()),
+                    (_, d) => d.clone().map(Arc::new),
+                },
                 address: match (same.and_then(|o| o.address.as_ref()), w.serving_address()) {
                     (Some(kept), Some(a)) if **kept == *a => Some(kept.clone()),
                     (_, a) => a.map(Into::into),

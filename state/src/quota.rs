@@ -11,12 +11,13 @@
 //! (incarnation) starts holding nothing: what its earlier one held stays spent for the window,
 //! since no one knows how much of it was.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvplane_policy::{Catalog, LimitKey};
 use serde::{Deserialize, Serialize};
 
 use crate::digest::Hasher;
+pub use crate::quota_settle::{QuotaSettle, Ticket};
 
 /// One replica's asks and releases, in one entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,6 +29,10 @@ pub struct QuotaBatch {
     pub seq: u64,
     pub asks: Vec<QuotaAsk>,
     pub releases: Vec<QuotaRelease>,
+    /// Reservations of another replica's requests whose usage was reported here (see
+    /// [`QuotaSettle`]).
+    #[serde(default)]
+    pub settles: Vec<QuotaSettle>,
 }
 
 /// "Grant me up to this much more for the current window."
@@ -66,6 +71,13 @@ pub struct Book {
     pub granted: Amount,
     /// Per replica, what it holds.
     pub holders: BTreeMap<u64, Amount>,
+    /// Tickets settled through the ledger in this window (see [`QuotaSettle`]), each once.
+    #[serde(default)]
+    pub settled: BTreeSet<Ticket>,
+    /// Of those, the ones whose routing process may still hold them (its replica has not
+    /// started again since), with the tokens to give back once it has.
+    #[serde(default)]
+    pub pending: BTreeMap<Ticket, u64>,
 }
 
 impl Book {
@@ -124,9 +136,11 @@ impl Ledger {
             Some(&(inc, _)) if inc < b.incarnation => {
                 // The replica restarted: what its earlier process held may have been spent, and
                 // that record died with it. Its holdings stay granted (counted against the
-                // window) but are no one's to spend or release any more.
+                // window) but are no one's to spend or release any more - except what reported
+                // requests of that process did not use (its tickets settled elsewhere).
                 for book in self.books.values_mut() {
                     book.holders.remove(&b.replica);
+                    out.released.tokens += book.release_pending(b.replica, b.incarnation);
                 }
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));
             }
@@ -155,6 +169,9 @@ impl Ledger {
             if *held == Amount::default() {
                 book.holders.remove(&b.replica);
             }
+        }
+        for settle in &b.settles {
+            out.released.tokens += self.settle(settle);
         }
         for a in &b.asks {
             let Some(limit) = catalog.limit_of(&a.key) else {
@@ -217,6 +234,10 @@ impl Ledger {
             for (r, a) in &b.holders {
                 h.u64(*r).u64(a.tokens).u64(a.requests);
             }
+            // Hashed only when present: books without settled tickets keep their digest.
+            if !b.settled.is_empty() || !b.pending.is_empty() {
+                b.hash_tickets(h);
+            }
         }
         h.u64(self.replicas.len() as u64);
         for (r, (inc, seq)) in &self.replicas {
@@ -226,14 +247,15 @@ impl Ledger {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
     use kvplane_policy::kinds::{InferencePolicySpec, TenantLimit};
     use kvplane_policy::{Object, Spec};
 
-    fn catalog(tokens_per_minute: u64, burst: u64) -> Catalog {
+    /// Acme's limit of `tokens_per_minute` (grants of `burst`), for every model.
+    pub(crate) fn catalog(tokens_per_minute: u64, burst: u64) -> Catalog {
         let mut c = Catalog::default();
         c.insert(Object {
             name: "limits".into(),
@@ -254,7 +276,7 @@ mod tests {
         c
     }
 
-    fn key() -> LimitKey {
+    pub(crate) fn key() -> LimitKey {
         LimitKey {
             tenant: "acme".into(),
             model: String::new(),
@@ -272,6 +294,7 @@ mod tests {
                 requests: 1,
             }],
             releases: vec![],
+            settles: vec![],
         }
     }
 
@@ -315,6 +338,7 @@ mod tests {
             incarnation: 1,
             seq: 2,
             asks: vec![],
+            settles: vec![],
             releases: vec![QuotaRelease {
                 key: key(),
                 window_start_ms: 0,

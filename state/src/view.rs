@@ -55,7 +55,7 @@ pub struct WorkerView {
     /// and metrics count.
     pub streaming: bool,
     /// What its static endpoints or Kubernetes say of it, if they know it.
-    pub discovered: Option<crate::Discovered>,
+    pub discovered: Option<Arc<crate::Discovered>>,
     /// Where requests go: the endpoint source's address, else the one its bridge announced.
     pub address: Option<Arc<str>>,
     pub metrics: WorkerMetrics,

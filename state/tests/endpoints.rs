@@ -156,7 +156,7 @@ fn a_static_worker_never_heard_from_has_no_lease_to_expire() {
 }
 
 #[test]
-fn a_worker_set_that_stops_listing_an_endpoint_leaves_that_worker_to_its_stream() {
+fn a_worker_set_that_stops_listing_an_endpoint_leaves_that_worker_to_its_stream_or_forgets_it() {
     let mut sm = StateMachine::new();
     apply_at(&mut sm, 1, static_set(&[("w0", A0), ("w1", A1)]));
     let m = message(&sm, "w0", announce("http://announced:8000"));
@@ -172,11 +172,8 @@ fn a_worker_set_that_stops_listing_an_endpoint_leaves_that_worker_to_its_stream(
     apply_at(&mut sm, 3_000, static_set(&[]));
     assert_eq!(
         workers(&sm),
-        vec![
-            row("w0", true, true, "http://announced:8000", None, 0),
-            row("w1", false, false, "", None, 0),
-        ],
-        "a worker no source knows any more and whose stream never started is not routable"
+        vec![row("w0", true, true, "http://announced:8000", None, 0)],
+        "a worker no source knows any more and whose stream never started is forgotten"
     );
 }
 
@@ -278,4 +275,44 @@ fn readiness_and_addresses_are_in_the_digest() {
     assert_ne!(base, digest(&[("pod-a", A0, false)]));
     assert_ne!(base, digest(&[("pod-a", A1, true)]));
     assert_eq!(base, digest(&[("pod-a", A0, true)]));
+}
+
+#[test]
+fn a_set_that_turns_from_a_list_to_a_selector_keeps_no_listed_endpoint() {
+    let mut sm = StateMachine::new();
+    apply_at(&mut sm, 1, static_set(&[("w0", A0), ("w1", A1)]));
+    let m = message(&sm, "w0", two_blocks());
+    apply_at(&mut sm, 1_000, m);
+    apply_at(&mut sm, 2_000, selector_set());
+    assert_eq!(
+        workers(&sm),
+        vec![row("w0", true, true, "", None, 2)],
+        "the streaming one is its stream's; the other was never anything but listed"
+    );
+    apply_at(&mut sm, 3_000, pods(&[("w0", A1, true)]));
+    assert_eq!(
+        workers(&sm),
+        vec![row("w0", true, true, A1, Some(Found::Kubernetes), 2)]
+    );
+}
+
+#[test]
+fn a_routable_worker_whose_stream_goes_down_keeps_no_load_it_last_reported() {
+    let mut sm = StateMachine::new();
+    apply_at(&mut sm, 1, static_set(&[("w0", A0)]));
+    let busy = IngestPayload::Metrics(kvplane_state::WorkerMetrics {
+        waiting: 9,
+        kv_cache_usage: 0.9,
+        ..Default::default()
+    });
+    let m = message(&sm, "w0", busy);
+    apply_at(&mut sm, 1_000, m);
+    let load = |sm: &StateMachine| {
+        let v = sm.handle().load();
+        let w = v.workers().next().unwrap();
+        (w.up, w.metrics.waiting, w.metrics_index)
+    };
+    assert_eq!(load(&sm), (true, 9, 2));
+    apply_at(&mut sm, 5_000, Command::ExpireLeases { lease_ms: 1_000 });
+    assert_eq!(load(&sm), (true, 0, 0));
 }

@@ -54,6 +54,7 @@ pub struct KubeEnginesMetrics {
     applied: Counter,
     unresolved: Gauge,
     errors: Counter,
+    passes: Counter,
 }
 
 impl KubeEnginesMetrics {
@@ -73,6 +74,16 @@ impl KubeEnginesMetrics {
             "Watch and proposal errors",
             self.errors.clone(),
         );
+        r.register(
+            "kvplane_kube_engines_passes",
+            "Comparisons of the pods with the state (while leading) or of nothing (while following), after the pods were listed",
+            self.passes.clone(),
+        );
+    }
+
+    /// Passes so far (see `kvplane_kube_engines_passes`).
+    pub fn passes(&self) -> u64 {
+        self.passes.get()
     }
 }
 
@@ -116,11 +127,11 @@ pub struct PodsOf {
 /// Why a worker set's pods cannot be told.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Unresolved {
-    #[error("InferencePool {0:?} does not exist")]
+    #[error("no inference pool {0:?}: its worker set has no pods")]
     NoInferencePool(String),
-    #[error("InferencePool {name:?} cannot be read: {reason}")]
+    #[error("inference pool {name:?} cannot be read: {reason}")]
     BadInferencePool { name: String, reason: String },
-    #[error("InferencePools are not listed yet (is the Inference Extension's CRD installed?)")]
+    #[error("inference pools are not listed yet (are the inference extension's crds installed)")]
     NotListed,
 }
 
@@ -209,16 +220,19 @@ pub fn changes(
     let mut updates = Vec::new();
     let mut unresolved = Vec::new();
     for (name, ws) in &view.catalog.worker_sets {
-        let of = match pods_of(ws, inference_pools) {
+        let mut want: Vec<DiscoveredEndpoint> = match pods_of(ws, inference_pools) {
             None => continue,
-            Some(Ok(of)) => of,
+            Some(Ok(of)) => pods.iter().filter_map(|p| endpoint(p, &of)).collect(),
+            // Listed, and not there (deleted, or not created yet): no pods are its.
+            Some(Err(why @ Unresolved::NoInferencePool(_))) => {
+                unresolved.push((name.clone(), why));
+                Vec::new()
+            }
             Some(Err(why)) => {
                 unresolved.push((name.clone(), why));
                 continue;
             }
         };
-        let mut want: Vec<DiscoveredEndpoint> =
-            pods.iter().filter_map(|p| endpoint(p, &of)).collect();
         want.sort();
         // A static endpoint left from before the selector is never wanted.
         let mut stale = false;
@@ -270,6 +284,7 @@ pub async fn run(
     let mut pool_store: Option<reflector::Store<DynamicObject>> = None;
     let mut pool_events: Option<Events> = None;
     let mut tick = tokio::time::interval(resync);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tracing::info!(namespace, "watching engine pods in kubernetes");
     loop {
         tokio::select! {
@@ -282,7 +297,11 @@ pub async fn run(
                 Some(s) => s.next().await,
                 None => std::future::pending().await,
             } } => match e {
-                Ok(()) => {}
+                Ok(()) => {
+                    if let Some(s) = pool_events.as_mut() {
+                        drain(s, &metrics);
+                    }
+                }
                 Err(e) => { watch_error(&metrics, "inferencepools", &e); continue; }
             },
             _ = tick.tick() => {}
@@ -302,7 +321,12 @@ pub async fn run(
             pool_store = Some(store);
             tracing::info!(namespace, "watching inference pools in kubernetes");
         }
-        if pods.wait_until_ready().now_or_never().is_none() || !node.leading() {
+        if pods.wait_until_ready().now_or_never().is_none() {
+            continue;
+        }
+        if !node.leading() {
+            metrics.unresolved.set(0);
+            metrics.passes.inc();
             continue;
         }
         let inference_pools: Option<BTreeMap<String, serde_json::Value>> = pool_store
@@ -344,6 +368,7 @@ pub async fn run(
                 }
             }
         }
+        metrics.passes.inc();
     }
 }
 

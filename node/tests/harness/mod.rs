@@ -13,6 +13,6 @@ pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up};
 pub use envoy::spawn_envoy;
 pub use in_process::InProcess;
 pub use raft::{
-    chain, prompt, publish_chains, routed_worker, started, started_with_limits,
+    chain, exported_state, prompt, publish_chains, routed_worker, started, started_with_limits,
     started_with_limits_and,
 };

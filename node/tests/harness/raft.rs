@@ -156,3 +156,19 @@ pub async fn started_with_limits_and(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `node`'s state, read from its exported state (Admin.ExportState) by the state crate itself.
+pub async fn exported_state(node: &Node) -> kvplane_state::StateMachine {
+    let mut stream = node
+        .admin()
+        .await
+        .export_state(kvplane_proto::v1::ExportStateRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = stream.message().await.unwrap() {
+        bytes.extend_from_slice(&chunk.data);
+    }
+    kvplane_state::StateMachine::restore(&bytes).unwrap()
+}

@@ -20,6 +20,7 @@ use super::{NS, one_member, wait};
 struct Engines {
     state: StateHandle,
     leading: Arc<AtomicBool>,
+    metrics: Arc<KubeEnginesMetrics>,
     member: RaftMember,
     _stop: tokio::sync::watch::Sender<bool>,
     _dir: tempfile::TempDir,
@@ -30,6 +31,7 @@ async fn start(api: &FakeApi) -> Engines {
     let leading = Arc::new(AtomicBool::new(true));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let l = leading.clone();
+    let metrics = Arc::new(KubeEnginesMetrics::default());
     tokio::spawn(kube_engines::run(
         api.client(NS),
         NS.into(),
@@ -41,12 +43,13 @@ async fn start(api: &FakeApi) -> Engines {
             synced: Arc::new(tokio::sync::watch::channel(0).0),
             tokenizers: Arc::default(),
         },
-        Arc::new(KubeEnginesMetrics::default()),
+        metrics.clone(),
         stop_rx,
     ));
     Engines {
         state: member.handle.clone(),
         leading,
+        metrics,
         member,
         _stop: stop,
         _dir: dir,
@@ -54,6 +57,13 @@ async fn start(api: &FakeApi) -> Engines {
 }
 
 impl Engines {
+    /// Waits for `n` more passes of the source (each one compares the pods with the state
+    /// while leading, and proposes what differs before it counts).
+    async fn passes(&self, n: u64) {
+        let until = self.metrics.passes() + n;
+        wait("passes", || (self.metrics.passes() >= until).then_some(())).await;
+    }
+
     async fn worker_set(&self, spec: Value) {
         self.member
             .log
@@ -143,35 +153,40 @@ async fn a_selectors_pods_are_workers_at_their_addresses_routable_while_ready() 
     )
     .await;
 
-    // llama-1 turns ready, llama-2 gets its IP, llama-0 goes away.
+    // Converged: later passes propose nothing.
+    let settled = e.state.load().applied_index;
+    e.passes(3).await;
+    assert_eq!(e.state.load().applied_index, settled);
+
+    // llama-1 turns ready, llama-2 gets its IP, llama-0 goes away (never streamed: forgotten).
     api.apply("pods", pod("llama-1", "llama", Some("10.1.0.2"), true));
     api.apply("pods", pod("llama-2", "llama", Some("fd00::3"), true));
     api.delete("pods", "llama-0");
     e.workers_become(
         "the pods as they are now",
         &[
-            ("llama-0", false, ""),
             ("llama-1", true, "http://10.1.0.2:8000"),
             ("llama-2", true, "http://[fd00::3]:8000"),
         ],
     )
     .await;
 
-    // A follower proposes nothing: a pod's change waits for the next leader.
+    // A follower proposes nothing: passes go by while the pod's change waits for a leader.
     e.leading.store(false, Ordering::SeqCst);
+    e.passes(1).await;
     let before = e.state.load().applied_index;
     api.apply("pods", pod("llama-1", "llama", Some("10.1.0.2"), false));
+    e.passes(3).await;
+    assert_eq!(e.state.load().applied_index, before);
     e.leading.store(true, Ordering::SeqCst);
     e.workers_become(
         "the change applied once leading again",
         &[
-            ("llama-0", false, ""),
             ("llama-1", false, "http://10.1.0.2:8000"),
             ("llama-2", true, "http://[fd00::3]:8000"),
         ],
     )
     .await;
-    assert!(e.state.load().applied_index > before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -183,6 +198,12 @@ async fn an_inference_pool_tells_which_pods_a_worker_set_routes_over() {
     let e = start(&api).await;
     e.worker_set(json!({"model": "llama-8b", "inferencePoolRef": "llama-pool"}))
         .await;
+    // Not created yet: nothing to route to, and nothing proposed over and over.
+    e.passes(2).await;
+    let idle = e.state.load().applied_index;
+    e.passes(3).await;
+    assert_eq!(e.state.load().applied_index, idle);
+    assert_eq!(e.state.load().workers().count(), 0);
     api.apply(&pools, inference_pool("llama", 8000));
     e.workers_become(
         "the InferencePool's pods on its target port",
@@ -201,4 +222,8 @@ async fn an_inference_pool_tells_which_pods_a_worker_set_routes_over() {
         ],
     )
     .await;
+    // The InferencePool deleted: its worker set has no pods.
+    api.delete(&pools, "llama-pool");
+    e.workers_become("no pods without the InferencePool", &[])
+        .await;
 }

@@ -1,0 +1,200 @@
+//! Settling a request's reservation through the ledger, when the replica that routed it cannot:
+//! a gateway reported its usage elsewhere and the routing process is gone (killed, or restarted
+//! and so forgetting what it reserved). The report carries the request's ticket - the routing
+//! replica, its process (incarnation), and what each limit reserved - and the replica that got
+//! it asks the ledger to give back what the request did not use.
+//!
+//! A process that is gone left its holdings granted and no one's (see [`crate::Ledger`]); a
+//! settle gives back at most what is left of them, once per ticket. While the routing replica
+//! has not started again, its process may still be alive behind a partition and spend what it
+//! holds: the ticket waits (`pending`) and is given back when a newer process of that replica
+//! speaks to the ledger. A ticket is a window's: one for a window that ended gives nothing
+//! back (the budget renewed anyway).
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::Hasher;
+use crate::{Book, Ledger};
+use kvplane_policy::LimitKey;
+
+/// One routed request, as the replica that routed it named it: (replica, incarnation,
+/// request id).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Ticket {
+    pub replica: u64,
+    pub incarnation: u64,
+    pub request_id: String,
+}
+
+/// "Give back `tokens` of what the request `ticket` reserved under `key` in the window that
+/// starts at `window_start_ms`: it did not use them."
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaSettle {
+    pub ticket: Ticket,
+    pub key: LimitKey,
+    pub window_start_ms: u64,
+    pub tokens: u64,
+}
+
+impl Book {
+    /// Granted tokens no replica holds: what gone processes held.
+    fn orphaned_tokens(&self) -> u64 {
+        let held: u64 = self.holders.values().map(|a| a.tokens).sum();
+        self.granted.tokens.saturating_sub(held)
+    }
+
+    /// Gives back up to `tokens` of the orphaned grants; what it gave back.
+    fn give_back(&mut self, tokens: u64) -> u64 {
+        let t = tokens.min(self.orphaned_tokens());
+        self.granted.tokens -= t;
+        t
+    }
+
+    /// Gives back the pending tickets of `replica`'s processes before `incarnation` (a newer
+    /// one speaks now); what it gave back.
+    pub(crate) fn release_pending(&mut self, replica: u64, incarnation: u64) -> u64 {
+        let gone: Vec<Ticket> = self
+            .pending
+            .keys()
+            .filter(|t| t.replica == replica && t.incarnation < incarnation)
+            .cloned()
+            .collect();
+        let mut out = 0;
+        for t in gone {
+            if let Some(tokens) = self.pending.remove(&t) {
+                out += self.give_back(tokens);
+            }
+        }
+        out
+    }
+
+    pub(crate) fn hash_tickets(&self, h: &mut Hasher) {
+        h.u64(self.settled.len() as u64);
+        for t in &self.settled {
+            h.u64(t.replica).u64(t.incarnation).str(&t.request_id);
+        }
+        h.u64(self.pending.len() as u64);
+        for (t, tokens) in &self.pending {
+            h.u64(t.replica).u64(t.incarnation).str(&t.request_id);
+            h.u64(*tokens);
+        }
+    }
+}
+
+impl Ledger {
+    /// Applies one settle; the tokens it gave back now.
+    pub(crate) fn settle(&mut self, s: &QuotaSettle) -> u64 {
+        let current = self.replicas.get(&s.ticket.replica).map(|&(inc, _)| inc);
+        let Some(book) = self.books.get_mut(&s.key) else {
+            return 0;
+        };
+        if book.window_start_ms != s.window_start_ms || !book.settled.insert(s.ticket.clone()) {
+            return 0;
+        }
+        if current.is_some_and(|inc| inc > s.ticket.incarnation) {
+            book.give_back(s.tokens)
+        } else {
+            book.pending.insert(s.ticket.clone(), s.tokens);
+            0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::quota::tests::{catalog, key};
+    use crate::{QuotaAsk, QuotaBatch};
+
+    fn batch(replica: u64, incarnation: u64, seq: u64) -> QuotaBatch {
+        QuotaBatch {
+            replica,
+            incarnation,
+            seq,
+            asks: vec![],
+            releases: vec![],
+            settles: vec![],
+        }
+    }
+
+    fn ask(replica: u64, incarnation: u64, seq: u64, tokens: u64) -> QuotaBatch {
+        QuotaBatch {
+            asks: vec![QuotaAsk {
+                key: key(),
+                tokens,
+                requests: 0,
+            }],
+            ..batch(replica, incarnation, seq)
+        }
+    }
+
+    fn settle(by: u64, seq: u64, of: (u64, u64, &str), window: u64, tokens: u64) -> QuotaBatch {
+        QuotaBatch {
+            settles: vec![QuotaSettle {
+                ticket: Ticket {
+                    replica: of.0,
+                    incarnation: of.1,
+                    request_id: of.2.into(),
+                },
+                key: key(),
+                window_start_ms: window,
+                tokens,
+            }],
+            ..batch(by, 1, seq)
+        }
+    }
+
+    fn granted(l: &Ledger) -> u64 {
+        l.books[&key()].granted.tokens
+    }
+
+    #[test]
+    fn a_gone_processes_ticket_gives_back_what_its_request_did_not_use_once() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&ask(2, 1, 1, 1_000), 0, &c);
+        assert_eq!(granted(&l), 2_000);
+        // Replica 1 restarts (process 2): its 1,000 are no one's.
+        l.apply(&batch(1, 2, 1), 10, &c);
+        assert_eq!(granted(&l), 2_000);
+        // Its request reserved 600 and used 100: 500 come back, once.
+        let out = l.apply(&settle(2, 2, (1, 1, "r1"), 0, 500), 20, &c);
+        assert_eq!((out.released.tokens, granted(&l)), (500, 1_500));
+        l.apply(&settle(3, 1, (1, 1, "r1"), 0, 500), 21, &c);
+        assert_eq!(granted(&l), 1_500, "a ticket settles once");
+        // Never more than the gone process held.
+        l.apply(&settle(2, 3, (1, 1, "r2"), 0, 900), 22, &c);
+        assert_eq!(granted(&l), 1_000, "replica 2's 1,000 stay");
+    }
+
+    #[test]
+    fn a_ticket_of_a_process_that_may_live_waits_for_its_replica_to_start_again() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&settle(2, 1, (1, 1, "r1"), 0, 400), 10, &c);
+        assert_eq!(
+            granted(&l),
+            1_000,
+            "replica 1 may still spend what it holds"
+        );
+        assert_eq!(l.books[&key()].pending.len(), 1);
+        let out = l.apply(&batch(1, 2, 1), 20, &c);
+        assert_eq!((out.released.tokens, granted(&l)), (400, 600));
+        assert!(l.books[&key()].pending.is_empty());
+    }
+
+    #[test]
+    fn a_ticket_of_another_window_gives_nothing_back() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&batch(1, 2, 1), 10, &c);
+        l.apply(&settle(2, 1, (1, 1, "r1"), 60_000, 400), 20, &c);
+        assert_eq!(granted(&l), 1_000);
+        assert!(l.books[&key()].settled.is_empty());
+    }
+}
