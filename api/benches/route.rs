@@ -575,6 +575,7 @@ fn main() {
                         key: kvplane_policy::LimitKey {
                             tenant: "t".into(),
                             model: (*model).into(),
+                            provider: String::new(),
                         },
                         tokens: *tokens,
                         requests: *requests,

@@ -77,6 +77,7 @@ impl Reservation {
             model: self.key.model.clone(),
             window_start_ms: self.window_start_ms,
             tokens: self.tokens,
+            provider: self.key.provider.clone(),
         }
     }
 }
@@ -328,13 +329,14 @@ impl Escrow {
 
     fn admitted(&self, r: Vec<Reservation>) -> Vec<Reservation> {
         for x in &r {
-            self.metrics.admitted(&x.key.tenant, x.tokens, x.fail_open);
+            self.metrics
+                .admitted(&x.key.budget(), x.tokens, x.fail_open);
         }
         r
     }
 
     fn refused(&self, r: Refusal, tokens: u64) -> Refusal {
-        self.metrics.rejected(&r.key().tenant, r.label(), tokens);
+        self.metrics.rejected(&r.key().budget(), r.label(), tokens);
         r
     }
 
@@ -475,7 +477,7 @@ impl Escrow {
                 }
             }
             self.metrics
-                .settled(&r.key.tenant, used_tokens.min(r.tokens), refund);
+                .settled(&r.key.budget(), used_tokens.min(r.tokens), refund);
         }
     }
 
@@ -486,7 +488,7 @@ impl Escrow {
             return;
         }
         for s in &settles {
-            self.metrics.settled(&s.key.tenant, 0, s.tokens);
+            self.metrics.settled(&s.key.budget(), 0, s.tokens);
         }
         self.lock().settles.extend(settles);
         self.wake.notify_one();
@@ -525,13 +527,13 @@ impl Escrow {
                 .requests
                 .saturating_sub(spent.requests + aside_requests);
             self.metrics
-                .escrow(&key.tenant, if current { avail } else { 0 });
+                .escrow(&key.budget(), if current { avail } else { 0 });
             if shutdown || last.elapsed() >= self.cfg.idle_release {
                 if current && (avail > 0 || avail_requests > 0) {
                     let window_start_ms = window.map_or(0, |(s, _)| s);
                     // Unspendable from now on: this batch will carry seq + 1.
                     let seq = local.seq + 1;
-                    self.metrics.released(&key.tenant, avail);
+                    self.metrics.released(&key.budget(), avail);
                     local.releasing.push(Releasing {
                         seq,
                         key: key.clone(),
@@ -623,7 +625,7 @@ impl Escrow {
                     .filter(|b| b.window_start_ms == *start);
                 let held = book.map(|b| self.held(&view, b)).unwrap_or_default();
                 QuotaStatus {
-                    tenant: key.tenant.clone(),
+                    tenant: key.budget().into_owned(),
                     model: key.model.clone(),
                     window_start_ms: *start,
                     window_ms: book.map_or(0, |b| b.window_ms),
@@ -759,6 +761,7 @@ mod tests {
                         key: LimitKey {
                             tenant: "acme".into(),
                             model: String::new(),
+                            provider: String::new(),
                         },
                         tokens: grant,
                         requests: 0,

@@ -255,11 +255,14 @@ impl RouterService {
                     return Ok(Response::new(ack));
                 }
                 Err(e) => {
-                    // The routing process is out of reach: its ticket settles through the
-                    // ledger (given back once that process is known to be gone).
                     tracing::warn!(request_id = report.request_id, routed_by, error = %e, "usage report not forwarded");
                     self.metrics.usage("not_forwarded");
-                    if let Some(ack) = self.settle_by_ledger(&report) {
+                    // Surely not delivered (the routing process is not running): its ticket
+                    // settles through the ledger, given back once that process is known to be
+                    // gone. Otherwise the reservation stays charged, as an unreported one does.
+                    if e.not_delivered()
+                        && let Some(ack) = self.settle_by_ledger(&report)
+                    {
                         return Ok(Response::new(ack));
                     }
                 }
@@ -295,11 +298,12 @@ impl RouterService {
             }));
         }
         let routed = self.usage.take(&report.request_id);
+        let self_id = self.forwarder.as_ref().map_or(0, |f| f.self_id);
         if routed.is_none()
             && report
                 .ticket
                 .as_ref()
-                .is_some_and(|t| t.incarnation != self.incarnation())
+                .is_some_and(|t| t.routed_by == self_id && t.incarnation != self.incarnation())
             && let Some(ack) = self.settle_by_ledger(&report)
         {
             // Routed by this replica's earlier process, which took its reservation along.

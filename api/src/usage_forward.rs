@@ -32,6 +32,34 @@ pub(crate) enum ForwardError {
     Call { id: u64, status: tonic::Status },
 }
 
+impl ForwardError {
+    /// Whether the report surely did not reach the routing replica: no such member, or its
+    /// port refused the connection (its process is not running). Only then may the report's
+    /// ticket settle through the ledger; after a timeout or a reset the routing process may
+    /// have settled it itself, and a second settle would give the same tokens back twice.
+    pub(crate) fn not_delivered(&self) -> bool {
+        match self {
+            Self::NotAMember(_) | Self::Address { .. } => true,
+            Self::Call { status, .. } => connection_refused(status),
+        }
+    }
+}
+
+/// Whether `status` comes from a refused connection (an `io::Error` of that kind in its
+/// sources).
+fn connection_refused(status: &tonic::Status) -> bool {
+    let mut cur = std::error::Error::source(status);
+    while let Some(e) = cur {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 /// This replica's id and the cluster's members, to forward reports to the replica that
 /// routed them.
 pub(crate) struct Forwarder {
@@ -158,6 +186,7 @@ pub(crate) fn ledger_settles(report: &UsageReport) -> Vec<QuotaSettle> {
             key: LimitKey {
                 tenant: c.tenant.clone(),
                 model: c.model.clone(),
+                provider: c.provider.clone(),
             },
             window_start_ms: c.window_start_ms,
             tokens: c.tokens - used,
@@ -177,6 +206,7 @@ mod tests {
             key: LimitKey {
                 tenant: "acme".into(),
                 model: model.into(),
+                provider: String::new(),
             },
             window_start_ms: 60_000,
             tokens,

@@ -18,12 +18,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response::Response as Out,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
-use kvplane_api::{
-    ApiMetrics, CostModel, EndpointPicker, Escrow, PickerConfig, QuotaConfig, QuotaMetrics,
-    RouterService,
-};
+use kvplane_api::{ApiMetrics, CostModel, EndpointPicker, Escrow, PickerConfig, RouterService};
 use kvplane_state::{Command, QuotaAsk, QuotaBatch};
-use support::{ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, pools_node};
+use support::{ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, escrowed_service, pools_node};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
@@ -352,6 +349,7 @@ fn under_a_limit(body: &[u8]) -> (TestFleet, RouterService, Arc<Escrow>, Arc<Api
             key: kvplane_policy::LimitKey {
                 tenant: "acme".into(),
                 model: String::new(),
+                provider: String::new(),
             },
             tokens: 10_000,
             requests: 0,
@@ -359,18 +357,7 @@ fn under_a_limit(body: &[u8]) -> (TestFleet, RouterService, Arc<Escrow>, Arc<Api
         releases: Vec::new(),
         settles: Vec::new(),
     }));
-    let escrow = Arc::new(Escrow::new(
-        QuotaConfig {
-            incarnation: 1,
-            grant_wait: std::time::Duration::from_millis(20),
-            ..QuotaConfig::default()
-        },
-        f.sm.handle(),
-        QuotaMetrics::default(),
-    ));
-    let metrics = Arc::new(ApiMetrics::default());
-    let svc = RouterService::new(f.sm.handle(), CostModel::default(), metrics.clone())
-        .with_quota(escrow.clone());
+    let (svc, escrow, metrics) = escrowed_service(&f);
     (f, svc, escrow, metrics)
 }
 

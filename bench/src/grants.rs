@@ -64,6 +64,7 @@ pub fn workload(a: &GrantArgs) -> Vec<Command> {
                     key: LimitKey {
                         tenant: format!("tenant-{}", (i * a.asks_per_entry + k) % a.tenants.max(1)),
                         model: String::new(),
+                        provider: String::new(),
                     },
                     tokens: 10_000,
                     requests: 0,

@@ -431,13 +431,20 @@ impl App {
                     .route_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
-                if let Some(ticket) = &resp.ticket {
+                // A replica from before tickets names only itself.
+                let ticket = resp.ticket.clone().or_else(|| {
+                    (resp.routed_by != 0).then(|| Ticket {
+                        routed_by: resp.routed_by,
+                        ..Ticket::default()
+                    })
+                });
+                if let Some(ticket) = ticket {
                     let mut m = self.0.tickets.lock().unwrap_or_else(|p| p.into_inner());
                     // Bounded: a request whose final report never came must not pin memory.
                     if m.len() >= 100_000 {
                         m.clear();
                     }
-                    m.insert(request_id.to_owned(), ticket.clone());
+                    m.insert(request_id.to_owned(), ticket);
                 }
                 match resp.decision.clone() {
                     Some(Decision::Endpoint(e)) => {

@@ -465,6 +465,7 @@ async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
     let key = kvplane_policy::LimitKey {
         tenant: "acme".into(),
         model: String::new(),
+        provider: String::new(),
     };
     sm.handle().load().quota.books[&key].clone()
 }

@@ -6,18 +6,53 @@ use crate::catalog::Check;
 use crate::kinds::TenantLimit;
 use crate::{Catalog, Kind, Problem};
 
-/// What one budget is kept for: a tenant, and a model or every model (`""`).
+/// What one budget is kept for: a tenant, and a model or every model (`""`); or an
+/// `InferenceProvider`'s `rateLimit` (`provider` its name, the other two empty), one budget for
+/// every tenant.
 #[derive(
-    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+    Debug,
+    Clone,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 pub struct LimitKey {
     pub tenant: String,
     pub model: String,
+    /// Empty for a tenant's budget (keys from before provider limits have none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub provider: String,
+}
+
+impl LimitKey {
+    /// Whose budget it is, for metrics' `tenant` label: the tenant, or `provider:<name>`.
+    pub fn budget(&self) -> std::borrow::Cow<'_, str> {
+        if self.provider.is_empty() {
+            std::borrow::Cow::Borrowed(&self.tenant)
+        } else {
+            std::borrow::Cow::Owned(format!("provider:{}", self.provider))
+        }
+    }
+
+    /// The budget of provider `name`'s `rateLimit`.
+    pub fn provider(name: &str) -> Self {
+        Self {
+            provider: name.to_owned(),
+            ..Self::default()
+        }
+    }
 }
 
 impl std::fmt::Display for LimitKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.model.is_empty() {
+        if !self.provider.is_empty() {
+            write!(f, "provider {:?}", self.provider)
+        } else if self.model.is_empty() {
             write!(f, "tenant {:?}", self.tenant)
         } else {
             write!(f, "tenant {:?} model {:?}", self.tenant, self.model)
@@ -70,18 +105,39 @@ impl Catalog {
                 key: LimitKey {
                     tenant: tenant.to_owned(),
                     model: scope,
+                    provider: String::new(),
                 },
                 limit,
             })
             .collect()
     }
 
-    /// The limit a ledger key is counted against.
-    pub fn limit_of(&self, key: &LimitKey) -> Option<&TenantLimit> {
+    /// The limit a ledger key is counted against (a provider's `rateLimit` as a limit of
+    /// one-minute windows).
+    pub fn limit_of(&self, key: &LimitKey) -> Option<std::borrow::Cow<'_, TenantLimit>> {
+        if !key.provider.is_empty() {
+            return self
+                .provider_limit(&key.provider)
+                .map(std::borrow::Cow::Owned);
+        }
         self.limits_for(&key.tenant, &key.model)
             .into_iter()
             .find(|m| m.key == *key)
-            .map(|m| m.limit)
+            .map(|m| std::borrow::Cow::Borrowed(m.limit))
+    }
+
+    /// Provider `name`'s `rateLimit`, if it has one, as a limit on every tenant together.
+    pub fn provider_limit(&self, name: &str) -> Option<TenantLimit> {
+        let r = self.providers.get(name)?.rate_limit?;
+        (r.tokens_per_minute.is_some() || r.requests_per_minute.is_some()).then(|| TenantLimit {
+            tenant: "*".into(),
+            model: None,
+            tokens_per_minute: r.tokens_per_minute,
+            requests_per_minute: r.requests_per_minute,
+            burst: None,
+            window_seconds: 60,
+            fail_open_tokens_per_minute: None,
+        })
     }
 
     pub(crate) fn check_limits(&self, out: &mut Vec<Problem>) {

@@ -30,8 +30,8 @@ pub struct QuotaBatch {
     pub asks: Vec<QuotaAsk>,
     pub releases: Vec<QuotaRelease>,
     /// Reservations of another replica's requests whose usage was reported here (see
-    /// [`QuotaSettle`]).
-    #[serde(default)]
+    /// [`QuotaSettle`]). Left out when empty: builds from before settles read such a batch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub settles: Vec<QuotaSettle>,
 }
 
@@ -78,6 +78,10 @@ pub struct Book {
     /// started again since), with the tokens to give back once it has.
     #[serde(default)]
     pub pending: BTreeMap<Ticket, u64>,
+    /// What each gone process (replica, incarnation) held when its replica's next process
+    /// spoke, less what its tickets gave back since.
+    #[serde(default)]
+    pub left_behind: BTreeMap<(u64, u64), u64>,
 }
 
 impl Book {
@@ -139,7 +143,11 @@ impl Ledger {
                 // window) but are no one's to spend or release any more - except what reported
                 // requests of that process did not use (its tickets settled elsewhere).
                 for book in self.books.values_mut() {
-                    book.holders.remove(&b.replica);
+                    if let Some(held) = book.holders.remove(&b.replica)
+                        && held.tokens > 0
+                    {
+                        book.left_behind.insert((b.replica, inc), held.tokens);
+                    }
                     out.released.tokens += book.release_pending(b.replica, b.incarnation);
                 }
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));
@@ -227,6 +235,10 @@ impl Ledger {
         h.u64(self.books.len() as u64);
         for (k, b) in &self.books {
             h.str(&k.tenant).str(&k.model);
+            // Hashed only when present: tenants' keys keep their digest.
+            if !k.provider.is_empty() {
+                h.str("provider").str(&k.provider);
+            }
             h.u64(b.window_start_ms).u64(b.window_ms);
             h.u64(b.budget.tokens).u64(b.budget.requests);
             h.u64(b.granted.tokens).u64(b.granted.requests);
@@ -235,7 +247,7 @@ impl Ledger {
                 h.u64(*r).u64(a.tokens).u64(a.requests);
             }
             // Hashed only when present: books without settled tickets keep their digest.
-            if !b.settled.is_empty() || !b.pending.is_empty() {
+            if !b.settled.is_empty() || !b.pending.is_empty() || !b.left_behind.is_empty() {
                 b.hash_tickets(h);
             }
         }
@@ -280,6 +292,7 @@ pub(crate) mod tests {
         LimitKey {
             tenant: "acme".into(),
             model: String::new(),
+            provider: String::new(),
         }
     }
 

@@ -4,8 +4,9 @@
 //! replica, its process (incarnation), and what each limit reserved - and the replica that got
 //! it asks the ledger to give back what the request did not use.
 //!
-//! A process that is gone left its holdings granted and no one's (see [`crate::Ledger`]); a
-//! settle gives back at most what is left of them, once per ticket. While the routing replica
+//! A process that is gone left its holdings granted and no one's (see [`crate::Ledger`]); the
+//! book keeps how much each gone process left behind, and a settle gives back at most what is
+//! left of that process's, once per ticket. While the routing replica
 //! has not started again, its process may still be alive behind a partition and spend what it
 //! holds: the ticket waits (`pending`) and is given back when a newer process of that replica
 //! speaks to the ledger. A ticket is a window's: one for a window that ended gives nothing
@@ -37,15 +38,17 @@ pub struct QuotaSettle {
 }
 
 impl Book {
-    /// Granted tokens no replica holds: what gone processes held.
-    fn orphaned_tokens(&self) -> u64 {
-        let held: u64 = self.holders.values().map(|a| a.tokens).sum();
-        self.granted.tokens.saturating_sub(held)
-    }
-
-    /// Gives back up to `tokens` of the orphaned grants; what it gave back.
-    fn give_back(&mut self, tokens: u64) -> u64 {
-        let t = tokens.min(self.orphaned_tokens());
+    /// Gives back up to `tokens` of what process `incarnation` of `replica` left behind (it
+    /// is gone); what it gave back.
+    fn give_back(&mut self, replica: u64, incarnation: u64, tokens: u64) -> u64 {
+        let Some(left) = self.left_behind.get_mut(&(replica, incarnation)) else {
+            return 0;
+        };
+        let t = tokens.min(*left).min(self.granted.tokens);
+        *left -= t;
+        if *left == 0 {
+            self.left_behind.remove(&(replica, incarnation));
+        }
         self.granted.tokens -= t;
         t
     }
@@ -62,7 +65,7 @@ impl Book {
         let mut out = 0;
         for t in gone {
             if let Some(tokens) = self.pending.remove(&t) {
-                out += self.give_back(tokens);
+                out += self.give_back(t.replica, t.incarnation, tokens);
             }
         }
         out
@@ -78,6 +81,10 @@ impl Book {
             h.u64(t.replica).u64(t.incarnation).str(&t.request_id);
             h.u64(*tokens);
         }
+        h.u64(self.left_behind.len() as u64);
+        for ((replica, incarnation), tokens) in &self.left_behind {
+            h.u64(*replica).u64(*incarnation).u64(*tokens);
+        }
     }
 }
 
@@ -92,7 +99,7 @@ impl Ledger {
             return 0;
         }
         if current.is_some_and(|inc| inc > s.ticket.incarnation) {
-            book.give_back(s.tokens)
+            book.give_back(s.ticket.replica, s.ticket.incarnation, s.tokens)
         } else {
             book.pending.insert(s.ticket.clone(), s.tokens);
             0
@@ -185,6 +192,26 @@ mod tests {
         let out = l.apply(&batch(1, 2, 1), 20, &c);
         assert_eq!((out.released.tokens, granted(&l)), (400, 600));
         assert!(l.books[&key()].pending.is_empty());
+    }
+
+    #[test]
+    fn a_ticket_gives_back_only_what_its_own_process_left_behind() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 300), 0, &c);
+        l.apply(&ask(2, 1, 1, 1_000), 0, &c);
+        // Both restart: replica 1's process 1 left 300, replica 2's process 1 left 1,000.
+        l.apply(&batch(1, 2, 1), 10, &c);
+        l.apply(&batch(2, 2, 1), 10, &c);
+        l.apply(&settle(3, 1, (1, 1, "a"), 0, 250), 20, &c);
+        l.apply(&settle(3, 2, (1, 1, "b"), 0, 250), 20, &c);
+        assert_eq!(
+            granted(&l),
+            1_000,
+            "50 of replica 1's, then nothing more of it"
+        );
+        l.apply(&settle(3, 3, (2, 1, "c"), 0, 400), 20, &c);
+        assert_eq!(granted(&l), 600);
     }
 
     #[test]

@@ -47,6 +47,34 @@ pub fn apply_policies(f: &mut TestFleet, yaml: &str) {
     });
 }
 
+/// The service over `f`'s state admitting through an escrow of replica 1's process 1 (which
+/// `f`'s committed quota batches, if any, granted to), with its metrics.
+pub fn escrowed_service(
+    f: &TestFleet,
+) -> (
+    RouterService,
+    std::sync::Arc<kvplane_api::Escrow>,
+    std::sync::Arc<kvplane_api::ApiMetrics>,
+) {
+    let escrow = std::sync::Arc::new(kvplane_api::Escrow::new(
+        kvplane_api::QuotaConfig {
+            incarnation: 1,
+            grant_wait: std::time::Duration::from_millis(20),
+            ..kvplane_api::QuotaConfig::default()
+        },
+        f.sm.handle(),
+        kvplane_api::QuotaMetrics::default(),
+    ));
+    let metrics = std::sync::Arc::new(kvplane_api::ApiMetrics::default());
+    let svc = RouterService::new(
+        f.sm.handle(),
+        kvplane_api::CostModel::default(),
+        metrics.clone(),
+    )
+    .with_quota(escrow.clone());
+    (svc, escrow, metrics)
+}
+
 pub const EXAMPLES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/policies");
 
 pub fn route(s: &RouterService, req: RouteRequest) -> RouteResponse {
