@@ -131,7 +131,8 @@ impl Refusal {
         }
     }
 
-    fn key(&self) -> &LimitKey {
+    /// The limit that refused.
+    pub(crate) fn key(&self) -> &LimitKey {
         match self {
             Refusal::Exhausted { key, .. } | Refusal::NoGrant { key, .. } => key,
         }

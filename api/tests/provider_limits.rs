@@ -35,6 +35,7 @@ kind: InferencePolicy
 metadata: {name: out}
 spec:
   appliesToModels: [m]
+  limits: [{tenant: acme, tokensPerMinute: 100000, requestsPerMinute: 600}]
   rules:
     - name: both
       match: {tags: [both]}
@@ -44,8 +45,12 @@ spec:
 ";
 
 /// The fleet above, this replica holding all of cloud-a's window (1,000 tokens, in grants of
-/// 100), and the service admitting through that escrow.
-fn fleet() -> (TestFleet, RouterService) {
+/// 100) and a grant of tenant acme's, and the service admitting through that escrow.
+fn fleet() -> (
+    TestFleet,
+    RouterService,
+    std::sync::Arc<kvplane_api::Escrow>,
+) {
     let mut f = TestFleet::new();
     // Windows are the wall clock's: the entries are stamped with it.
     f.at(kvplane_api::wall_ms());
@@ -55,29 +60,52 @@ fn fleet() -> (TestFleet, RouterService) {
         tokens: 100,
         requests: 0,
     };
+    let mut asks = vec![ask; 10];
+    asks.push(QuotaAsk {
+        key: LimitKey {
+            tenant: "acme".into(),
+            ..LimitKey::default()
+        },
+        tokens: 10_000,
+        requests: 60,
+    });
     f.command(Command::Quota(QuotaBatch {
         replica: 1,
         incarnation: 1,
         seq: 1,
-        asks: vec![ask; 10],
+        asks,
         releases: Vec::new(),
         settles: Vec::new(),
     }));
-    let (svc, _, _) = escrowed_service(&f);
-    (f, svc)
+    let (svc, escrow, _) = escrowed_service(&f);
+    (f, svc, escrow)
 }
 
-/// 392 prompt tokens and at most 8 output tokens: 400 reserved.
+/// Tenant acme's: 392 prompt tokens and at most 8 output tokens, 400 reserved.
 fn ask(svc: &RouterService, id: &str, tags: &[&str]) -> RouteResponse {
-    route(svc, request(id, "m", tags, tokens(1, 392)))
+    let mut req = request(id, "m", tags, tokens(1, 392));
+    req.tenant = "acme".into();
+    route(svc, req)
+}
+
+/// Requests the tenant's window has admitted on this replica.
+fn tenant_requests(escrow: &kvplane_api::Escrow) -> u64 {
+    escrow
+        .status()
+        .iter()
+        .filter(|s| s.tenant == "acme")
+        .map(|s| s.spent_requests)
+        .sum()
 }
 
 #[test]
 fn a_provider_without_capacity_left_passes_its_requests_to_the_next_alternative() {
-    let (_f, svc) = fleet();
+    let (_f, svc, escrow) = fleet();
     let first = ask(&svc, "r1", &["both"]);
     assert_eq!(target(&first), "provider:cloud-a");
-    let charge = &first.ticket.as_ref().unwrap().charges[0];
+    let charges = &first.ticket.as_ref().unwrap().charges;
+    assert_eq!(charges.len(), 2, "the tenant's and the provider's");
+    let charge = charges.iter().find(|c| !c.provider.is_empty()).unwrap();
     assert_eq!(
         (
             charge.provider.as_str(),
@@ -91,7 +119,20 @@ fn a_provider_without_capacity_left_passes_its_requests_to_the_next_alternative(
     let third = ask(&svc, "r3", &["both"]);
     assert_eq!(target(&third), "provider:cloud-b");
     assert_eq!(third.model, "b-model");
-    assert!(third.ticket.unwrap().charges.is_empty());
+    let charged: Vec<&str> = third
+        .ticket
+        .as_ref()
+        .unwrap()
+        .charges
+        .iter()
+        .map(|c| c.tenant.as_str())
+        .collect();
+    assert_eq!(charged, ["acme"], "the tenant once, no provider");
+    assert!(
+        third.alternatives.iter().all(|a| a.provider != "cloud-a"),
+        "a provider with a budget is no alternative to retry on uncharged"
+    );
+    assert_eq!(tenant_requests(&escrow), 3);
     // With cloud-a alone, refused as rate limited, naming the provider.
     let refused = ask(&svc, "r4", &[]);
     let t = target(&refused);
@@ -100,6 +141,11 @@ fn a_provider_without_capacity_left_passes_its_requests_to_the_next_alternative(
             "rejected(REJECT_CODE_RATE_LIMITED): provider \"cloud-a\" has no capacity left"
         ),
         "{t}"
+    );
+    assert_eq!(
+        tenant_requests(&escrow),
+        3,
+        "a refused request costs the tenant nothing"
     );
     // r1 used 100 of its 400: 300 come back, and cloud-a takes a request again.
     futures::executor::block_on(svc.report_usage(tonic::Request::new(UsageReport {

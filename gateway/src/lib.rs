@@ -5,7 +5,8 @@
 //! (possibly rewritten) body to the chosen engine, streams the answer back unchanged, and
 //! reports the usage it saw (tokens, observed time to first token) with `ReportUsage`. A
 //! request kvplane sends to a provider goes to its base URL over HTTPS (rustls) with its
-//! credentials ([`Secrets`]); one whose target does not answer goes to the next of the Route
+//! credentials ([`Secrets`]), or, for a Bedrock provider, to its Converse API signed with SigV4
+//! (answered in OpenAI's shape); one whose target does not answer goes to the next of the Route
 //! answer's alternatives before any byte reached the client.
 //! Rejections become 429 (rate limited, with `Retry-After`), 503 (no capacity), 404 (unknown
 //! model) or 400, with kvplane's reason in an OpenAI-style error body.
@@ -13,6 +14,7 @@
 //! A `round-robin` mode skips kvplane and cycles over a fixed engine list: the baseline a
 //! Kubernetes Service gives, for comparisons.
 
+mod bedrock;
 mod errors;
 mod metrics;
 mod proxy;

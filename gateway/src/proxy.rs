@@ -377,6 +377,7 @@ impl App {
                     matched_blocks: 0,
                     provider: None,
                     authorization: None,
+                    bedrock: None,
                 }])
             }
             Mode::Kvplane(replicas) => {
@@ -431,9 +432,10 @@ impl App {
                     .route_seconds
                     .observe(started.elapsed().as_secs_f64());
                 self.0.metrics.replica_failovers.inc_by(failed as u64);
-                // A replica from before tickets names only itself.
+                // A replica from before tickets names only itself; a refusal is never reported.
+                let routed = matches!(resp.decision, Some(Decision::Endpoint(_)));
                 let ticket = resp.ticket.clone().or_else(|| {
-                    (resp.routed_by != 0).then(|| Ticket {
+                    (routed && resp.routed_by != 0).then(|| Ticket {
                         routed_by: resp.routed_by,
                         ..Ticket::default()
                     })
@@ -461,12 +463,8 @@ impl App {
                                         Outcome::Error,
                                     ),
                                 );
-                                Err(error_response(
-                                    StatusCode::SERVICE_UNAVAILABLE,
-                                    "unavailable",
-                                    &e.public(),
-                                    0,
-                                ))
+                                let (status, kind) = e.status();
+                                Err(error_response(status, kind, &e.public(), 0))
                             }
                         }
                     }
@@ -519,16 +517,31 @@ impl App {
             } else {
                 "engine"
             };
-            let sent = tokio::time::timeout(
-                self.0.headers_timeout,
-                self.0
-                    .http
-                    .post(&t.url)
-                    .headers(crate::target::upstream_headers(t, client, request_id))
-                    .body(t.body.clone())
-                    .send(),
-            )
-            .await;
+            let mut request = self
+                .0
+                .http
+                .post(&t.url)
+                .headers(crate::target::upstream_headers(t, client, request_id))
+                .body(t.body.clone());
+            if let Some(b) = &t.bedrock {
+                match crate::target::bedrock_signature(t, b) {
+                    Ok(headers) => {
+                        for (k, v) in headers {
+                            request = request.header(k, v);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(target = t.label, error = %e, "cannot sign the request");
+                        return Err(error_response(
+                            StatusCode::BAD_GATEWAY,
+                            "bad_gateway",
+                            &format!("{what} {}: {e}", t.label),
+                            0,
+                        ));
+                    }
+                }
+            }
+            let sent = tokio::time::timeout(self.0.headers_timeout, request.send()).await;
             let r = match sent {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => {
@@ -673,6 +686,11 @@ impl App {
         };
         let status =
             StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        if let Some(b) = target.bedrock.clone() {
+            return self
+                .bedrock_answer(&target, &b, upstream, request_id, received)
+                .await;
+        }
         let content_type = upstream
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
@@ -747,6 +765,108 @@ impl App {
             resp.headers_mut().insert("x-kvplane-matched-blocks", v);
         }
         resp
+    }
+
+    /// A Bedrock provider's answer in OpenAI's shape (read whole: the Converse API answers at
+    /// once), reported as any answer is.
+    async fn bedrock_answer(
+        &self,
+        target: &Target,
+        call: &crate::target::BedrockCall,
+        upstream: reqwest::Response,
+        request_id: String,
+        received: Instant,
+    ) -> Response {
+        let status = upstream.status();
+        let body = match upstream.bytes().await {
+            Ok(b) => b,
+            Err(e) => {
+                self.report_after(
+                    None,
+                    AnswerTail::default().report(request_id, 0.0, Outcome::Error),
+                );
+                return error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "bad_gateway",
+                    &format!(
+                        "provider {} did not answer whole: {}",
+                        target.label,
+                        e.without_url()
+                    ),
+                    0,
+                );
+            }
+        };
+        let ttft_ms = received.elapsed().as_secs_f64() * 1000.0;
+        self.0.metrics.ttft_seconds.observe(ttft_ms / 1000.0);
+        let answer = if status.is_success() {
+            let created = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            crate::bedrock::openai_answer(&body, call.asked, &call.model, &request_id, created)
+                .map_err(|e| {
+                    error_response(
+                        StatusCode::BAD_GATEWAY,
+                        "bad_gateway",
+                        &format!("provider {}: {e}", target.label),
+                        0,
+                    )
+                })
+        } else {
+            let said = crate::bedrock::error_message(&body);
+            Err(match status.as_u16() {
+                // The model timed out, or failed: the provider's failure, not the request's.
+                408 => error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "timeout",
+                    &format!("provider {} timed out: {said}", target.label),
+                    0,
+                ),
+                424 => error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "bad_gateway",
+                    &format!("provider {} failed: {said}", target.label),
+                    0,
+                ),
+                // What Bedrock says of the request itself (400, 404, 422), in OpenAI's shape.
+                code => error_response(
+                    StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
+                    "invalid_request",
+                    &said,
+                    0,
+                ),
+            })
+        };
+        match answer {
+            Ok((bytes, content_type, used)) => {
+                // Converse counts what the request used, whatever the client asked to see.
+                self.report_after(
+                    None,
+                    UsageReport {
+                        request_id,
+                        prompt_tokens: used.prompt_tokens,
+                        completion_tokens: used.completion_tokens,
+                        observed_ttft_ms: ttft_ms,
+                        outcome: Outcome::Success.into(),
+                        ..Default::default()
+                    },
+                );
+                let mut resp = Response::new(Body::from(bytes));
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+                if let Ok(v) = HeaderValue::from_str(&target.label) {
+                    resp.headers_mut().insert(WORKER_HEADER, v);
+                }
+                resp
+            }
+            Err(resp) => {
+                self.report_after(
+                    None,
+                    AnswerTail::default().report(request_id, ttft_ms, Outcome::Error),
+                );
+                resp
+            }
+        }
     }
 
     /// Reports a streamed request's first token (see `UsageReport.first_token`); the handle

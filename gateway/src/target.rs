@@ -3,9 +3,12 @@
 //! a Route answer gives them - the pick, then the alternatives a request is retried on when
 //! the one before did not answer.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use kvplane_proto::v1::{Endpoint, RouteResponse};
 
+use crate::bedrock::{Asked, Aws, BedrockError};
 use crate::secrets::{SecretError, Secrets};
 
 /// One place to send a request.
@@ -20,6 +23,36 @@ pub(crate) struct Target {
     pub(crate) provider: Option<String>,
     /// `Authorization` for a provider (`Bearer <key>`).
     pub(crate) authorization: Option<String>,
+    /// A Bedrock provider's call: signed when sent, its answer translated to OpenAI's.
+    pub(crate) bedrock: Option<Arc<BedrockCall>>,
+}
+
+/// The SigV4 headers of Bedrock call `t` (signed now, for service `bedrock`).
+pub(crate) fn bedrock_signature(
+    t: &Target,
+    b: &BedrockCall,
+) -> Result<Vec<(String, String)>, BedrockError> {
+    // The URL as reqwest sends it (its host lowercased, a default port left out): the host the
+    // signer derives from it is the one that goes out.
+    let url = reqwest::Url::parse(&t.url).map_err(|e| BedrockError::Sign(e.to_string()))?;
+    crate::bedrock::signature(
+        "POST",
+        url.as_str(),
+        &[("content-type", "application/json")],
+        &t.body,
+        &b.aws,
+        "bedrock",
+        std::time::SystemTime::now(),
+    )
+}
+
+/// What a call to a Bedrock provider needs besides its URL and body.
+#[derive(Debug)]
+pub(crate) struct BedrockCall {
+    pub(crate) aws: Aws,
+    pub(crate) asked: Asked,
+    /// The provider's model, which its answer names.
+    pub(crate) model: String,
 }
 
 /// Why a decision's endpoint cannot be called (logged; [`TargetError::public`] is what a
@@ -29,9 +62,14 @@ pub(crate) enum TargetError {
     #[error("worker {pool}/{worker} has not announced an address")]
     NoAddress { pool: String, worker: String },
     #[error(
-        "provider {provider} speaks {api}, which this gateway cannot call (OpenAI-compatible providers only)"
+        "provider {provider} speaks {api}, which this gateway cannot call (OpenAI-compatible and Bedrock providers only)"
     )]
     Api { provider: String, api: String },
+    #[error("provider {provider}: {source}")]
+    Bedrock {
+        provider: String,
+        source: BedrockError,
+    },
     #[error("provider {provider}: {source}")]
     Credentials {
         provider: String,
@@ -40,6 +78,17 @@ pub(crate) enum TargetError {
 }
 
 impl TargetError {
+    /// The answer's status and error code when no target can be called for this.
+    pub(crate) fn status(&self) -> (http::StatusCode, &'static str) {
+        match self {
+            Self::Bedrock {
+                source: BedrockError::Request(_),
+                ..
+            } => (http::StatusCode::BAD_REQUEST, "invalid_request"),
+            _ => (http::StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+        }
+    }
+
     /// What a client may be told: no secret's path, no variable name.
     pub(crate) fn public(&self) -> String {
         match self {
@@ -92,7 +141,11 @@ pub(crate) async fn target(
             matched_blocks,
             provider: None,
             authorization: None,
+            bedrock: None,
         });
+    }
+    if e.provider_api.eq_ignore_ascii_case("bedrock") {
+        return bedrock_target(e, path, &body, secrets).await;
     }
     if !(e.provider_api.is_empty() || e.provider_api.eq_ignore_ascii_case("openai")) {
         return Err(TargetError::Api {
@@ -119,6 +172,55 @@ pub(crate) async fn target(
         matched_blocks: 0,
         provider: Some(e.provider.clone()),
         authorization,
+        bedrock: None,
+    })
+}
+
+/// A Bedrock provider's Converse call for `body`, with the AWS keys of its Secret.
+async fn bedrock_target(
+    e: &Endpoint,
+    path: &str,
+    body: &[u8],
+    secrets: &Secrets,
+) -> Result<Target, TargetError> {
+    let credentials = |source| TargetError::Credentials {
+        provider: e.provider.clone(),
+        source,
+    };
+    let name = &e.credentials_name;
+    let aws = Aws {
+        access_key_id: secrets
+            .get(name, "aws_access_key_id")
+            .await
+            .map_err(credentials)?,
+        secret_access_key: secrets
+            .get(name, "aws_secret_access_key")
+            .await
+            .map_err(credentials)?,
+        session_token: match secrets.get(name, "aws_session_token").await {
+            Ok(t) if !t.is_empty() => Some(t),
+            Ok(_) | Err(SecretError::Missing { .. }) => None,
+            Err(e) => return Err(credentials(e)),
+        },
+        region: e.provider_region.clone(),
+    };
+    let (converse, asked) =
+        crate::bedrock::converse_request(body, path).map_err(|source| TargetError::Bedrock {
+            provider: e.provider.clone(),
+            source,
+        })?;
+    Ok(Target {
+        url: crate::bedrock::converse_url(&e.address, &e.model),
+        label: format!("provider:{}", e.provider),
+        body: Bytes::from(converse),
+        matched_blocks: 0,
+        provider: Some(e.provider.clone()),
+        authorization: None,
+        bedrock: Some(Arc::new(BedrockCall {
+            aws,
+            asked,
+            model: e.model.clone(),
+        })),
     })
 }
 
@@ -202,6 +304,12 @@ pub(crate) fn upstream_headers(
                 out.append(k.clone(), v.clone());
             }
         }
+    } else if t.bedrock.is_some() {
+        // Converse answers JSON, whatever the client reads.
+        out.insert(
+            http::header::ACCEPT,
+            http::HeaderValue::from_static("application/json"),
+        );
     } else if let Some(a) = client.get(http::header::ACCEPT) {
         out.insert(http::header::ACCEPT, a.clone());
     }
@@ -283,6 +391,7 @@ mod tests {
             matched_blocks: 0,
             provider: None,
             authorization: None,
+            bedrock: None,
         };
         let h = upstream_headers(&engine, &client, "gw-1");
         assert_eq!(h["authorization"], "Bearer client-key");
@@ -316,14 +425,45 @@ mod tests {
         let secrets = Secrets {
             dir: Some(dir.clone()),
         };
-        let (openai, bedrock) = (provider("OpenAI"), provider("Bedrock"));
+        let (openai, other) = (provider("OpenAI"), provider("Gemini"));
         let at = |e| target(e, "/v1/completions", Bytes::new(), 0, &secrets);
         let t = at(&openai).await.unwrap();
         assert_eq!(t.url, "https://api.provider.example/v1/completions");
         assert_eq!(t.authorization.as_deref(), Some("Bearer sk-file"));
         assert_eq!(t.label, "provider:cloud");
-        let e = at(&bedrock).await.unwrap_err();
-        assert!(e.to_string().contains("Bedrock"), "{e}");
+        let e = at(&other).await.unwrap_err();
+        assert!(e.to_string().contains("Gemini"), "{e}");
+        // Bedrock: the Secret's AWS keys, the Converse URL, the body translated.
+        for (key, value) in [
+            ("aws_access_key_id", "AKID"),
+            ("aws_secret_access_key", "SECRET"),
+        ] {
+            std::fs::write(dir.join("cloud").join(key), value).unwrap();
+        }
+        let bedrock = Endpoint {
+            address: "https://bedrock-runtime.eu-west-1.amazonaws.com".into(),
+            provider_api: "Bedrock".into(),
+            provider_region: "eu-west-1".into(),
+            model: "amazon.nova-lite-v1:0".into(),
+            ..provider("Bedrock")
+        };
+        let body = Bytes::from_static(br#"{"model":"x","prompt":"hi","max_tokens":3}"#);
+        let t = target(&bedrock, "/v1/completions", body, 0, &secrets)
+            .await
+            .unwrap();
+        assert_eq!(
+            t.url,
+            "https://bedrock-runtime.eu-west-1.amazonaws.com/model/amazon.nova-lite-v1%3A0/converse"
+        );
+        let call = t.bedrock.as_ref().unwrap();
+        assert_eq!(
+            (call.aws.access_key_id.as_str(), call.aws.region.as_str()),
+            ("AKID", "eu-west-1")
+        );
+        assert!(call.aws.session_token.is_none());
+        let sent: serde_json::Value = serde_json::from_slice(&t.body).unwrap();
+        assert_eq!(sent["messages"][0]["content"][0]["text"], "hi");
+        assert_eq!(sent["inferenceConfig"]["maxTokens"], 3);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

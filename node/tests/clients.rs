@@ -7,30 +7,16 @@
 
 mod harness;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use harness::NodeOptions;
 
 const CLIENTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients");
 
-/// The test venv's python (`scripts/install-test-python`).
-fn python() -> PathBuf {
-    let py = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../target/test-venv/bin/python"
-    ));
-    assert!(
-        py.exists(),
-        "no {}: run scripts/install-test-python",
-        py.display()
-    );
-    py
-}
-
 /// Runs `script` with `arg`; fails the test with its output unless every check passed.
 fn run(script: &str, arg: &str) -> String {
-    let out = Command::new(python())
+    let out = Command::new(harness::test_python())
         .arg(Path::new(CLIENTS).join(script))
         .arg(arg)
         .output()

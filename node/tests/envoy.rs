@@ -212,14 +212,7 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
     )
     .await;
     assert!(r.status().is_success());
-    assert!(
-        r.headers()["content-type"]
-            .to_str()
-            .unwrap()
-            .starts_with("text/event-stream")
-    );
-    let text = r.text().await.unwrap();
-    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let (text, _) = harness::sse_events(r).await;
     assert!(text.contains("\"usage\""), "{text}");
     eventually(
         "usage reported through the picker",

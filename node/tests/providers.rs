@@ -107,9 +107,34 @@ static_resources:
     harness::spawn_envoy(dir, "provider-envoy", &config)
 }
 
+/// The gateway's answer to `request` when provider `cloud` refused its credentials: a 502
+/// saying so; its message.
+async fn refused_credentials(request: reqwest::RequestBuilder) -> String {
+    let r = request.send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let msg = body["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("provider cloud refused the gateway's credentials"),
+        "{msg}"
+    );
+    msg
+}
+
 /// Policies: public model `chat` on worker set `local` (no workers), falling back to provider
 /// `cloud` at `endpoint`, its key in Secret `cloud-api`, key `token`.
 fn policies(dir: &Path, endpoint: &str) {
+    fallback_to(
+        dir,
+        &format!(
+            "  endpoint: {endpoint}\n  api: OpenAI\n  model: gpt-cloud\n  credentials: {{name: cloud-api, key: token}}\n"
+        ),
+    );
+}
+
+/// Policies: public model `chat` on worker set `local` (no workers), falling back to provider
+/// `cloud` of spec `provider` (YAML lines under `spec:`).
+fn fallback_to(dir: &Path, provider: &str) {
     std::fs::write(
         dir.join("fleet.yaml"),
         format!(
@@ -127,11 +152,7 @@ apiVersion: kvplane.io/v1alpha1
 kind: InferenceProvider
 metadata: {{name: cloud}}
 spec:
-  endpoint: {endpoint}
-  api: OpenAI
-  model: gpt-cloud
-  credentials: {{name: cloud-api, key: token}}
----
+{provider}---
 apiVersion: kvplane.io/v1alpha1
 kind: GatewayBackend
 metadata: {{name: chat}}
@@ -236,20 +257,7 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
     })
     .await;
     assert_eq!(r.headers()["x-kvplane-worker"], "provider:cloud");
-    assert!(
-        r.headers()["content-type"]
-            .to_str()
-            .unwrap()
-            .starts_with("text/event-stream")
-    );
-    let text = r.text().await.unwrap();
-    let events: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
-    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let (text, events) = harness::sse_events(r).await;
     assert!(events.len() >= 2, "{text}");
     // The body that reached the provider named the provider's model.
     assert!(events.iter().all(|e| e["model"] == "gpt-cloud"), "{text}");
@@ -278,18 +286,117 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
 
     // A rotated key that the provider does not accept: a clear answer, not a pass-through.
     std::fs::write(secrets.join("cloud-api").join("token"), "sk-wrong").unwrap();
-    let r = client.post(&url).json(&ask(false)).send().await.unwrap();
-    assert_eq!(r.status().as_u16(), 502);
-    let body: serde_json::Value = r.json().await.unwrap();
-    let msg = body["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains("provider cloud refused the gateway's credentials"),
-        "{msg}"
-    );
+    let msg = refused_credentials(client.post(&url).json(&ask(false))).await;
     assert!(
         !msg.contains("sk-wrong"),
         "a credential is never repeated: {msg}"
     );
     let _ = envoy.kill();
     let _ = envoy.wait();
+}
+
+/// A Bedrock provider: the gateway translates OpenAI's chat to the Converse API and signs it
+/// with SigV4 from the provider's Secret; the endpoint is a Converse server whose checks are
+/// botocore's own signer (`tests/clients/bedrock_converse.py`), so the signature is the one the
+/// AWS SDK computes. The answer comes back in OpenAI's shape, whole and streamed, and keys the
+/// signer does not accept are a clear 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_computes_too() {
+    let work = tempfile::tempdir().unwrap();
+    let dir = work.path();
+    let (akid, secret, token) = (
+        "AKIDKVPLANETEST",
+        "kvplane/test/secret+key",
+        "session-token-1",
+    );
+    let args: Vec<String> = vec![
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/clients/bedrock_converse.py"
+        )
+        .into(),
+        akid.into(),
+        secret.into(),
+        token.into(),
+        "eu-central-1".into(),
+    ];
+    let (mut converse, ready) = kvplane_testkit::process::start(kvplane_testkit::process::Spec {
+        program: &harness::test_python(),
+        args: &args,
+        env: &[],
+        log: &dir.join("converse.log"),
+        ready: Some("ready"),
+    })
+    .unwrap();
+    let port = ready.trim().rsplit(' ').next().unwrap().to_owned();
+    let policy_dir = dir.join("policies");
+    std::fs::create_dir_all(&policy_dir).unwrap();
+    fallback_to(
+        &policy_dir,
+        &format!(
+            "  endpoint: http://127.0.0.1:{port}\n  api: Bedrock\n  region: eu-central-1\n  model: amazon.nova-lite-v1:0\n  credentials: {{name: aws, key: unused}}\n"
+        ),
+    );
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policy_dir),
+            ..Default::default()
+        },
+    );
+    let secrets = dir.join("secrets");
+    let keys = secrets.join("aws");
+    std::fs::create_dir_all(&keys).unwrap();
+    for (k, v) in [
+        ("aws_access_key_id", akid),
+        ("aws_secret_access_key", secret),
+        ("aws_session_token", token),
+    ] {
+        std::fs::write(keys.join(k), v).unwrap();
+    }
+    let gw = harness::gateway_with(
+        &cluster.nodes[0].endpoint(),
+        &["--secrets-dir".into(), secrets.display().to_string()],
+        dir.join("gateway.log"),
+    );
+    let url = format!("http://{}/v1/chat/completions", gw.field("http"));
+    let ask = |stream: bool| {
+        json!({"model": "chat", "max_tokens": 4, "stream": stream,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": "hello"}]})
+    };
+    let client = reqwest::Client::new();
+    let r = eventually("bedrock answers", Duration::from_secs(30), || async {
+        let r = client.post(&url).json(&ask(false)).send().await.ok()?;
+        r.status().is_success().then_some(r)
+    })
+    .await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "provider:cloud");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["model"], "amazon.nova-lite-v1:0");
+    assert_eq!(
+        body["choices"][0]["message"]["content"], "amazon.nova-lite-v1:0 heard: hello",
+        "the model id reached its path, the last message its body"
+    );
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["usage"]["total_tokens"], 8);
+    // Streamed: OpenAI's events, the usage when asked, [DONE].
+    let r = client.post(&url).json(&ask(true)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let (text, events) = harness::sse_events(r).await;
+    assert_eq!(
+        events[0]["choices"][0]["delta"]["content"],
+        "amazon.nova-lite-v1:0 heard: hello"
+    );
+    assert!(
+        events.iter().any(|e| e["usage"]["completion_tokens"] == 3),
+        "{text}"
+    );
+    // A secret key botocore's signer does not agree with: refused there, a clear 502 here.
+    std::fs::write(keys.join("aws_secret_access_key"), "not-the-key").unwrap();
+    refused_credentials(client.post(&url).json(&ask(false))).await;
+    let _ = converse.kill();
+    let _ = converse.wait();
 }

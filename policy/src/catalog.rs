@@ -340,6 +340,23 @@ impl Catalog {
                 c.fail("spec.model", "must not be empty");
             }
             c.positive("spec.expectedTtftMs", p.expected_ttft_ms);
+            if p.region.as_deref().is_some_and(str::is_empty) {
+                c.fail("spec.region", "must not be empty");
+            }
+            if p.api == crate::kinds::ProviderApi::Bedrock {
+                if p.region().is_none() {
+                    c.fail(
+                        "spec.region",
+                        "a Bedrock provider needs its AWS region (or an endpoint such as https://bedrock-runtime.us-east-1.amazonaws.com)",
+                    );
+                }
+                if p.credentials.is_none() {
+                    c.fail(
+                        "spec.credentials",
+                        "a Bedrock provider needs the Secret holding its AWS keys",
+                    );
+                }
+            }
             if let Some(r) = &p.rate_limit {
                 if r.requests_per_minute == Some(0) {
                     c.fail("spec.rateLimit.requestsPerMinute", "must be at least 1");

@@ -247,8 +247,11 @@ impl Ledger {
                 h.u64(*r).u64(a.tokens).u64(a.requests);
             }
             // Hashed only when present: books without settled tickets keep their digest.
-            if !b.settled.is_empty() || !b.pending.is_empty() || !b.left_behind.is_empty() {
+            if !b.settled.is_empty() || !b.pending.is_empty() {
                 b.hash_tickets(h);
+            }
+            if !b.left_behind.is_empty() {
+                b.hash_left_behind(h);
             }
         }
         h.u64(self.replicas.len() as u64);

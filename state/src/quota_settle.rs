@@ -81,7 +81,10 @@ impl Book {
             h.u64(t.replica).u64(t.incarnation).str(&t.request_id);
             h.u64(*tokens);
         }
-        h.u64(self.left_behind.len() as u64);
+    }
+
+    pub(crate) fn hash_left_behind(&self, h: &mut Hasher) {
+        h.str("left_behind").u64(self.left_behind.len() as u64);
         for ((replica, incarnation), tokens) in &self.left_behind {
             h.u64(*replica).u64(*incarnation).u64(*tokens);
         }

@@ -1,10 +1,12 @@
 //! Stage 9, admit: a routed request is charged to every tenant limit that matches it, from
 //! this replica's escrow (see [`crate::quota`]); a refusal replaces the decision. A request
 //! that goes to an `InferenceProvider` with a `rateLimit` is charged to that provider's budget
-//! too (one budget for every tenant, kept by the same ledger); when the provider has none left
-//! the request goes to the next alternative that has, and is refused when none has.
+//! too, in the same all-or-nothing reservation (one budget for every tenant, kept by the same
+//! ledger); when the provider has none left the request goes to the next alternative, and is
+//! refused when none has. Providers with a budget are not offered as alternatives to retry on:
+//! a gateway's retry there would not be charged.
 
-use kvplane_policy::{LimitKey, MatchedLimit, Target};
+use kvplane_policy::{LimitKey, MatchedLimit, Target, kinds::TenantLimit};
 use tracing::Instrument;
 use tracing::field::Empty;
 
@@ -18,96 +20,76 @@ pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision<'_>) -> Vec<
     if !matches!(d.outcome, Outcome::Routed(_)) {
         return Vec::new();
     }
-    let limits = d.view.catalog.limits_for(&d.tenant, &d.prompted.model);
-    if limits.is_empty() && !chosen_provider_limited(d) {
-        return Vec::new();
-    }
+    let catalog = &d.view.catalog;
+    let tenant = catalog.limits_for(&d.tenant, &d.prompted.model);
     let tokens = escrow.tokens_for(d.prompted.total_tokens(), d.prompted.max_tokens);
     let span = tracing::debug_span!(
         "quota.admit",
         tenant = %d.tenant,
-        limits = limits.len(),
+        limits = tenant.len(),
         tokens,
         outcome = Empty
     );
-    let mut reserved = if limits.is_empty() {
-        Vec::new()
-    } else {
-        let r = escrow
+    loop {
+        let provider = d.chosen().and_then(|c| provider_limit(catalog, &c.target));
+        if tenant.is_empty() && provider.is_none() {
+            return Vec::new();
+        }
+        let mut limits = tenant.clone();
+        if let Some((key, limit)) = &provider {
+            limits.push(MatchedLimit {
+                key: key.clone(),
+                limit,
+            });
+        }
+        let reserved = escrow
             .reserve(&limits, tokens)
             .instrument(span.clone())
             .await;
-        match r {
-            Ok(r) => r,
-            Err(refusal) => {
-                span.record("outcome", "rate_limited");
-                refuse(d, &refusal, None);
-                return Vec::new();
+        match reserved {
+            Ok(r) => {
+                span.record("outcome", "admitted");
+                d.alternatives
+                    .retain(|(j, _)| provider_limit(catalog, &d.candidates[*j].target).is_none());
+                return r;
             }
-        }
-    };
-    match provider_budget(escrow, d, tokens)
-        .instrument(span.clone())
-        .await
-    {
-        Ok(r) => {
-            span.record("outcome", "admitted");
-            reserved.extend(r);
-            reserved
-        }
-        Err((refusal, provider)) => {
-            span.record("outcome", "rate_limited");
-            // The tenant's reservation was for a request that does not run.
-            escrow.settle(&reserved, 0);
-            refuse(d, &refusal, Some(&provider));
-            Vec::new()
-        }
-    }
-}
-
-/// Whether the chosen candidate is a provider with a `rateLimit`.
-fn chosen_provider_limited(d: &Decision<'_>) -> bool {
-    let Some(Target::Provider { name, .. }) = d.chosen().map(|c| &c.target) else {
-        return false;
-    };
-    d.view.catalog.provider_limit(name).is_some()
-}
-
-/// Charges the chosen provider's budget, moving the decision to the next alternative while the
-/// chosen one is a provider with none left; the refusal of the last one tried otherwise.
-async fn provider_budget(
-    escrow: &Escrow,
-    d: &mut Decision<'_>,
-    tokens: u64,
-) -> Result<Vec<Reservation>, (Refusal, String)> {
-    loop {
-        let Some(Target::Provider { name, .. }) = d.chosen().map(|c| &c.target) else {
-            return Ok(Vec::new());
-        };
-        let name = (*name).to_owned();
-        let Some(limit) = d.view.catalog.provider_limit(&name) else {
-            return Ok(Vec::new());
-        };
-        let matched = [MatchedLimit {
-            key: LimitKey::provider(&name),
-            limit: &limit,
-        }];
-        match escrow.reserve(&matched, tokens).await {
-            Ok(r) => return Ok(r),
-            Err(refusal) if d.alternatives.is_empty() => return Err((refusal, name)),
-            Err(_) => {
+            // The provider has no budget left here (nor granted in time): the next one.
+            Err(refusal) if !refusal.key().provider.is_empty() && !d.alternatives.is_empty() => {
+                tracing::debug!(%refusal, "trying the next alternative");
                 let (next, model) = d.alternatives.remove(0);
                 d.outcome = Outcome::Routed(next);
                 d.model = model;
             }
+            Err(refusal) => {
+                span.record("outcome", "rate_limited");
+                refuse(d, &refusal);
+                return Vec::new();
+            }
         }
     }
 }
 
-fn refuse(d: &mut Decision<'_>, refusal: &Refusal, provider: Option<&str>) {
-    let reason = match provider {
-        Some(p) => format!("provider {p:?} has no capacity left: {refusal}"),
-        None => refusal.to_string(),
+/// The budget key and limit of `target`, when it is a provider with a `rateLimit`.
+fn provider_limit(
+    catalog: &kvplane_policy::Catalog,
+    target: &Target<'_>,
+) -> Option<(LimitKey, TenantLimit)> {
+    let Target::Provider { name, .. } = target else {
+        return None;
+    };
+    let limit = catalog.provider_limit(name)?;
+    Some((LimitKey::provider(name), limit))
+}
+
+fn refuse(d: &mut Decision<'_>, refusal: &Refusal) {
+    let key = refusal.key();
+    let reason = if key.provider.is_empty() {
+        refusal.to_string()
+    } else {
+        format!(
+            "provider {:?} has no capacity left: {refusal}",
+            key.provider
+        )
     };
     d.outcome = Outcome::Rejected {
         kind: Reject::RateLimited,

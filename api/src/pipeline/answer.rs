@@ -29,6 +29,7 @@ fn endpoint(t: &Target<'_>, catalog: &Catalog, model: &str) -> Endpoint {
                 provider_api: spec.map(|p| p.api.as_str().to_owned()).unwrap_or_default(),
                 credentials_name: credentials.map(|c| c.name.clone()).unwrap_or_default(),
                 credentials_key: credentials.map(|c| c.key.clone()).unwrap_or_default(),
+                provider_region: spec.and_then(|p| p.region()).unwrap_or_default(),
                 model: model.to_owned(),
                 ..Default::default()
             }

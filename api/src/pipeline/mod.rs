@@ -311,12 +311,23 @@ impl RouterService {
             }
         }
         let model = picked.map(|i| catalog.model_of(&cands[i], &resolved, &p.model));
-        let alternatives = picked.map_or_else(Vec::new, |i| {
+        let alternatives: Vec<(usize, String)> = picked.map_or_else(Vec::new, |i| {
             pick::alternatives(&cands, i)
                 .into_iter()
                 .map(|j| (j, catalog.model_of(&cands[j], &resolved, &p.model)))
                 .collect()
         });
+        let budgeted_pick = picked.is_some_and(|i| {
+            matches!(cands[i].target, kvplane_policy::Target::Provider { name, .. }
+                if catalog.provider_limit(name).is_some())
+        });
+        if !signals.prediction && budgeted_pick {
+            // Admission may move the decision to an alternative (the provider has no budget
+            // left): each needs its prediction as the pick does.
+            for (j, _) in &alternatives {
+                signals::complete(&fleet, catalog, &mut cands[*j]);
+            }
+        }
         drop(_in);
         d.rule = rule_name;
         d.objective = rule.minimize;

@@ -5,10 +5,12 @@
 
 pub use kvplane_testkit::*;
 
+mod answers;
 mod engines;
 mod envoy;
 mod in_process;
 mod raft;
+pub use answers::{sse_events, test_python};
 pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up};
 pub use envoy::spawn_envoy;
 pub use in_process::InProcess;

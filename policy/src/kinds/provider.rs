@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use super::common::{Labels, ObjectStatus, TokenCost};
 
-/// An external OpenAI-compatible or Bedrock-style provider. Always external: `excludeExternal`
-/// filters remove it.
+/// An external model API: OpenAI-compatible, or Amazon Bedrock (its Converse API, requests
+/// signed with SigV4). Always external: `excludeExternal` filters remove it.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "kvplane.io",
@@ -25,7 +25,9 @@ pub struct InferenceProviderSpec {
     pub api: ProviderApi,
     /// The provider's model name (the body's `model` is rewritten to it).
     pub model: String,
-    /// Where the gateway finds the credentials (kvplane never reads them).
+    /// Where the gateway finds the credentials (kvplane never reads them): OpenAI, the API key
+    /// under `key`; Bedrock, the Secret's `aws_access_key_id`, `aws_secret_access_key` and
+    /// (optional) `aws_session_token` (its `key` is not read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials: Option<SecretKeyRef>,
     #[serde(default, skip_serializing_if = "Labels::is_empty")]
@@ -37,6 +39,32 @@ pub struct InferenceProviderSpec {
     pub expected_ttft_ms: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RateLimit>,
+    /// Bedrock: the AWS region its requests are signed for (default: the one in the
+    /// endpoint's host, `bedrock-runtime.<region>.amazonaws.com`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+}
+
+impl InferenceProviderSpec {
+    /// The AWS region of a Bedrock provider: `region`, else the endpoint host's.
+    pub fn region(&self) -> Option<String> {
+        if let Some(r) = &self.region {
+            return Some(r.clone());
+        }
+        if self.api != ProviderApi::Bedrock {
+            return None;
+        }
+        let host = self
+            .endpoint
+            .split_once("://")
+            .map_or(self.endpoint.as_str(), |(_, rest)| rest)
+            .split(['/', ':'])
+            .next()?;
+        let region = host
+            .strip_prefix("bedrock-runtime.")?
+            .strip_suffix(".amazonaws.com")?;
+        (!region.is_empty() && !region.contains('.')).then(|| region.to_owned())
+    }
 }
 
 fn default_ttft_ms() -> f64 {

@@ -1,0 +1,90 @@
+"""A Bedrock Converse endpoint for kvplane's tests, whose checks are botocore's: every request's
+SigV4 signature is computed again by botocore's own signer (the AWS SDK for Python's) from the
+keys given here, over the request as it arrived (method, path, the headers it names as signed,
+body, its x-amz-date). A request that is not signed for service `bedrock` in the region with
+these keys gets 403 with Bedrock's words; one that is gets a Converse answer naming the model
+of its path and echoing its last message.
+
+Usage: bedrock_converse.py ACCESS_KEY_ID SECRET_ACCESS_KEY SESSION_TOKEN REGION
+Prints "ready <port>" once listening on 127.0.0.1.
+"""
+
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+from botocore.auth import SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+
+AKID, SECRET, TOKEN, REGION = sys.argv[1:5]
+PREFIX = "AWS4-HMAC-SHA256 "
+
+
+class Converse(BaseHTTPRequestHandler):
+    def answer(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def refuse(self, why):
+        self.answer(403, {"message": why})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        auth = self.headers.get("authorization", "")
+        if not auth.startswith(PREFIX):
+            return self.refuse("Missing Authentication Token")
+        parts = dict(p.strip().split("=", 1) for p in auth[len(PREFIX):].split(","))
+        scope = parts.get("Credential", "").split("/")
+        if len(scope) != 5 or scope[0] != AKID or scope[2:] != [REGION, "bedrock", "aws4_request"]:
+            return self.refuse("The security token included in the request is invalid.")
+        if self.headers.get("x-amz-security-token") != TOKEN:
+            return self.refuse("The security token included in the request is invalid.")
+        signed = parts.get("SignedHeaders", "").split(";")
+        request = AWSRequest(
+            method=self.command,
+            url="http://%s%s" % (self.headers["host"], self.path),
+            data=body,
+            headers={h: self.headers[h] for h in signed},
+        )
+        request.context["timestamp"] = self.headers.get("x-amz-date", "")
+        signer = SigV4Auth(Credentials(AKID, SECRET, TOKEN), "bedrock", REGION)
+        canonical = signer.canonical_request(request)
+        expected = signer.signature(signer.string_to_sign(request, canonical), request)
+        if expected != parts.get("Signature"):
+            return self.refuse(
+                "The request signature we calculated does not match the signature you provided."
+            )
+        path = self.path.split("/")
+        if len(path) != 4 or path[1] != "model" or path[3] != "converse":
+            return self.answer(404, {"message": "unknown operation %s" % self.path})
+        model = unquote(path[2])
+        converse = json.loads(body)
+        last = converse["messages"][-1]["content"][0]["text"]
+        self.answer(
+            200,
+            {
+                "output": {
+                    "message": {
+                        "role": "assistant",
+                        "content": [{"text": "%s heard: %s" % (model, last)}],
+                    }
+                },
+                "stopReason": "end_turn",
+                "usage": {"inputTokens": 5, "outputTokens": 3, "totalTokens": 8},
+                "metrics": {"latencyMs": 1},
+            },
+        )
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Converse)
+print("ready %d" % server.server_address[1], flush=True)
+server.serve_forever()
