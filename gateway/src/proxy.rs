@@ -778,6 +778,7 @@ impl App {
         received: Instant,
     ) -> Response {
         let status = upstream.status();
+        let name = target.provider.as_deref().unwrap_or(&target.label);
         let body = match upstream.bytes().await {
             Ok(b) => b,
             Err(e) => {
@@ -808,7 +809,7 @@ impl App {
                     error_response(
                         StatusCode::BAD_GATEWAY,
                         "bad_gateway",
-                        &format!("provider {}: {e}", target.label),
+                        &format!("provider {name}: {e}"),
                         0,
                     )
                 })
@@ -819,13 +820,13 @@ impl App {
                 408 => error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     "timeout",
-                    &format!("provider {} timed out: {said}", target.label),
+                    &format!("provider {name} timed out: {said}"),
                     0,
                 ),
                 424 => error_response(
                     StatusCode::BAD_GATEWAY,
                     "bad_gateway",
-                    &format!("provider {} failed: {said}", target.label),
+                    &format!("provider {name} failed: {said}"),
                     0,
                 ),
                 // What Bedrock says of the request itself (400, 404, 422), in OpenAI's shape.

@@ -303,63 +303,8 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_computes_too() {
     let work = tempfile::tempdir().unwrap();
-    let dir = work.path();
-    let (akid, secret, token) = (
-        "AKIDKVPLANETEST",
-        "kvplane/test/secret+key",
-        "session-token-1",
-    );
-    let args: Vec<String> = vec![
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/clients/bedrock_converse.py"
-        )
-        .into(),
-        akid.into(),
-        secret.into(),
-        token.into(),
-        "eu-central-1".into(),
-    ];
-    let (mut converse, ready) = kvplane_testkit::process::start(kvplane_testkit::process::Spec {
-        program: &harness::test_python(),
-        args: &args,
-        env: &[],
-        log: &dir.join("converse.log"),
-        ready: Some("ready"),
-    })
-    .unwrap();
-    let port = ready.trim().rsplit(' ').next().unwrap().to_owned();
-    let policy_dir = dir.join("policies");
-    std::fs::create_dir_all(&policy_dir).unwrap();
-    fallback_to(
-        &policy_dir,
-        &format!(
-            "  endpoint: http://127.0.0.1:{port}\n  api: Bedrock\n  region: eu-central-1\n  model: amazon.nova-lite-v1:0\n  credentials: {{name: aws, key: unused}}\n"
-        ),
-    );
-    let cluster = Cluster::start_with(
-        1,
-        &NodeOptions {
-            policy_dir: Some(policy_dir),
-            ..Default::default()
-        },
-    );
-    let secrets = dir.join("secrets");
-    let keys = secrets.join("aws");
-    std::fs::create_dir_all(&keys).unwrap();
-    for (k, v) in [
-        ("aws_access_key_id", akid),
-        ("aws_secret_access_key", secret),
-        ("aws_session_token", token),
-    ] {
-        std::fs::write(keys.join(k), v).unwrap();
-    }
-    let gw = harness::gateway_with(
-        &cluster.nodes[0].endpoint(),
-        &["--secrets-dir".into(), secrets.display().to_string()],
-        dir.join("gateway.log"),
-    );
-    let url = format!("http://{}/v1/chat/completions", gw.field("http"));
+    let mut b = BedrockFleet::start(work.path(), &[]);
+    let (keys, url) = (b.keys.clone(), b.url.clone());
     let ask = |stream: bool| {
         json!({"model": "chat", "max_tokens": 4, "stream": stream,
             "stream_options": {"include_usage": true},
@@ -367,11 +312,7 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
                          {"role": "user", "content": "hello"}]})
     };
     let client = reqwest::Client::new();
-    let r = eventually("bedrock answers", Duration::from_secs(30), || async {
-        let r = client.post(&url).json(&ask(false)).send().await.ok()?;
-        r.status().is_success().then_some(r)
-    })
-    .await;
+    let r = b.answers().await;
     assert_eq!(r.headers()["x-kvplane-worker"], "provider:cloud");
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion");
@@ -394,9 +335,162 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
         events.iter().any(|e| e["usage"]["completion_tokens"] == 3),
         "{text}"
     );
+    // Throttled: a 429 keeping the provider's Retry-After. The model failing: a 502.
+    let say = |text: &str| json!({"model": "chat", "max_tokens": 4, "messages": [{"role": "user", "content": text}]});
+    let r = client.post(&url).json(&say("busy")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.headers()["retry-after"], "7");
+    let r = client.post(&url).json(&say("fail")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 502);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("provider cloud failed: The model failed"),
+        "{body}"
+    );
     // A secret key botocore's signer does not agree with: refused there, a clear 502 here.
     std::fs::write(keys.join("aws_secret_access_key"), "not-the-key").unwrap();
     refused_credentials(client.post(&url).json(&ask(false))).await;
-    let _ = converse.kill();
-    let _ = converse.wait();
+    b.stop();
+}
+
+/// A stopping gateway gives a request in flight its drain deadline (`--drain-seconds 1`), then
+/// cuts it and exits, though the provider would answer it only after 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_cuts_open_requests_at_its_drain_deadline() {
+    let work = tempfile::tempdir().unwrap();
+    let mut b = BedrockFleet::start(work.path(), &["--drain-seconds".into(), "1".into()]);
+    b.answers().await;
+    let slow = json!({"model": "chat", "messages": [{"role": "user", "content": "slow"}]});
+    let url = b.url.clone();
+    let open =
+        tokio::spawn(async move { reqwest::Client::new().post(&url).json(&slow).send().await });
+    let log = b.log.clone();
+    eventually(
+        "the request at the provider",
+        Duration::from_secs(30),
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.contains("slow request received").then_some(())
+        },
+    )
+    .await;
+    let stopping = std::time::Instant::now();
+    let child = b.gateway.child.as_ref().unwrap();
+    assert!(kvplane_testkit::process::signal(child, "-TERM"));
+    let exited = b.gateway.child.take().unwrap().wait().unwrap();
+    let took = stopping.elapsed();
+    assert!(exited.success(), "{exited}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+        "exited after {took:?}"
+    );
+    let cut = open.await.unwrap();
+    assert!(
+        cut.is_err() || !cut.as_ref().unwrap().status().is_success(),
+        "{cut:?}"
+    );
+    b.stop();
+}
+
+/// A Bedrock provider `cloud` (a Converse endpoint checked by botocore's signer, model
+/// `amazon.nova-lite-v1:0`, region eu-central-1) behind public model `chat`, one kvplane node,
+/// and a gateway with `gateway_args` reading the provider's keys from a mounted-Secret layout.
+struct BedrockFleet {
+    converse: std::process::Child,
+    _cluster: Cluster,
+    gateway: Proc,
+    /// The Secret's directory (its keys' files).
+    keys: PathBuf,
+    /// The gateway's chat completions URL.
+    url: String,
+    /// The Converse endpoint's log.
+    log: PathBuf,
+}
+
+impl BedrockFleet {
+    fn start(dir: &Path, gateway_args: &[String]) -> Self {
+        let (akid, secret, token) = (
+            "AKIDKVPLANETEST",
+            "kvplane/test/secret+key",
+            "session-token-1",
+        );
+        let args: Vec<String> = vec![
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/clients/bedrock_converse.py"
+            )
+            .into(),
+            akid.into(),
+            secret.into(),
+            token.into(),
+            "eu-central-1".into(),
+        ];
+        let (converse, ready) = kvplane_testkit::process::start(kvplane_testkit::process::Spec {
+            program: &harness::test_python(),
+            args: &args,
+            env: &[],
+            log: &dir.join("converse.log"),
+            ready: Some("ready"),
+        })
+        .unwrap();
+        let port = ready.trim().rsplit(' ').next().unwrap().to_owned();
+        let policy_dir = dir.join("policies");
+        std::fs::create_dir_all(&policy_dir).unwrap();
+        fallback_to(
+            &policy_dir,
+            &format!(
+                "  endpoint: http://127.0.0.1:{port}\n  api: Bedrock\n  region: eu-central-1\n  model: amazon.nova-lite-v1:0\n  credentials: {{name: aws, key: unused}}\n"
+            ),
+        );
+        let cluster = Cluster::start_with(
+            1,
+            &NodeOptions {
+                policy_dir: Some(policy_dir),
+                ..Default::default()
+            },
+        );
+        let secrets = dir.join("secrets");
+        let keys = secrets.join("aws");
+        std::fs::create_dir_all(&keys).unwrap();
+        for (k, v) in [
+            ("aws_access_key_id", akid),
+            ("aws_secret_access_key", secret),
+            ("aws_session_token", token),
+        ] {
+            std::fs::write(keys.join(k), v).unwrap();
+        }
+        let mut args = vec!["--secrets-dir".into(), secrets.display().to_string()];
+        args.extend_from_slice(gateway_args);
+        let gateway =
+            harness::gateway_with(&cluster.nodes[0].endpoint(), &args, dir.join("gateway.log"));
+        let url = format!("http://{}/v1/chat/completions", gateway.field("http"));
+        Self {
+            converse,
+            _cluster: cluster,
+            gateway,
+            keys,
+            url,
+            log: dir.join("converse.log"),
+        }
+    }
+
+    /// Waits until a request through the gateway is answered (the node holds the policies).
+    async fn answers(&self) -> reqwest::Response {
+        let client = reqwest::Client::new();
+        let hello = json!({"model": "chat", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]});
+        eventually("bedrock answers", Duration::from_secs(30), || async {
+            let r = client.post(&self.url).json(&hello).send().await.ok()?;
+            r.status().is_success().then_some(r)
+        })
+        .await
+    }
+
+    fn stop(&mut self) {
+        let _ = self.converse.kill();
+        let _ = self.converse.wait();
+    }
 }

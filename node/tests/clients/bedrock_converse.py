@@ -3,7 +3,9 @@ SigV4 signature is computed again by botocore's own signer (the AWS SDK for Pyth
 keys given here, over the request as it arrived (method, path, the headers it names as signed,
 body, its x-amz-date). A request that is not signed for service `bedrock` in the region with
 these keys gets 403 with Bedrock's words; one that is gets a Converse answer naming the model
-of its path and echoing its last message.
+of its path and echoing its last message - unless that message is `busy` (429 with
+`Retry-After: 7`, as a throttled provider), `fail` (424, the model failed) or `slow` (answered
+after 30 s).
 
 Usage: bedrock_converse.py ACCESS_KEY_ID SECRET_ACCESS_KEY SESSION_TOKEN REGION
 Prints "ready <port>" once listening on 127.0.0.1.
@@ -11,6 +13,7 @@ Prints "ready <port>" once listening on 127.0.0.1.
 
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
@@ -23,9 +26,11 @@ PREFIX = "AWS4-HMAC-SHA256 "
 
 
 class Converse(BaseHTTPRequestHandler):
-    def answer(self, status, body):
+    def answer(self, status, body, headers=()):
         data = json.dumps(body).encode()
         self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
@@ -65,7 +70,14 @@ class Converse(BaseHTTPRequestHandler):
             return self.answer(404, {"message": "unknown operation %s" % self.path})
         model = unquote(path[2])
         converse = json.loads(body)
-        last = converse["messages"][-1]["content"][0]["text"]
+        last = converse["messages"][-1]["content"][-1]["text"]
+        if last == "busy":
+            return self.answer(429, {"message": "Too many requests"}, [("retry-after", "7")])
+        if last == "fail":
+            return self.answer(424, {"message": "The model failed"})
+        if last == "slow":
+            print("slow request received", file=sys.stderr, flush=True)
+            time.sleep(30)
         self.answer(
             200,
             {
