@@ -426,7 +426,7 @@ async fn a_request_over_the_tenants_limit_is_429() {
     let (status, b, _) = immediate(p.recv().await);
     assert_eq!(
         (status, b["error"]["code"].as_str()),
-        (429, Some("rate_limited")),
+        (429, Some("rate_limit_exceeded")),
         "{b}"
     );
     assert_eq!(metrics.picker_requests("rate_limited"), 1);
@@ -687,7 +687,7 @@ async fn refusals_are_immediate_answers_in_openais_error_shape() {
     p.send(headers_only).await;
     let (status, b, headers) = immediate(p.recv().await);
     assert_eq!(status, 400);
-    assert_eq!(b["error"]["type"], "invalid_request");
+    assert_eq!(b["error"]["type"], "invalid_request_error");
     assert!(b["error"]["message"].as_str().unwrap().contains("body"));
     assert!(headers.contains(&("content-type".into(), "application/json".into())));
 
@@ -707,7 +707,7 @@ async fn refusals_are_immediate_answers_in_openais_error_shape() {
     let (status, b, _) = immediate(p.recv().await);
     assert_eq!(
         (status, b["error"]["code"].as_str()),
-        (404, Some("unknown_model"))
+        (404, Some("model_not_found"))
     );
 }
 

@@ -4,19 +4,6 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
-
-/// OpenAI's error type for `status`.
-fn error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        s if s >= 500 => "server_error",
-        _ => "invalid_request_error",
-    }
-}
 
 /// An error answer: `status`, `code`, `message`; `Retry-After` when `retry_after_ms` is set.
 pub(crate) fn error_response(
@@ -25,9 +12,7 @@ pub(crate) fn error_response(
     message: &str,
     retry_after_ms: u64,
 ) -> Response {
-    let body = json!({"error": {
-        "message": message, "type": error_type(status), "param": null, "code": code,
-    }});
+    let body = kvplane_proto::front::openai_error(status.as_u16(), code, message);
     let mut r = (status, axum::Json(body)).into_response();
     if retry_after_ms > 0 {
         let secs = retry_after_ms.div_ceil(1000).to_string();
@@ -55,7 +40,7 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             v,
-            json!({"error": {"message": "slow down", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}})
+            serde_json::json!({"error": {"message": "slow down", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}})
         );
     }
 }

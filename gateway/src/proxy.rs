@@ -469,19 +469,10 @@ impl App {
                         }
                     }
                     Some(Decision::Rejection(r)) => {
-                        let (status, kind) = match RejectCode::try_from(r.code) {
-                            Ok(RejectCode::RateLimited) => {
-                                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded")
-                            }
-                            Ok(RejectCode::UnknownModel) => {
-                                (StatusCode::NOT_FOUND, "model_not_found")
-                            }
-                            Ok(RejectCode::InvalidRequest) => {
-                                (StatusCode::BAD_REQUEST, "invalid_request")
-                            }
-                            Ok(RejectCode::Policy) => (StatusCode::FORBIDDEN, "policy_rejected"),
-                            _ => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
-                        };
+                        let code = RejectCode::try_from(r.code).unwrap_or(RejectCode::Unspecified);
+                        let (status, kind) = front::refusal_answer(code);
+                        let status =
+                            StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
                         Err(error_response(status, kind, &r.reason, r.retry_after_ms))
                     }
                     None => Err(error_response(

@@ -255,7 +255,7 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
     .await;
     assert_eq!(r.status().as_u16(), 404);
     let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "unknown_model", "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found", "{body}");
 
     // Cut off from NATS the node is not ready: the health names proxies check follow it, and
     // liveness does not.

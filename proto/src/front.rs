@@ -1,8 +1,39 @@
 //! What every front of kvplane (an HTTP gateway, the Envoy endpoint picker) reads the same way
 //! from the HTTP requests it routes and the answers it relays: which of a request's headers
-//! Route may see, and the usage an OpenAI answer ends with. Parsing only, no I/O.
+//! Route may see, and the usage an OpenAI answer ends with; and how it answers a refusal, in
+//! OpenAI's error shape. Parsing and shaping only, no I/O.
 
-use crate::v1::UsageReport;
+use crate::v1::{RejectCode, UsageReport};
+
+/// The HTTP status and OpenAI-style error code a front answers a Route refusal with.
+pub fn refusal_answer(code: RejectCode) -> (u16, &'static str) {
+    match code {
+        RejectCode::RateLimited => (429, "rate_limit_exceeded"),
+        RejectCode::UnknownModel => (404, "model_not_found"),
+        RejectCode::InvalidRequest => (400, "invalid_request"),
+        RejectCode::Policy => (403, "policy_rejected"),
+        RejectCode::NoCapacity | RejectCode::Unspecified => (503, "no_capacity"),
+    }
+}
+
+/// OpenAI's error type for HTTP status `status` (what its SDKs raise an exception class by).
+pub fn openai_error_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        s if s >= 500 => "server_error",
+        _ => "invalid_request_error",
+    }
+}
+
+/// An error answer's body in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+pub fn openai_error(status: u16, code: &str, message: &str) -> serde_json::Value {
+    serde_json::json!({"error": {
+        "message": message, "type": openai_error_type(status), "param": null, "code": code,
+    }})
+}
 
 /// Headers never passed to kvplane: credentials and connection-level ones.
 pub const NOT_ROUTED_HEADERS: &[&str] = &[

@@ -50,7 +50,10 @@ impl Picked {
 #[derive(Debug)]
 pub(crate) struct Refused {
     pub(crate) status: u16,
+    /// Its metric label (`kvplane_picker_requests_total{outcome}`).
     pub(crate) kind: &'static str,
+    /// Its OpenAI-style error code (the gateway's for the same refusal).
+    pub(crate) code: &'static str,
     pub(crate) message: String,
     pub(crate) retry_after_ms: u64,
 }
@@ -60,6 +63,7 @@ impl Refused {
         Self {
             status,
             kind,
+            code: kind,
             message: message.into(),
             retry_after_ms: 0,
         }
@@ -68,9 +72,7 @@ impl Refused {
     /// The immediate answer: `status`, an OpenAI-shaped error body, `Retry-After` (whole
     /// seconds, rounded up) when set.
     pub(crate) fn answer(&self) -> ProcessingResponse {
-        let body = serde_json::json!({
-            "error": {"message": self.message, "type": self.kind, "param": null, "code": self.kind}
-        });
+        let body = kvplane_proto::front::openai_error(self.status, self.code, &self.message);
         let mut headers = vec![("content-type", "application/json".to_owned())];
         if self.retry_after_ms > 0 {
             headers.push((
@@ -136,15 +138,17 @@ pub(crate) fn picked(resp: &RouteResponse, fallbacks: usize) -> Result<Picked, R
         }
         Some(Decision::Rejection(r)) => {
             let code = RejectCode::try_from(r.code).unwrap_or(RejectCode::Unspecified);
-            let (status, label) = match code {
-                RejectCode::RateLimited => (429, "rate_limited"),
-                RejectCode::NoCapacity => (503, "no_capacity"),
-                RejectCode::Policy => (403, "policy"),
-                RejectCode::UnknownModel => (404, "unknown_model"),
-                RejectCode::InvalidRequest | RejectCode::Unspecified => (400, "invalid_request"),
+            let label = match code {
+                RejectCode::RateLimited => "rate_limited",
+                RejectCode::NoCapacity | RejectCode::Unspecified => "no_capacity",
+                RejectCode::Policy => "policy",
+                RejectCode::UnknownModel => "unknown_model",
+                RejectCode::InvalidRequest => "invalid_request",
             };
+            let (status, openai_code) = kvplane_proto::front::refusal_answer(code);
             Err(Refused {
                 retry_after_ms: r.retry_after_ms,
+                code: openai_code,
                 ..Refused::new(status, label, r.reason.clone())
             })
         }
