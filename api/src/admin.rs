@@ -89,11 +89,7 @@ impl AdminService {
                     prefix_cache_hit_rate: w.metrics.prefix_cache_hit_rate,
                     metrics_index: w.metrics_index,
                     streaming: w.streaming,
-                    found: w
-                        .discovered
-                        .as_ref()
-                        .map_or("", |d| d.found.as_str())
-                        .to_owned(),
+                    found: w.found.map_or("", |f| f.as_str()).to_owned(),
                 })
                 .collect(),
             indexed_blocks: view.indexed_blocks,

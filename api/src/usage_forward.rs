@@ -15,7 +15,7 @@ use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{Ticket, UsageAck, UsageReport};
 use kvplane_raft::ClusterControl;
 use kvplane_state::QuotaSettle;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// Why a report could not be forwarded.
 #[derive(Debug, thiserror::Error)]
@@ -96,8 +96,10 @@ impl Forwarder {
         let id = routed_by(&report);
         let mut client = self.client(id)?;
         report.forwarded = true;
+        let mut request = tonic::Request::new(report);
+        request.set_timeout(Duration::from_secs(2));
         client
-            .report_usage(report)
+            .report_usage(request)
             .await
             .map(tonic::Response::into_inner)
             .map_err(|status| ForwardError::Call { id, status })
@@ -116,20 +118,12 @@ impl Forwarder {
             .find(|m| m.id == id)
             .map(|m| m.addr)
             .ok_or(ForwardError::NotAMember(id))?;
-        let url = if addr.contains("://") {
-            addr.clone()
-        } else {
-            format!("http://{addr}")
-        };
-        let channel = Endpoint::from_shared(url)
-            .map_err(|source| ForwardError::Address {
+        let channel =
+            kvplane_raft::grpc_channel(&addr).map_err(|source| ForwardError::Address {
                 id,
                 addr: addr.clone(),
                 source,
-            })?
-            .connect_timeout(Duration::from_millis(500))
-            .timeout(Duration::from_secs(2))
-            .connect_lazy();
+            })?;
         let c = RouterClient::new(channel);
         clients.insert(id, c.clone());
         Ok(c)

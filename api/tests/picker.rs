@@ -336,6 +336,7 @@ async fn a_full_duplex_request_gets_the_caching_worker_and_its_body_back_and_its
 /// The pools node with `w1` caching `body`'s prompt, under a limit for tenant `acme` of which
 /// this replica holds a 10,000-token grant; the service admits through that escrow.
 fn under_a_limit(body: &[u8]) -> (TestFleet, RouterService, Arc<Escrow>, Arc<ApiMetrics>) {
+    support::well_inside_a_minute();
     let mut f = pools_node(&[]);
     // Windows are the wall clock's: the entries are stamped with it.
     f.at(kvplane_api::wall_ms());

@@ -31,12 +31,20 @@ metadata: {name: cloud-b}
 spec: {endpoint: 'https://b.example/v1', model: b-model, expectedTtftMs: 500}
 ---
 apiVersion: kvplane.io/v1alpha1
+kind: InferenceProvider
+metadata: {name: cloud-slow}
+spec: {endpoint: 'https://slow.example/v1', model: slow-model, expectedTtftMs: 900, rateLimit: {requestsPerMinute: 10}}
+---
+apiVersion: kvplane.io/v1alpha1
 kind: InferencePolicy
 metadata: {name: out}
 spec:
   appliesToModels: [m]
   limits: [{tenant: acme, tokensPerMinute: 100000, requestsPerMinute: 600}]
   rules:
+    - name: b-first
+      match: {tags: [b-first]}
+      candidates: {providers: [cloud-b, cloud-slow]}
     - name: both
       match: {tags: [both]}
       candidates: {providers: [cloud-a, cloud-b]}
@@ -51,6 +59,7 @@ fn fleet() -> (
     RouterService,
     std::sync::Arc<kvplane_api::Escrow>,
 ) {
+    support::well_inside_a_minute();
     let mut f = TestFleet::new();
     // Windows are the wall clock's: the entries are stamped with it.
     f.at(kvplane_api::wall_ms());
@@ -156,4 +165,14 @@ fn a_provider_without_capacity_left_passes_its_requests_to_the_next_alternative(
     })))
     .unwrap();
     assert_eq!(target(&ask(&svc, "r5", &[])), "provider:cloud-a");
+}
+
+#[test]
+fn a_provider_with_a_budget_is_no_alternative_even_for_a_request_no_limit_charges() {
+    let (_f, svc, _) = fleet();
+    // No tenant: no tenant limit; cloud-b (no budget) picked, cloud-slow (a budget) behind it.
+    let r = route(&svc, request("n1", "m", &["b-first"], tokens(2, 64)));
+    assert_eq!(target(&r), "provider:cloud-b");
+    assert!(r.ticket.unwrap().charges.is_empty());
+    assert!(r.alternatives.is_empty(), "{:?}", r.alternatives);
 }

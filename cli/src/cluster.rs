@@ -35,16 +35,8 @@ pub enum ClusterCmd {
     },
 }
 
-fn url(addr: &str) -> String {
-    if addr.starts_with("http") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
-    }
-}
-
 pub(crate) async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
-    AdminClient::connect(url(addr))
+    AdminClient::connect(kvplane_raft::grpc_url(addr))
         .await
         .with_context(|| format!("cannot connect to {addr}"))
 }

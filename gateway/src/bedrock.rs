@@ -182,18 +182,17 @@ fn text_of(content: &Value) -> Option<String> {
     }
 }
 
-/// The Converse URL of `model` under Bedrock endpoint `base`.
+/// A path segment's characters left as they are (RFC 3986's unreserved ones).
+const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
+/// The Converse URL of `model` under Bedrock endpoint `base`; a model id may hold `:`
+/// (`...-v1:0`), which goes in the path encoded.
 pub(crate) fn converse_url(base: &str, model: &str) -> String {
-    // A model id may hold `:` (`...-v1:0`), which goes in the path encoded.
-    let id: String = model
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                char::from(b).to_string()
-            }
-            other => format!("%{other:02X}"),
-        })
-        .collect();
+    let id = percent_encoding::utf8_percent_encode(model, UNRESERVED);
     format!("{}/model/{id}/converse", base.trim_end_matches('/'))
 }
 

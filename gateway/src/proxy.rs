@@ -76,10 +76,6 @@ enum Mode {
 
 struct Inner {
     mode: Mode,
-    /// The ticket of each request in flight (`RouteResponse.ticket`: the replica and process
-    /// that decided it, what it reserved), carried in its reports so that any replica settles
-    /// them, even when that process is gone.
-    tickets: std::sync::Mutex<HashMap<String, Ticket>>,
     tenant_header: String,
     secrets: Secrets,
     headers_timeout: std::time::Duration,
@@ -123,7 +119,6 @@ pub async fn run(
     metrics.register(&mut registry);
     let app = App(Arc::new(Inner {
         mode,
-        tickets: std::sync::Mutex::default(),
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
         secrets: cfg.secrets,
         headers_timeout: cfg.headers_timeout,
@@ -358,19 +353,21 @@ impl App {
             .inc();
     }
 
-    /// Where the request goes: the pick, then the alternatives to retry on.
+    /// Where the request goes: the pick, then the alternatives to retry on; and the request's
+    /// ticket (`RouteResponse.ticket`: the replica and process that decided it, what it
+    /// reserved), which its reports carry so that any replica settles them.
     async fn pick(
         &self,
         path: &str,
         headers: &HeaderMap,
         body: &Bytes,
         request_id: &str,
-    ) -> Result<Vec<Target>, Response> {
+    ) -> Result<(Vec<Target>, Option<Ticket>), Response> {
         match &self.0.mode {
             Mode::RoundRobin(engines, next) => {
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize % engines.len();
                 let base = engines[i].trim_end_matches('/');
-                Ok(vec![Target {
+                let target = Target {
                     url: format!("{base}{path}"),
                     label: base.to_owned(),
                     body: body.clone(),
@@ -378,7 +375,8 @@ impl App {
                     provider: None,
                     authorization: None,
                     bedrock: None,
-                }])
+                };
+                Ok((vec![target], None))
             }
             Mode::Kvplane(replicas) => {
                 let tenant = headers
@@ -440,18 +438,10 @@ impl App {
                         ..Ticket::default()
                     })
                 });
-                if let Some(ticket) = ticket {
-                    let mut m = self.0.tickets.lock().unwrap_or_else(|p| p.into_inner());
-                    // Bounded: a request whose final report never came must not pin memory.
-                    if m.len() >= 100_000 {
-                        m.clear();
-                    }
-                    m.insert(request_id.to_owned(), ticket);
-                }
                 match resp.decision.clone() {
                     Some(Decision::Endpoint(e)) => {
                         match targets(resp, e, path, body, &self.0.secrets).await {
-                            Ok(t) => Ok(t),
+                            Ok(t) => Ok((t, ticket)),
                             Err(e) => {
                                 // Routed, and nowhere it may go: settled at once.
                                 tracing::warn!(request_id, error = %e, "no target can be called");
@@ -462,6 +452,7 @@ impl App {
                                         0.0,
                                         Outcome::Error,
                                     ),
+                                    ticket.as_ref(),
                                 );
                                 let (status, kind) = e.status();
                                 Err(error_response(status, kind, &e.public(), 0))
@@ -661,7 +652,7 @@ impl App {
         upstream_id: &str,
     ) -> Response {
         let received = Instant::now();
-        let targets = match self.pick(path, headers, &body, &request_id).await {
+        let (targets, ticket) = match self.pick(path, headers, &body, &request_id).await {
             Ok(t) => t,
             Err(r) => return r,
         };
@@ -671,6 +662,7 @@ impl App {
                 self.report_after(
                     None,
                     AnswerTail::default().report(request_id, 0.0, Outcome::Error),
+                    ticket.as_ref(),
                 );
                 return r;
             }
@@ -679,7 +671,7 @@ impl App {
             StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         if let Some(b) = target.bedrock.clone() {
             return self
-                .bedrock_answer(&target, &b, upstream, request_id, received)
+                .bedrock_answer(&target, &b, upstream, request_id, received, ticket.as_ref())
                 .await;
         }
         let content_type = upstream
@@ -707,8 +699,11 @@ impl App {
                             app.0.metrics.ttft_seconds.observe(t);
                             first_at = Some(t * 1000.0);
                             if streamed {
-                                first_report =
-                                    app.report_first_token(request_id.clone(), t * 1000.0);
+                                first_report = app.report_first_token(
+                                    request_id.clone(),
+                                    t * 1000.0,
+                                    ticket.as_ref(),
+                                );
                             }
                         }
                         tail.keep(&bytes);
@@ -720,6 +715,7 @@ impl App {
                                     first_at.unwrap_or(0.0),
                                     Outcome::Cancelled,
                                 ),
+                                ticket.as_ref(),
                             );
                             return;
                         }
@@ -729,6 +725,7 @@ impl App {
                         app.report_after(
                             first_report.take(),
                             tail.report(request_id, first_at.unwrap_or(0.0), Outcome::Error),
+                            ticket.as_ref(),
                         );
                         return;
                     }
@@ -742,6 +739,7 @@ impl App {
             app.report_after(
                 first_report.take(),
                 tail.report(request_id, first_at.unwrap_or(0.0), outcome),
+                ticket.as_ref(),
             );
         });
         let mut resp = Response::new(Body::from_stream(stream));
@@ -767,6 +765,7 @@ impl App {
         upstream: reqwest::Response,
         request_id: String,
         received: Instant,
+        ticket: Option<&Ticket>,
     ) -> Response {
         let status = upstream.status();
         let name = target.provider.as_deref().unwrap_or(&target.label);
@@ -776,15 +775,12 @@ impl App {
                 self.report_after(
                     None,
                     AnswerTail::default().report(request_id, 0.0, Outcome::Error),
+                    ticket,
                 );
                 return error_response(
                     StatusCode::BAD_GATEWAY,
                     "bad_gateway",
-                    &format!(
-                        "provider {} did not answer whole: {}",
-                        target.label,
-                        e.without_url()
-                    ),
+                    &format!("provider {name} did not answer whole: {}", e.without_url()),
                     0,
                 );
             }
@@ -842,6 +838,7 @@ impl App {
                         outcome: Outcome::Success.into(),
                         ..Default::default()
                     },
+                    ticket,
                 );
                 let mut resp = Response::new(Body::from(bytes));
                 resp.headers_mut()
@@ -855,6 +852,7 @@ impl App {
                 self.report_after(
                     None,
                     AnswerTail::default().report(request_id, ttft_ms, Outcome::Error),
+                    ticket,
                 );
                 resp
             }
@@ -863,35 +861,34 @@ impl App {
 
     /// Reports a streamed request's first token (see `UsageReport.first_token`); the handle
     /// of the report in flight, which the final report waits for.
-    fn report_first_token(&self, request_id: String, ttft_ms: f64) -> Option<JoinHandle<()>> {
+    fn report_first_token(
+        &self,
+        request_id: String,
+        ttft_ms: f64,
+        ticket: Option<&Ticket>,
+    ) -> Option<JoinHandle<()>> {
         let report = UsageReport {
             request_id,
             observed_ttft_ms: ttft_ms,
             first_token: true,
             ..Default::default()
         };
-        self.send_report(report, None)
+        self.send_report(report, ticket, None)
     }
 
     /// Sends `report` to the replicas in the background, after the report `after` (if any),
-    /// naming the replica that routed the request.
+    /// with the request's ticket (naming the replica that routed it).
     fn send_report(
         &self,
         mut report: UsageReport,
+        ticket: Option<&Ticket>,
         after: Option<JoinHandle<()>>,
     ) -> Option<JoinHandle<()>> {
         let Mode::Kvplane(_) = &self.0.mode else {
             return None;
         };
-        {
-            let mut m = self.0.tickets.lock().unwrap_or_else(|p| p.into_inner());
-            report.ticket = if report.first_token {
-                m.get(&report.request_id).cloned()
-            } else {
-                m.remove(&report.request_id)
-            };
-            report.routed_by = report.ticket.as_ref().map_or(0, |t| t.routed_by);
-        }
+        report.ticket = ticket.cloned();
+        report.routed_by = ticket.map_or(0, |t| t.routed_by);
         let app = self.clone();
         Some(tokio::spawn(async move {
             if let Some(before) = after {
@@ -904,8 +901,13 @@ impl App {
     }
 
     /// Sends a request's final report (its usage and outcome) after its first-token report.
-    fn report_after(&self, first: Option<JoinHandle<()>>, report: UsageReport) {
-        self.send_report(report, first);
+    fn report_after(
+        &self,
+        first: Option<JoinHandle<()>>,
+        report: UsageReport,
+        ticket: Option<&Ticket>,
+    ) {
+        self.send_report(report, ticket, first);
     }
 }
 

@@ -303,7 +303,7 @@ async fn the_gateway_falls_back_to_a_provider_over_https_with_its_key_and_stream
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_computes_too() {
     let work = tempfile::tempdir().unwrap();
-    let mut b = BedrockFleet::start(work.path(), &[]);
+    let b = BedrockFleet::start(work.path(), &[]);
     let (keys, url) = (b.keys.clone(), b.url.clone());
     let ask = |stream: bool| {
         json!({"model": "chat", "max_tokens": 4, "stream": stream,
@@ -353,7 +353,6 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
     // A secret key botocore's signer does not agree with: refused there, a clear 502 here.
     std::fs::write(keys.join("aws_secret_access_key"), "not-the-key").unwrap();
     refused_credentials(client.post(&url).json(&ask(false))).await;
-    b.stop();
 }
 
 /// A stopping gateway gives a request in flight its drain deadline (`--drain-seconds 1`), then
@@ -392,7 +391,6 @@ async fn a_stopping_gateway_cuts_open_requests_at_its_drain_deadline() {
         cut.is_err() || !cut.as_ref().unwrap().status().is_success(),
         "{cut:?}"
     );
-    b.stop();
 }
 
 /// A Bedrock provider `cloud` (a Converse endpoint checked by botocore's signer, model
@@ -492,5 +490,12 @@ impl BedrockFleet {
     fn stop(&mut self) {
         let _ = self.converse.kill();
         let _ = self.converse.wait();
+    }
+}
+
+impl Drop for BedrockFleet {
+    /// A failed assertion leaves no Converse endpoint running.
+    fn drop(&mut self) {
+        self.stop();
     }
 }

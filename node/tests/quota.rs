@@ -476,9 +476,12 @@ async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
 /// next process speaks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
-    let (mut cluster, _dir) = harness::started_with_limits(
-        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 60}\n",
+    // An hour's window, and escrow never released for idleness: what the ledger holds moves
+    // only with what the test does.
+    let (mut cluster, _dir) = harness::started_with_limits_and(
+        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}\n",
         Vec::new(),
+        "[quota]\nidle_release_ms = 3600000\n".into(),
     )
     .await;
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();

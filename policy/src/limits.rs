@@ -126,10 +126,21 @@ impl Catalog {
             .map(|m| std::borrow::Cow::Borrowed(m.limit))
     }
 
+    /// Whether provider `name` has a `rateLimit` (what [`Self::provider_limit`] makes a limit of).
+    pub fn provider_limited(&self, name: &str) -> bool {
+        self.providers
+            .get(name)
+            .and_then(|p| p.rate_limit)
+            .is_some_and(|r| r.tokens_per_minute.is_some() || r.requests_per_minute.is_some())
+    }
+
     /// Provider `name`'s `rateLimit`, if it has one, as a limit on every tenant together.
     pub fn provider_limit(&self, name: &str) -> Option<TenantLimit> {
+        if !self.provider_limited(name) {
+            return None;
+        }
         let r = self.providers.get(name)?.rate_limit?;
-        (r.tokens_per_minute.is_some() || r.requests_per_minute.is_some()).then(|| TenantLimit {
+        Some(TenantLimit {
             tenant: "*".into(),
             model: None,
             tokens_per_minute: r.tokens_per_minute,

@@ -86,7 +86,7 @@ async fn ask(addr: &str) -> Peer {
         return Peer::Absent;
     }
     let status = tokio::time::timeout(Duration::from_secs(2), async {
-        let mut c = kvplane_proto::v1::admin_client::AdminClient::connect(format!("http://{addr}"))
+        let mut c = kvplane_proto::v1::admin_client::AdminClient::connect(crate::grpc_url(addr))
             .await
             .ok()?;
         c.cluster_status(kvplane_proto::v1::StatusRequest::default())

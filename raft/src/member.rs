@@ -546,11 +546,7 @@ impl RaftMember {
     /// added again, a learner being promoted, a member back from a scale-down).
     async fn refuse_another_cluster(&self, addr: &str) -> Result<(), crate::ClusterError> {
         use kvplane_proto::v1::{StatusRequest, admin_client::AdminClient};
-        let url = if addr.contains("://") {
-            addr.to_owned()
-        } else {
-            format!("http://{addr}")
-        };
+        let url = crate::grpc_url(addr);
         let ask = async {
             let mut c = AdminClient::connect(url).await.ok()?;
             c.cluster_status(StatusRequest::default())
@@ -627,13 +623,7 @@ pub enum MemberError {
 /// learner, then voter.
 async fn add_through(via: &str, id: u64, addr: &str) -> Result<(), tonic::Status> {
     use kvplane_proto::v1::admin_client::AdminClient;
-    let url = |a: &str| {
-        if a.starts_with("http") {
-            a.to_owned()
-        } else {
-            format!("http://{a}")
-        }
-    };
+    let url = crate::grpc_url;
     let connect = |a: String| async move {
         AdminClient::connect(a)
             .await

@@ -1242,11 +1242,7 @@ impl StateMachine {
                 id: w.id,
                 up: w.routable(),
                 streaming: w.up,
-                // Shared with the view before while it stays (publishing is on the ingest path).
-                discovered: match (same.and_then(|o| o.discovered.as_ref()), &w.discovered) {
-                    (Some(kept), Some(d)) if **kept == *d => Some(kept.clone()),
-                    (_, d) => d.clone().map(Arc::new),
-                },
+                found: w.discovered.as_ref().map(|d| d.found),
                 address: match (same.and_then(|o| o.address.as_ref()), w.serving_address()) {
                     (Some(kept), Some(a)) if **kept == *a => Some(kept.clone()),
                     (_, a) => a.map(Into::into),

@@ -54,8 +54,9 @@ pub struct WorkerView {
     /// Whether its stream is up (its bridge announced it and its lease holds): its KV events
     /// and metrics count.
     pub streaming: bool,
-    /// What its static endpoints or Kubernetes say of it, if they know it.
-    pub discovered: Option<Arc<crate::Discovered>>,
+    /// Where its endpoint comes from, when its worker set's static endpoints or Kubernetes
+    /// know it (`up` and `address` are then what they say).
+    pub found: Option<crate::Found>,
     /// Where requests go: the endpoint source's address, else the one its bridge announced.
     pub address: Option<Arc<str>>,
     pub metrics: WorkerMetrics,

@@ -78,7 +78,7 @@ fn workers(sm: &StateMachine) -> Vec<Row> {
                 w.up,
                 w.streaming,
                 w.address.as_deref().unwrap_or("").to_owned(),
-                w.discovered.as_ref().map(|d| d.found),
+                w.found,
                 w.indexed_blocks,
             )
         })

@@ -138,13 +138,7 @@ pub(crate) fn picked(resp: &RouteResponse, fallbacks: usize) -> Result<Picked, R
         }
         Some(Decision::Rejection(r)) => {
             let code = RejectCode::try_from(r.code).unwrap_or(RejectCode::Unspecified);
-            let label = match code {
-                RejectCode::RateLimited => "rate_limited",
-                RejectCode::NoCapacity | RejectCode::Unspecified => "no_capacity",
-                RejectCode::Policy => "policy",
-                RejectCode::UnknownModel => "unknown_model",
-                RejectCode::InvalidRequest => "invalid_request",
-            };
+            let label = crate::Reject::from_code(code).label();
             let (status, openai_code) = kvplane_proto::front::refusal_answer(code);
             Err(Refused {
                 retry_after_ms: r.retry_after_ms,

@@ -33,6 +33,8 @@ pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision<'_>) -> Vec<
     loop {
         let provider = d.chosen().and_then(|c| provider_limit(catalog, &c.target));
         if tenant.is_empty() && provider.is_none() {
+            d.alternatives
+                .retain(|(j, _)| !budgeted(catalog, &d.candidates[*j].target));
             return Vec::new();
         }
         let mut limits = tenant.clone();
@@ -50,7 +52,7 @@ pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision<'_>) -> Vec<
             Ok(r) => {
                 span.record("outcome", "admitted");
                 d.alternatives
-                    .retain(|(j, _)| provider_limit(catalog, &d.candidates[*j].target).is_none());
+                    .retain(|(j, _)| !budgeted(catalog, &d.candidates[*j].target));
                 return r;
             }
             // The provider has no budget left here (nor granted in time): the next one.
@@ -67,6 +69,12 @@ pub(crate) async fn admit(escrow: Option<&Escrow>, d: &mut Decision<'_>) -> Vec<
             }
         }
     }
+}
+
+/// Whether `target` is a provider with a `rateLimit` (a gateway's retry there would not be
+/// charged).
+fn budgeted(catalog: &kvplane_policy::Catalog, target: &Target<'_>) -> bool {
+    matches!(target, Target::Provider { name, .. } if catalog.provider_limited(name))
 }
 
 /// The budget key and limit of `target`, when it is a provider with a `rateLimit`.

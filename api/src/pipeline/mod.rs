@@ -67,6 +67,17 @@ impl Reject {
         }
     }
 
+    /// The refusal a Route answer's code stands for (an unspecified one: no capacity).
+    pub fn from_code(code: RejectCode) -> Self {
+        match code {
+            RejectCode::InvalidRequest => Self::InvalidRequest,
+            RejectCode::UnknownModel => Self::UnknownModel,
+            RejectCode::Policy => Self::Policy,
+            RejectCode::RateLimited => Self::RateLimited,
+            RejectCode::NoCapacity | RejectCode::Unspecified => Self::NoCapacity,
+        }
+    }
+
     pub fn code(self) -> RejectCode {
         match self {
             Self::InvalidRequest => RejectCode::InvalidRequest,
@@ -319,7 +330,7 @@ impl RouterService {
         });
         let budgeted_pick = picked.is_some_and(|i| {
             matches!(cands[i].target, kvplane_policy::Target::Provider { name, .. }
-                if catalog.provider_limit(name).is_some())
+                if catalog.provider_limited(name))
         });
         if !signals.prediction && budgeted_pick {
             // Admission may move the decision to an alternative (the provider has no budget

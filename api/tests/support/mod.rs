@@ -47,6 +47,15 @@ pub fn apply_policies(f: &mut TestFleet, yaml: &str) {
     });
 }
 
+/// Returns once at least 10 s are left of the wall clock's minute: tests whose grants are for
+/// the current one-minute window then finish inside it (the escrow's windows are the wall
+/// clock's).
+pub fn well_inside_a_minute() {
+    while kvplane_api::wall_ms() % 60_000 > 50_000 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// The service over `f`'s state admitting through an escrow of replica 1's process 1 (which
 /// `f`'s committed quota batches, if any, granted to), with its metrics.
 pub fn escrowed_service(

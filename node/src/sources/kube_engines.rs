@@ -234,24 +234,21 @@ pub fn changes(
             }
         };
         want.sort();
-        // A static endpoint left from before the selector is never wanted.
-        let mut stale = false;
+        // What the state holds from Kubernetes: a worker it reports is routable while ready,
+        // at its address (a static endpoint left from before the selector is gone already).
         let have: Vec<DiscoveredEndpoint> = view
             .pools
             .get(name)
             .into_iter()
             .flat_map(|p| p.workers.iter())
-            .filter_map(|w| {
-                let d = w.discovered.as_ref()?;
-                stale |= d.found != Found::Kubernetes;
-                (d.found == Found::Kubernetes).then(|| DiscoveredEndpoint {
-                    worker: w.name.to_string(),
-                    address: d.address.clone(),
-                    ready: d.ready,
-                })
+            .filter(|w| w.found == Some(Found::Kubernetes))
+            .map(|w| DiscoveredEndpoint {
+                worker: w.name.to_string(),
+                address: w.address.as_deref().unwrap_or_default().to_owned(),
+                ready: w.up,
             })
             .collect();
-        if want != have || stale {
+        if want != have {
             updates.push(EndpointsUpdate {
                 pool: name.clone(),
                 endpoints: want,
@@ -289,7 +286,7 @@ pub async fn run(
     loop {
         tokio::select! {
             e = pod_events.next() => match e {
-                Some(Ok(())) => drain(&mut pod_events, &metrics),
+                Some(Ok(())) => drain(&mut pod_events, &metrics, "pods"),
                 Some(Err(e)) => { watch_error(&metrics, "pods", &e); continue; }
                 None => return,
             },
@@ -299,7 +296,7 @@ pub async fn run(
             } } => match e {
                 Ok(()) => {
                     if let Some(s) = pool_events.as_mut() {
-                        drain(s, &metrics);
+                        drain(s, &metrics, "inferencepools");
                     }
                 }
                 Err(e) => { watch_error(&metrics, "inferencepools", &e); continue; }
@@ -373,10 +370,10 @@ pub async fn run(
 }
 
 /// Takes every event that is already here, so one pass follows a burst.
-fn drain(events: &mut Events, metrics: &KubeEnginesMetrics) {
+fn drain(events: &mut Events, metrics: &KubeEnginesMetrics, what: &str) {
     while let Some(Some(e)) = events.next().now_or_never() {
         if let Err(e) = e {
-            watch_error(metrics, "pods", &e);
+            watch_error(metrics, what, &e);
         }
     }
 }

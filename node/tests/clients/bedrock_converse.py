@@ -51,6 +51,9 @@ class Converse(BaseHTTPRequestHandler):
         if self.headers.get("x-amz-security-token") != TOKEN:
             return self.refuse("The security token included in the request is invalid.")
         signed = parts.get("SignedHeaders", "").split(";")
+        # What Bedrock needs signed: the host and the date, and the session token when sent.
+        if not {"host", "x-amz-date", "x-amz-security-token"} <= set(signed):
+            return self.refuse("Signed headers must include host, x-amz-date and x-amz-security-token")
         request = AWSRequest(
             method=self.command,
             url="http://%s%s" % (self.headers["host"], self.path),

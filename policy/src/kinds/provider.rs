@@ -54,11 +54,8 @@ impl InferenceProviderSpec {
         if self.api != ProviderApi::Bedrock {
             return None;
         }
-        let host = self
-            .endpoint
-            .split_once("://")
-            .map_or(self.endpoint.as_str(), |(_, rest)| rest)
-            .split(['/', ':'])
+        let host = crate::filters::host_port(&self.endpoint)
+            .split(':')
             .next()?;
         let region = host
             .strip_prefix("bedrock-runtime.")?
@@ -102,4 +99,37 @@ pub struct RateLimit {
     pub requests_per_minute: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_minute: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bedrock(endpoint: &str, region: Option<&str>) -> InferenceProviderSpec {
+        serde_json::from_value(serde_json::json!({
+            "endpoint": endpoint, "api": "Bedrock", "model": "m", "region": region,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_bedrock_providers_region_is_its_own_or_its_endpoint_hosts() {
+        let at = |e: &str| bedrock(e, None).region();
+        assert_eq!(
+            at("https://bedrock-runtime.us-east-1.amazonaws.com").as_deref(),
+            Some("us-east-1")
+        );
+        assert_eq!(
+            at("https://bedrock-runtime.eu-west-3.amazonaws.com:443/").as_deref(),
+            Some("eu-west-3")
+        );
+        assert_eq!(at("http://127.0.0.1:8080"), None);
+        assert_eq!(at("https://bedrock-runtime.amazonaws.com"), None);
+        assert_eq!(
+            bedrock("http://127.0.0.1:8080", Some("ap-south-1"))
+                .region()
+                .as_deref(),
+            Some("ap-south-1")
+        );
+    }
 }
