@@ -123,6 +123,14 @@ async fn an_acknowledged_config_write_and_quota_grant_survive_kill_9() {
         !node.log().contains("state restored from snapshot"),
         "the restart replays the log, not a snapshot"
     );
+    // Ready means the restarted leader has applied an entry of its own term, so everything
+    // acknowledged before the kill: the status that follows must show the write.
+    harness::eventually(
+        "the restarted node is ready",
+        Duration::from_secs(20),
+        || async { (node.readyz().await.0 == 200).then_some(()) },
+    )
+    .await;
 
     let s = node.status().await;
     assert!(s.config_index >= written, "{s:?}");

@@ -22,6 +22,8 @@ pub enum NotReady {
     NoLeader,
     #[error("leading without a quorum")]
     NoQuorum,
+    #[error("leading since term {term} but no entry of that term applied yet")]
+    NewLeader { term: u64 },
     #[error("no word from leader {leader} yet")]
     NotHeardFrom { leader: u64 },
     #[error("no word from leader {leader} for {ms} ms")]
@@ -43,6 +45,7 @@ impl NotReady {
         match self {
             Self::NoLeader => "no_leader",
             Self::NoQuorum => "no_quorum",
+            Self::NewLeader { .. } => "new_leader",
             Self::NotHeardFrom { .. } | Self::Silent { .. } => "leader_silent",
             Self::Behind { .. } => "behind",
         }
@@ -65,6 +68,15 @@ impl RaftMember {
             let acked = m.last_quorum_acked.map(|t| t.elapsed());
             if !alone && acked.is_none_or(|a| a > lease) {
                 return Err(NotReady::NoQuorum);
+            }
+            // A new leader knows everything committed before it only once an entry of its own
+            // term (its blank entry) is committed: until it has applied one, its state may lack
+            // writes that were acknowledged before a restart or an election.
+            let own = m.last_applied.as_ref().map(|l| l.leader_id.term);
+            if own != Some(m.current_term) {
+                return Err(NotReady::NewLeader {
+                    term: m.current_term,
+                });
             }
         } else {
             // With Pre-Vote a member cut off from the quorum never starts an election and keeps
