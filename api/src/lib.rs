@@ -4,6 +4,7 @@
 //! signals, filter, score, pick, admit, answer) over a [`kvplane_state::View`]; the gRPC
 //! services wrap it with metrics and the bookkeeping of requests in flight.
 
+pub mod access;
 mod admin;
 mod consistency;
 mod cost;
@@ -21,6 +22,7 @@ mod trace;
 mod usage;
 mod usage_forward;
 
+pub use access::{Access, AccessLayer, AccessMetrics, Caller};
 pub use admin::{AdminService, ClusterControl, ClusterError, IngestStatus, NodeInfo};
 pub use consistency::{Consistency, propose_status};
 pub use cost::CostModel;

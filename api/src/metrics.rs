@@ -77,6 +77,7 @@ const PICKER: &[&str] = &[
     "body_too_large",
     "picker_busy",
     "served_elsewhere",
+    "permission_denied",
 ];
 
 impl ApiMetrics {

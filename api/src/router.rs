@@ -31,6 +31,7 @@ pub struct RouterService {
     routed_sink: Option<crate::predict::RoutedSink>,
     pub(crate) tokenizers: Arc<crate::Tokenizers>,
     forwarder: Option<Arc<crate::usage_forward::Forwarder>>,
+    access: Option<crate::Access>,
 }
 
 impl RouterService {
@@ -46,11 +47,19 @@ impl RouterService {
             routed_sink: None,
             tokenizers: Arc::default(),
             forwarder: None,
+            access: None,
         }
     }
 
     /// A cluster member: Route answers name this replica (`routed_by`), and a report for a
     /// request another replica routed is forwarded there.
+    /// Checks that each caller may route for its request's tenant (the other rights are the
+    /// gRPC port's [`crate::AccessLayer`]).
+    pub fn with_access(mut self, access: crate::Access) -> Self {
+        self.access = Some(access);
+        self
+    }
+
     pub fn with_cluster(mut self, cluster: Arc<dyn crate::ClusterControl>) -> Self {
         self.forwarder = Some(Arc::new(crate::usage_forward::Forwarder::new(cluster)));
         self
@@ -107,13 +116,22 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<RouteResponse>, Status> {
-        self.route_traced(&request.into_inner()).await
+        let caller = request.extensions().get::<crate::Caller>().cloned();
+        self.route_traced(&request.into_inner(), caller.as_ref())
+            .await
     }
 
     async fn report_usage(
         &self,
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
+        // A ticket's charges name the tenants whose quota the report gives back.
+        if let (Some(access), Some(ticket)) = (&self.access, &request.get_ref().ticket) {
+            let caller = request.extensions().get::<crate::Caller>();
+            for c in ticket.charges.iter().filter(|c| c.provider.is_empty()) {
+                access.check_tenant(caller, &c.tenant)?;
+            }
+        }
         self.report_usage_in(request).await
     }
 
@@ -149,6 +167,7 @@ impl RouterService {
     pub(crate) async fn route_traced(
         &self,
         req: &RouteRequest,
+        caller: Option<&crate::Caller>,
     ) -> Result<Response<RouteResponse>, Status> {
         let span = tracing::debug_span!(
             "route",
@@ -162,18 +181,30 @@ impl RouterService {
             predicted_ttft_ms = Empty,
             quota = Empty,
         );
-        let answer = self.route_in(req).instrument(span.clone()).await;
+        let answer = self.route_in(req, caller).instrument(span.clone()).await;
         if !span.is_disabled() {
             crate::trace::record_route(&span, &answer);
         }
         answer
     }
 
-    async fn route_in(&self, req: &RouteRequest) -> Result<Response<RouteResponse>, Status> {
+    async fn route_in(
+        &self,
+        req: &RouteRequest,
+        caller: Option<&crate::Caller>,
+    ) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         self.fresh_enough(req).await?;
         let view = self.state.load();
         let mut d = self.decide(&view, req, Mode::Route);
+        // Before anything is reserved: a caller may spend only the quota of its own tenants,
+        // and learns nothing of another's (a refusal that came before the tenant was known
+        // depends on no tenant).
+        if let Some(access) = &self.access
+            && (!d.tenant.is_empty() || d.chosen().is_some())
+        {
+            access.check_tenant(caller, &d.tenant)?;
+        }
         let reservations = crate::pipeline::admit(self.escrow.as_deref(), &mut d).await;
         if let Some(c) = d.chosen() {
             let mut worker = None;

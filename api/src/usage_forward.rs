@@ -119,11 +119,14 @@ impl Forwarder {
             .map(|m| m.addr)
             .ok_or(ForwardError::NotAMember(id))?;
         let channel =
-            kvplane_raft::grpc_channel(&addr).map_err(|source| ForwardError::Address {
-                id,
-                addr: addr.clone(),
-                source,
-            })?;
+            self.cluster
+                .dialer()
+                .channel(&addr)
+                .map_err(|source| ForwardError::Address {
+                    id,
+                    addr: addr.clone(),
+                    source,
+                })?;
         let c = RouterClient::new(channel);
         clients.insert(id, c.clone());
         Ok(c)

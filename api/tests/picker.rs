@@ -720,3 +720,67 @@ async fn a_node_with_no_state_ends_the_stream_unavailable_for_the_proxys_failure
     let status = p.rx.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status}");
 }
+
+/// Two proxies' identities: `proxy-a` may route for acme, `proxy-b` only for globex.
+const PROXY_ACCESS: &str = "apiVersion: kvplane.io/v1alpha1\nkind: AccessPolicy\nmetadata: {name: proxy-a}\nspec: {identities: ['spiffe://test/proxy-a'], rights: [route], tenants: [acme]}\n---\napiVersion: kvplane.io/v1alpha1\nkind: AccessPolicy\nmetadata: {name: proxy-b}\nspec: {identities: ['spiffe://test/proxy-b'], rights: [route], tenants: [globex]}\n";
+
+#[tokio::test]
+async fn a_proxy_whose_certificate_may_not_route_for_the_tenant_is_answered_403() {
+    use kvplane_tls::dev_ca::DevCa;
+    use kvplane_tls::{Dialer, Tls, TlsMetrics};
+    let body = completion("m");
+    let mut f = pools_node(&[]);
+    f.caches("default", "w1", &ids(&body), 16, None, None);
+    apply_policies(&mut f, PROXY_ACCESS);
+    let dir = tempfile::tempdir().unwrap();
+    let ca = DevCa::new("test ca").unwrap();
+    let load = |name: &str, id: &str| {
+        let s = ca
+            .write(&dir.path().join(name), id, &["127.0.0.1"])
+            .unwrap();
+        Tls::load(&s, TlsMetrics::default()).unwrap()
+    };
+    let server = load("picker", "spiffe://test/kvplane");
+    let access = kvplane_api::Access::new(
+        true,
+        vec!["spiffe://test/kvplane".into()],
+        Vec::new(),
+        f.sm.handle(),
+        kvplane_api::AccessMetrics::default(),
+    );
+    let metrics = Arc::new(ApiMetrics::default());
+    let svc = RouterService::new(f.sm.handle(), CostModel::default(), metrics.clone())
+        .with_access(access.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(kvplane_api::AccessLayer(access))
+            .add_service(EndpointPicker::new(svc, PickerConfig::default()).server())
+            .serve_with_incoming(kvplane_tls::incoming(listener, Some(server))),
+    );
+    let client = |tls: Tls| {
+        let addr = addr.clone();
+        async move { ExternalProcessorClient::new(Dialer::new(Some(tls)).connect(&addr).await.unwrap()) }
+    };
+
+    // acme's request (the x-tenant header) from proxy B: refused in OpenAI's shape.
+    let mut b = client(load("proxy-b", "spiffe://test/proxy-b")).await;
+    let mut p = Proxy::ask(&mut b, "b1", &body, None).await;
+    let (status, answer, _) = immediate(p.recv().await);
+    assert_eq!(status, 403, "{answer}");
+    assert_eq!(answer["error"]["code"], "permission_denied", "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("spiffe://test/proxy-b") && message.contains("\"acme\""),
+        "{message}"
+    );
+    assert_eq!(metrics.picker_requests("permission_denied"), 1);
+
+    // The same request from proxy A gets its pick.
+    let mut a = client(load("proxy-a", "spiffe://test/proxy-a")).await;
+    let mut p = Proxy::ask(&mut a, "a1", &body, None).await;
+    let Out::RequestHeaders(_) = p.recv().await else {
+        panic!("expected the pick");
+    };
+}

@@ -228,6 +228,7 @@ impl Member {
             &self.cfg.data_dir,
             listener.local_addr()?,
             std::sync::Arc::new(|_| {}),
+            kvplane_tls::Dialer::plain(),
         )
         .await?;
         let service = member.grpc_service();

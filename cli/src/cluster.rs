@@ -1,7 +1,6 @@
 //! `kvplane cluster status|add|remove`: Raft membership from the command line. Changes are
 //! sent to the leader (found through the node given with --addr); one change at a time.
 
-use anyhow::Context;
 use kvplane_proto::v1::admin_client::AdminClient;
 use kvplane_proto::v1::{
     AddMemberRequest, ClusterStatusResponse, RemoveMemberRequest, StatusRequest,
@@ -35,15 +34,16 @@ pub enum ClusterCmd {
     },
 }
 
-pub(crate) async fn connect(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
-    AdminClient::connect(kvplane_raft::grpc_url(addr))
-        .await
-        .with_context(|| format!("cannot connect to {addr}"))
+pub(crate) async fn connect(
+    tls: &crate::dial::TlsArgs,
+    addr: &str,
+) -> anyhow::Result<AdminClient<Channel>> {
+    Ok(AdminClient::new(tls.connect(addr).await?))
 }
 
 /// A client connected to the current leader.
-async fn leader(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
-    let mut c = connect(addr).await?;
+async fn leader(tls: &crate::dial::TlsArgs, addr: &str) -> anyhow::Result<AdminClient<Channel>> {
+    let mut c = connect(tls, addr).await?;
     let s = c
         .cluster_status(StatusRequest::default())
         .await?
@@ -51,7 +51,7 @@ async fn leader(addr: &str) -> anyhow::Result<AdminClient<Channel>> {
     if s.leader == s.node || s.leader_addr.is_empty() {
         return Ok(c);
     }
-    connect(&s.leader_addr).await
+    connect(tls, &s.leader_addr).await
 }
 
 fn print(s: &ClusterStatusResponse) {
@@ -74,12 +74,12 @@ fn print(s: &ClusterStatusResponse) {
 
 pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
     let status = match a.command {
-        ClusterCmd::Status => connect(&a.node.addr)
+        ClusterCmd::Status => connect(&a.node.tls, &a.node.addr)
             .await?
             .cluster_status(StatusRequest::default())
             .await?
             .into_inner(),
-        ClusterCmd::Add { id, member_addr } => leader(&a.node.addr)
+        ClusterCmd::Add { id, member_addr } => leader(&a.node.tls, &a.node.addr)
             .await?
             .add_member(AddMemberRequest {
                 id,
@@ -87,7 +87,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             })
             .await?
             .into_inner(),
-        ClusterCmd::Remove { id } => leader(&a.node.addr)
+        ClusterCmd::Remove { id } => leader(&a.node.tls, &a.node.addr)
             .await?
             .remove_member(RemoveMemberRequest { id })
             .await?

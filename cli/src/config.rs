@@ -40,7 +40,7 @@ pub enum ConfigCmd {
 }
 
 pub async fn run(a: ConfigArgs) -> anyhow::Result<()> {
-    let mut c = crate::cluster::connect(&a.node.addr).await?;
+    let mut c = crate::cluster::connect(&a.node.tls, &a.node.addr).await?;
     let written = match a.command {
         ConfigCmd::Put { kind, name, file } => {
             let value = if file == "-" {

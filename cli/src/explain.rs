@@ -82,7 +82,7 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
         None => route::request(&a.route)?,
     };
     let mut sm = match &a.state {
-        Some(s) => load_state(s).await?,
+        Some(s) => load_state(&a.route.tls, s).await?,
         None => StateMachine::new(),
     };
     if !a.policies.is_empty() {
@@ -132,9 +132,9 @@ fn apply_policies(sm: &mut StateMachine, paths: &[PathBuf]) -> anyhow::Result<()
 }
 
 /// The state behind `--state`.
-async fn load_state(s: &str) -> anyhow::Result<StateMachine> {
+async fn load_state(tls: &crate::dial::TlsArgs, s: &str) -> anyhow::Result<StateMachine> {
     if s.starts_with("http://") || s.starts_with("https://") {
-        return fetch_state(s).await;
+        return fetch_state(tls, s).await;
     }
     let path = Path::new(s);
     if path.is_dir() {
@@ -161,11 +161,8 @@ async fn load_state(s: &str) -> anyhow::Result<StateMachine> {
     }
 }
 
-async fn fetch_state(addr: &str) -> anyhow::Result<StateMachine> {
-    let mut client = AdminClient::connect(addr.to_owned())
-        .await
-        .with_context(|| format!("cannot connect to {addr}"))?
-        .max_decoding_message_size(64 << 20);
+async fn fetch_state(tls: &crate::dial::TlsArgs, addr: &str) -> anyhow::Result<StateMachine> {
+    let mut client = AdminClient::new(tls.connect(addr).await?).max_decoding_message_size(64 << 20);
     let mut stream = client
         .export_state(ExportStateRequest {})
         .await

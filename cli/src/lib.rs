@@ -8,11 +8,14 @@
 //! - [`cluster`]: `kvplane cluster status|add|remove`.
 //! - [`config`]: `kvplane config put|delete`.
 //! - [`validate`]: `kvplane validate` and `kvplane crds`.
+//! - [`tls`]: `kvplane tls dev-certs`; [`dial`]: the `--tls-dir` every client subcommand takes.
 
 pub mod cluster;
 pub mod config;
+pub mod dial;
 pub mod explain;
 pub mod route;
+pub mod tls;
 pub mod validate;
 
 /// The node a subcommand talks to.
@@ -26,4 +29,6 @@ pub struct NodeAddr {
         global = true
     )]
     pub addr: String,
+    #[command(flatten)]
+    pub tls: dial::TlsArgs,
 }

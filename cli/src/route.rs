@@ -16,6 +16,8 @@ pub struct RouteArgs {
     /// A kvplane node's gRPC address.
     #[arg(long, env = "KVPLANE_ADDR", default_value = "http://127.0.0.1:7070")]
     pub addr: String,
+    #[command(flatten)]
+    pub tls: crate::dial::TlsArgs,
     #[arg(long, default_value = "")]
     pub model: String,
     #[arg(long, default_value = "")]
@@ -48,6 +50,8 @@ pub struct RouteArgs {
 pub struct StatusArgs {
     #[arg(long, env = "KVPLANE_ADDR", default_value = "http://127.0.0.1:7070")]
     pub addr: String,
+    #[command(flatten)]
+    pub tls: crate::dial::TlsArgs,
     #[arg(long)]
     pub json: bool,
 }
@@ -147,9 +151,7 @@ fn target(e: &kvplane_proto::v1::Endpoint) -> String {
 
 pub async fn route(a: RouteArgs, explain: bool) -> anyhow::Result<()> {
     let req = request(&a)?;
-    let mut client = RouterClient::connect(a.addr.clone())
-        .await
-        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    let mut client = RouterClient::new(a.tls.connect(&a.addr).await?);
     if !explain {
         let r = client.route(req).await?.into_inner();
         if a.json {
@@ -242,9 +244,7 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
 }
 
 pub async fn status(a: StatusArgs) -> anyhow::Result<()> {
-    let mut client = AdminClient::connect(a.addr.clone())
-        .await
-        .with_context(|| format!("cannot connect to {}", a.addr))?;
+    let mut client = AdminClient::new(a.tls.connect(&a.addr).await?);
     let s = client.status(StatusRequest::default()).await?.into_inner();
     let ingest = s.ingest.clone().unwrap_or_default();
     if a.json {

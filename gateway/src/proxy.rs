@@ -32,8 +32,12 @@ use crate::{GatewayMetrics, Replicas, WORKER_HEADER};
 /// How requests find an engine.
 #[derive(Debug, Clone)]
 pub enum Strategy {
-    /// Ask kvplane (these gRPC URLs, in failover order).
-    Kvplane { replicas: Vec<String> },
+    /// Ask kvplane (these gRPC URLs, in failover order), over TLS when the dialer has a
+    /// certificate.
+    Kvplane {
+        replicas: Vec<String>,
+        dialer: kvplane_tls::Dialer,
+    },
     /// Cycle over these engine base URLs.
     RoundRobin { engines: Vec<String> },
 }
@@ -96,7 +100,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
     let mode = match cfg.strategy {
-        Strategy::Kvplane { replicas } => Mode::Kvplane(Replicas::new(&replicas)?),
+        Strategy::Kvplane { replicas, dialer } => Mode::Kvplane(Replicas::new(&replicas, &dialer)?),
         Strategy::RoundRobin { engines } => {
             if engines.is_empty() {
                 return Err(GatewayError::NoEngines);
@@ -417,13 +421,16 @@ impl App {
                     ..Default::default()
                 };
                 let started = Instant::now();
-                let (resp, failed) = replicas.route(req, headers).await.map_err(|e| {
-                    error_response(
+                let (resp, failed) = replicas.route(req, headers).await.map_err(|e| match e {
+                    crate::replicas::RouteError::Denied(m) => {
+                        error_response(StatusCode::FORBIDDEN, "permission_denied", &m, 0)
+                    }
+                    crate::replicas::RouteError::NoReplica(e) => error_response(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "unavailable",
                         &e.to_string(),
                         0,
-                    )
+                    ),
                 })?;
                 self.0
                     .metrics

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{ModelsRequest, ModelsResponse, RouteRequest, RouteResponse, UsageReport};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -41,20 +41,31 @@ pub struct NoReplica {
     pub last: String,
 }
 
+/// Why a request got no decision.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error(transparent)]
+    NoReplica(#[from] NoReplica),
+    /// kvplane refused this gateway's identity (every replica holds the same rights).
+    #[error("{0}")]
+    Denied(String),
+}
+
 impl Replicas {
-    /// Lazily connecting clients for `urls` (`http://host:port`).
-    pub fn new(urls: &[String]) -> Result<Self, ReplicasError> {
+    /// Lazily connecting clients for `urls` (`host:port` or `http(s)://host:port`), over
+    /// TLS when `dialer` has a certificate.
+    pub fn new(urls: &[String], dialer: &kvplane_tls::Dialer) -> Result<Self, ReplicasError> {
         let clients = urls
             .iter()
             .map(|u| {
-                let ep = Endpoint::from_shared(u.clone())
+                let ep = dialer
+                    .endpoint(u)
                     .map_err(|error| ReplicasError::Url {
                         url: u.clone(),
                         error,
                     })?
-                    .connect_timeout(std::time::Duration::from_millis(500))
                     .timeout(std::time::Duration::from_secs(2));
-                Ok((u.clone(), ep.connect_lazy()))
+                Ok((u.clone(), dialer.lazy(&ep)))
             })
             .collect::<Result<Vec<_>, ReplicasError>>()?;
         let health = clients
@@ -82,7 +93,7 @@ impl Replicas {
         &self,
         req: RouteRequest,
         trace: &axum::http::HeaderMap,
-    ) -> Result<(RouteResponse, usize), NoReplica> {
+    ) -> Result<(RouteResponse, usize), RouteError> {
         let n = self.clients.len();
         let start = self.preferred.load(Ordering::Relaxed);
         let mut last = String::new();
@@ -104,13 +115,16 @@ impl Replicas {
                     self.preferred.store(i, Ordering::Relaxed);
                     return Ok((r.into_inner(), k));
                 }
+                Err(status) if status.code() == tonic::Code::PermissionDenied => {
+                    return Err(RouteError::Denied(status.message().to_owned()));
+                }
                 Err(status) => {
                     tracing::debug!(replica = self.clients[i].0, error = %status, "route failed on replica");
                     last = format!("{}: {}", self.clients[i].0, status.message());
                 }
             }
         }
-        Err(NoReplica { tried: n, last })
+        Err(NoReplica { tried: n, last }.into())
     }
 
     /// Best effort: usage goes to the preferred replica, then the others.

@@ -46,11 +46,20 @@ enum Cmd {
     Config(config_cmd::ConfigArgs),
     /// Check policy YAML offline: every problem, with file, document and field path.
     Validate(validate::ValidateArgs),
-    /// Print the CustomResourceDefinitions of the five policy kinds.
+    /// Certificates for development.
+    #[command(subcommand)]
+    Tls(TlsCmd),
+    /// Print the CustomResourceDefinitions of the six kinds (five routing kinds, AccessPolicy).
     Crds,
     /// Benchmarks (JSON on stdout).
     #[command(subcommand)]
     Bench(BenchCmd),
+}
+
+#[derive(Debug, Subcommand)]
+enum TlsCmd {
+    /// A CA and certificates for a local cluster's members, an operator and a gateway.
+    DevCerts(kvplane_cli::tls::DevCertsArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -105,6 +114,7 @@ pub fn main() -> ExitCode {
         Cmd::Config(a) => rt.block_on(config_cmd::run(a)),
         Cmd::Bench(c) => rt.block_on(kvplane_bench::run(c)),
         Cmd::Validate(a) => validate::validate(&a),
+        Cmd::Tls(TlsCmd::DevCerts(a)) => kvplane_cli::tls::dev_certs(&a),
         Cmd::Crds => {
             validate::crds();
             Ok(())

@@ -84,6 +84,24 @@ pub struct Config {
     pub tokenizers: Vec<TokenizerSection>,
     /// The Envoy endpoint picker (ext_proc) on the gRPC port.
     pub picker: kvplane_api::PickerConfig,
+    /// TLS on the gRPC port and for every call to the other members, with this node's
+    /// certificate; callers are then named by their client certificates and hold only the
+    /// rights granted to them. Absent: plaintext, and every caller may do everything.
+    pub tls: Option<kvplane_tls::TlsSection>,
+    /// Who holds every right whatever the replicated `AccessPolicy` objects say (with `[tls]`).
+    pub access: AccessSection,
+}
+
+/// `[access]`: identities (a client certificate's URI name, else its DNS name; a trailing `*`
+/// matches any rest) trusted by this node's own configuration.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccessSection {
+    /// The cluster's members: the only callers of Raft RPCs, and holders of every right.
+    /// Empty: the identity of this node's own certificate (members share one in a StatefulSet).
+    pub members: Vec<String>,
+    /// Operators holding every right but Raft's: who writes the first `AccessPolicy`.
+    pub admins: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -169,6 +187,8 @@ impl Default for Config {
             policy_kubernetes: None,
             kubernetes_engines: None,
             quota: QuotaSection::default(),
+            tls: None,
+            access: AccessSection::default(),
         }
     }
 }
@@ -318,6 +338,30 @@ impl Config {
         }
         if self.ingest.max_message_bytes < 1024 {
             p.push("ingest.max_message_bytes must be at least 1024".into());
+        }
+        for (name, list) in [
+            ("access.members", &self.access.members),
+            ("access.admins", &self.access.admins),
+        ] {
+            for (i, id) in list.iter().enumerate() {
+                if id.is_empty() || id == "*" || id.trim_end_matches('*').contains('*') {
+                    p.push(format!(
+                        "{name}[{i}] {id:?} must be an identity or a prefix of one ending in *"
+                    ));
+                }
+            }
+        }
+        if self.tls.is_none() && !(self.access.members.is_empty() && self.access.admins.is_empty())
+        {
+            p.push(
+                "access names identities but there is no [tls] section to tell callers apart"
+                    .into(),
+            );
+        }
+        if let Some(t) = &self.tls
+            && t.reload_ms == 0
+        {
+            p.push("tls.reload_ms must be at least 1".into());
         }
         p.extend(self.cost.problems());
         p.extend(self.picker.problems());

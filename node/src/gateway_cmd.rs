@@ -16,6 +16,8 @@ pub struct GatewayArgs {
         default_value = "http://127.0.0.1:7070"
     )]
     pub replicas: Vec<String>,
+    #[command(flatten)]
+    pub tls: kvplane_cli::dial::TlsArgs,
     /// Skip kvplane and cycle over these engine URLs (a baseline).
     #[arg(long, value_delimiter = ',')]
     pub round_robin: Option<Vec<String>>,
@@ -51,6 +53,7 @@ pub async fn gateway(
         Some(engines) => Strategy::RoundRobin { engines },
         None => Strategy::Kvplane {
             replicas: a.replicas,
+            dialer: a.tls.dialer()?,
         },
     };
     let ca_pem = match &a.provider_ca_file {

@@ -240,7 +240,7 @@ fn every_overlay_renders_and_each_object_parses_strictly_as_its_kind() {
     let dev = check_control_plane("overlays/dev", 3);
     let prod = check_control_plane("overlays/prod", 5);
     for r in [&dev, &prod] {
-        assert_eq!(r.crds.len(), 5);
+        assert_eq!(r.crds.len(), 6);
         assert_eq!(r.roles.len(), 1);
         assert_eq!(r.config_maps.len(), 1);
     }

@@ -49,9 +49,9 @@ fn validate_prints_every_error_with_its_path_and_fails() {
 }
 
 #[test]
-fn crds_prints_five_definitions() {
+fn crds_prints_six_definitions() {
     let out = kvplane(&["crds"]);
     assert!(out.status.success());
     let yaml = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(yaml.matches("kind: CustomResourceDefinition").count(), 5);
+    assert_eq!(yaml.matches("kind: CustomResourceDefinition").count(), 6);
 }

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::kinds::{
-    EmptyAction, GatewayBackendSpec, InferencePolicySpec, InferencePoolSpec, InferenceProviderSpec,
-    InferenceWorkerSetSpec, Rule, Targets,
+    AccessPolicySpec, EmptyAction, GatewayBackendSpec, InferencePolicySpec, InferencePoolSpec,
+    InferenceProviderSpec, InferenceWorkerSetSpec, Rule, Targets,
 };
 use crate::object::{Kind, Object, Spec};
 
@@ -16,6 +16,8 @@ pub struct Catalog {
     pub providers: BTreeMap<String, InferenceProviderSpec>,
     pub policies: BTreeMap<String, InferencePolicySpec>,
     pub backends: BTreeMap<String, GatewayBackendSpec>,
+    /// Who may call what (no routing object: [`Catalog::is_empty`] leaves them out).
+    pub access: BTreeMap<String, AccessPolicySpec>,
     /// Worker sets that are pools of the nodes' own config (`[[pools]]`, `Admin.PutConfig` of
     /// a `pool`), with the models each serves (empty: every model). They route like any worker
     /// set but are no policy objects: [`Catalog::objects`] leaves them out, so the policy
@@ -90,6 +92,7 @@ impl Catalog {
             Spec::Provider(s) => self.providers.insert(name, s).is_some(),
             Spec::Policy(s) => self.policies.insert(name, s).is_some(),
             Spec::Backend(s) => self.backends.insert(name, s).is_some(),
+            Spec::Access(s) => self.access.insert(name, s).is_some(),
         }
     }
 
@@ -101,6 +104,7 @@ impl Catalog {
             Kind::Provider => self.providers.get(name).cloned().map(Spec::Provider),
             Kind::Policy => self.policies.get(name).cloned().map(Spec::Policy),
             Kind::Backend => self.backends.get(name).cloned().map(Spec::Backend),
+            Kind::Access => self.access.get(name).cloned().map(Spec::Access),
         }?;
         Some(Object {
             name: name.to_owned(),
@@ -115,6 +119,7 @@ impl Catalog {
             Kind::Provider => self.providers.remove(name).is_some(),
             Kind::Policy => self.policies.remove(name).is_some(),
             Kind::Backend => self.backends.remove(name).is_some(),
+            Kind::Access => self.access.remove(name).is_some(),
         }
     }
 
@@ -250,6 +255,12 @@ impl Catalog {
                 spec: Spec::Backend(s.clone()),
             });
         }
+        for (n, s) in &self.access {
+            out.push(Object {
+                name: n.clone(),
+                spec: Spec::Access(s.clone()),
+            });
+        }
         out
     }
 
@@ -380,6 +391,7 @@ impl Catalog {
             );
         }
         self.check_limits(&mut out);
+        self.check_access(&mut out);
         for (name, b) in &self.backends {
             self.check_backend(
                 &mut Check {

@@ -1,9 +1,11 @@
-//! kvplane's policies: the five kinds as Kubernetes custom resources (group `kvplane.io`,
-//! version `v1alpha1`), their validation, and rule evaluation. Pure: no clock, and no I/O but
+//! kvplane's policies: the five routing kinds and `AccessPolicy` as Kubernetes custom resources
+//! (group `kvplane.io`, version `v1alpha1`), their validation, and rule evaluation. Pure: no clock, and no I/O but
 //! [`Documents::read`] of the files it is given; the live fleet comes in through [`Fleet`].
 //!
 //! - [`kinds`]: `InferenceWorkerSet`, `InferencePool`, `InferenceProvider`, `InferencePolicy`,
-//!   `GatewayBackend`, with kube's `CustomResource` derive ([`crds_yaml`] prints the CRDs).
+//!   `GatewayBackend`, and `AccessPolicy` (who may call what), with kube's `CustomResource`
+//!   derive ([`crds_yaml`] prints the CRDs).
+//! - [`access`]: the rights an identity holds ([`Catalog::grants`]).
 //! - [`Documents`]: YAML files to objects, every problem named by file, document and field path.
 //! - [`Catalog`]: a consistent set of objects ([`Catalog::problems`] says why a set is not).
 //! - The pure stages of a decision: [`Catalog::resolve`] (model, backend, attached policies),
@@ -13,6 +15,7 @@
 //! - [`admit`]: objects submitted one by one (Kubernetes) to the largest consistent catalog,
 //!   with the reason each refused object is refused.
 
+pub mod access;
 mod admission;
 mod candidate;
 mod catalog;

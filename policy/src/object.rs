@@ -5,12 +5,12 @@ use kube::CustomResourceExt;
 use serde::de::DeserializeOwned;
 
 use crate::kinds::{
-    GROUP, GatewayBackend, GatewayBackendSpec, InferencePolicy, InferencePolicySpec, InferencePool,
-    InferencePoolSpec, InferenceProvider, InferenceProviderSpec, InferenceWorkerSet,
-    InferenceWorkerSetSpec, VERSION,
+    AccessPolicy, AccessPolicySpec, GROUP, GatewayBackend, GatewayBackendSpec, InferencePolicy,
+    InferencePolicySpec, InferencePool, InferencePoolSpec, InferenceProvider,
+    InferenceProviderSpec, InferenceWorkerSet, InferenceWorkerSetSpec, VERSION,
 };
 
-/// The five kinds, in the order a consistent change applies them (what others refer to first).
+/// The six kinds, in the order a consistent change applies them (what others refer to first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     WorkerSet,
@@ -18,15 +18,17 @@ pub enum Kind {
     Provider,
     Policy,
     Backend,
+    Access,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::WorkerSet,
         Kind::Pool,
         Kind::Provider,
         Kind::Policy,
         Kind::Backend,
+        Kind::Access,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -36,6 +38,7 @@ impl Kind {
             Kind::Provider => "InferenceProvider",
             Kind::Policy => "InferencePolicy",
             Kind::Backend => "GatewayBackend",
+            Kind::Access => "AccessPolicy",
         }
     }
 
@@ -58,6 +61,7 @@ pub enum Spec {
     Provider(InferenceProviderSpec),
     Policy(InferencePolicySpec),
     Backend(GatewayBackendSpec),
+    Access(AccessPolicySpec),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +118,7 @@ impl Object {
             Spec::Provider(_) => Kind::Provider,
             Spec::Policy(_) => Kind::Policy,
             Spec::Backend(_) => Kind::Backend,
+            Spec::Access(_) => Kind::Access,
         }
     }
 
@@ -179,6 +184,7 @@ impl Object {
             Kind::Provider => Spec::Provider(self::spec(spec_value)?),
             Kind::Policy => Spec::Policy(self::spec(spec_value)?),
             Kind::Backend => Spec::Backend(self::spec(spec_value)?),
+            Kind::Access => Spec::Access(self::spec(spec_value)?),
         };
         Ok(Object { name, spec })
     }
@@ -192,6 +198,7 @@ impl Object {
             Spec::Provider(s) => serde_json::to_vec(s),
             Spec::Policy(s) => serde_json::to_vec(s),
             Spec::Backend(s) => serde_json::to_vec(s),
+            Spec::Access(s) => serde_json::to_vec(s),
         }
         .unwrap_or_default()
     }
@@ -205,6 +212,7 @@ impl Object {
             Kind::Provider => Spec::Provider(json_spec(&mut d)?),
             Kind::Policy => Spec::Policy(json_spec(&mut d)?),
             Kind::Backend => Spec::Backend(json_spec(&mut d)?),
+            Kind::Access => Spec::Access(json_spec(&mut d)?),
         };
         if !valid_object_name(name) {
             return Err(ParseError::new(
@@ -226,7 +234,7 @@ fn json_spec<S: DeserializeOwned>(
         .map_err(|e| ParseError::new(format!("spec.{}", e.path()), e.into_inner().to_string()))
 }
 
-/// The CustomResourceDefinitions of the five kinds, as one multi-document YAML.
+/// The CustomResourceDefinitions of the six kinds, as one multi-document YAML.
 pub fn crds_yaml() -> String {
     let crds = [
         InferenceWorkerSet::crd(),
@@ -234,6 +242,7 @@ pub fn crds_yaml() -> String {
         InferenceProvider::crd(),
         InferencePolicy::crd(),
         GatewayBackend::crd(),
+        AccessPolicy::crd(),
     ];
     crds.iter()
         .map(|c| serde_yaml_ng::to_string(c).unwrap_or_default())

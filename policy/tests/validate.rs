@@ -173,7 +173,7 @@ fn the_examples_directory_is_valid() {
 }
 
 #[test]
-fn the_generated_crds_cover_the_five_kinds_in_our_group_with_status() {
+fn the_generated_crds_cover_the_six_kinds_in_our_group_with_status() {
     let yaml = kvplane_policy::crds_yaml();
     for kind in [
         "InferenceWorkerSet",
@@ -181,9 +181,10 @@ fn the_generated_crds_cover_the_five_kinds_in_our_group_with_status() {
         "InferenceProvider",
         "InferencePolicy",
         "GatewayBackend",
+        "AccessPolicy",
     ] {
         assert!(yaml.contains(&format!("kind: {kind}\n")), "{kind}");
     }
-    assert_eq!(yaml.matches("group: kvplane.io").count(), 5);
-    assert_eq!(yaml.matches("status: {}").count(), 5, "status subresources");
+    assert_eq!(yaml.matches("group: kvplane.io").count(), 6);
+    assert_eq!(yaml.matches("status: {}").count(), 6, "status subresources");
 }

@@ -61,4 +61,6 @@ pub trait ClusterControl: Send + Sync {
     fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
     /// Test-only fault layer: the peers this node stops sending Raft traffic to.
     fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
+    /// How this node reaches the other members' gRPC ports.
+    fn dialer(&self) -> kvplane_tls::Dialer;
 }

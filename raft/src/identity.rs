@@ -78,7 +78,7 @@ pub fn decide(peers: &[Peer]) -> Start {
     }
 }
 
-async fn ask(addr: &str) -> Peer {
+async fn ask(dialer: &kvplane_tls::Dialer, addr: &str) -> Peer {
     if tokio::net::lookup_host(addr)
         .await
         .map_or(true, |mut a| a.next().is_none())
@@ -86,9 +86,8 @@ async fn ask(addr: &str) -> Peer {
         return Peer::Absent;
     }
     let status = tokio::time::timeout(Duration::from_secs(2), async {
-        let mut c = kvplane_proto::v1::admin_client::AdminClient::connect(crate::grpc_url(addr))
-            .await
-            .ok()?;
+        let mut c =
+            kvplane_proto::v1::admin_client::AdminClient::new(dialer.connect(addr).await.ok()?);
         c.cluster_status(kvplane_proto::v1::StatusRequest::default())
             .await
             .ok()
@@ -105,12 +104,16 @@ async fn ask(addr: &str) -> Peer {
 }
 
 /// Asks `others` until they settle whether ordinal 0 initializes or joins (or `stop`).
-pub async fn may_initialize(others: &[String], stop: &tokio::sync::watch::Receiver<bool>) -> bool {
+pub async fn may_initialize(
+    dialer: &kvplane_tls::Dialer,
+    others: &[String],
+    stop: &tokio::sync::watch::Receiver<bool>,
+) -> bool {
     let mut round = 0u32;
     loop {
         let mut peers = Vec::with_capacity(others.len());
         for o in others {
-            peers.push(ask(o).await);
+            peers.push(ask(dialer, o).await);
         }
         match decide(&peers) {
             Start::Initialize => return true,

@@ -45,7 +45,7 @@ pub use health::{NotReady, RaftGauges};
 pub use log_store::{LogStore, LogStoreError};
 pub use log_writer::WriterCounts;
 pub use member::{MemberError, RaftLog, RaftMember, STATE_DIR, role_name};
-pub use network::{LeaderContact, Network, RaftGrpc, grpc_channel, grpc_url};
+pub use network::{LeaderContact, Network, RaftGrpc};
 pub use proposal::{ApplyResult, Proposal};
 pub use propose_metrics::ProposeFailures;
 pub use section::{KubernetesSection, Membership, PeerSection, Pod, RaftSection, SectionError};

@@ -95,6 +95,8 @@ pub struct RaftMember {
     pub failures: crate::ProposeFailures,
     /// What this member's log writer committed, for `/metrics`.
     pub log_writes: crate::WriterCounts,
+    /// How it reaches the other members (TLS with its certificate when it has one).
+    pub dialer: kvplane_tls::Dialer,
 }
 
 impl RaftMember {
@@ -106,6 +108,7 @@ impl RaftMember {
         data_dir: &Path,
         grpc: std::net::SocketAddr,
         on_applied: OnApplied,
+        dialer: kvplane_tls::Dialer,
     ) -> Result<Self, MemberError> {
         let mut membership = r
             .membership(&grpc.to_string())
@@ -146,7 +149,7 @@ impl RaftMember {
         }
         .validate()?;
         let faults = Faults::default();
-        let network = Network::new(faults.clone());
+        let network = Network::new(faults.clone(), dialer.clone());
         let id = membership.id;
         let raft =
             openraft::Raft::new(id, Arc::new(config), network.clone(), log, state.clone()).await?;
@@ -192,6 +195,7 @@ impl RaftMember {
             state,
             faults: r.fault_injection.then_some(faults),
             contact: LeaderContact::default(),
+            dialer,
         })
     }
 
@@ -223,7 +227,7 @@ impl RaftMember {
         if self.membership.pod.is_some()
             && !self.membership.initial.is_empty()
             && !self.is_member()
-            && crate::identity::may_initialize(&targets, &stop).await
+            && crate::identity::may_initialize(&self.dialer, &targets, &stop).await
         {
             let members: BTreeMap<u64, BasicNode> = self
                 .membership
@@ -246,7 +250,14 @@ impl RaftMember {
         // timed out), and only another ask promotes it.
         while !self.is_voter() && !*stop.borrow() {
             for target in &targets {
-                match add_through(target, self.membership.id, &self.membership.addr).await {
+                match add_through(
+                    &self.dialer,
+                    target,
+                    self.membership.id,
+                    &self.membership.addr,
+                )
+                .await
+                {
                     Ok(()) => {
                         tracing::info!(id = self.membership.id, via = target, "joined the cluster");
                         return;
@@ -403,6 +414,10 @@ impl RaftMember {
 }
 
 impl crate::ClusterControl for RaftMember {
+    fn dialer(&self) -> kvplane_tls::Dialer {
+        self.dialer.clone()
+    }
+
     fn status(&self) -> kvplane_proto::v1::ClusterStatusResponse {
         let m = self.raft.metrics().borrow_watched().clone();
         let membership = m.membership_config.membership();
@@ -546,9 +561,8 @@ impl RaftMember {
     /// added again, a learner being promoted, a member back from a scale-down).
     async fn refuse_another_cluster(&self, addr: &str) -> Result<(), crate::ClusterError> {
         use kvplane_proto::v1::{StatusRequest, admin_client::AdminClient};
-        let url = crate::grpc_url(addr);
         let ask = async {
-            let mut c = AdminClient::connect(url).await.ok()?;
+            let mut c = AdminClient::new(self.dialer.connect(addr).await.ok()?);
             c.cluster_status(StatusRequest::default())
                 .await
                 .ok()
@@ -621,21 +635,27 @@ pub enum MemberError {
 
 /// Asks the cluster reachable at `via` (following its leader hint) to add node `id` at `addr`:
 /// learner, then voter.
-async fn add_through(via: &str, id: u64, addr: &str) -> Result<(), tonic::Status> {
+async fn add_through(
+    dialer: &kvplane_tls::Dialer,
+    via: &str,
+    id: u64,
+    addr: &str,
+) -> Result<(), tonic::Status> {
     use kvplane_proto::v1::admin_client::AdminClient;
-    let url = crate::grpc_url;
     let connect = |a: String| async move {
-        AdminClient::connect(a)
+        dialer
+            .connect(&a)
             .await
+            .map(AdminClient::new)
             .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))
     };
-    let mut c = connect(url(via)).await?;
+    let mut c = connect(via.to_owned()).await?;
     let s = c
         .cluster_status(kvplane_proto::v1::StatusRequest::default())
         .await?
         .into_inner();
     if s.leader != s.node && !s.leader_addr.is_empty() {
-        c = connect(url(&s.leader_addr)).await?;
+        c = connect(s.leader_addr.clone()).await?;
     }
     c.add_member(kvplane_proto::v1::AddMemberRequest {
         id,

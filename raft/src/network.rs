@@ -22,7 +22,7 @@ use openraft::raft::{
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::faults::Faults;
@@ -94,13 +94,15 @@ impl PeerError {
 pub struct Network {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     faults: Faults,
+    dialer: kvplane_tls::Dialer,
 }
 
 impl Network {
-    pub fn new(faults: Faults) -> Self {
+    pub fn new(faults: Faults, dialer: kvplane_tls::Dialer) -> Self {
         Self {
             channels: Arc::default(),
             faults,
+            dialer,
         }
     }
 
@@ -117,31 +119,13 @@ impl Network {
         if let Some(c) = map.get(addr) {
             return Ok(c.clone());
         }
-        let ch = grpc_channel(addr).map_err(|e| PeerError::Address {
+        let ch = self.dialer.channel(addr).map_err(|e| PeerError::Address {
             addr: addr.to_owned(),
             source: Arc::new(e),
         })?;
         map.insert(addr.to_owned(), ch.clone());
         Ok(ch)
     }
-}
-
-/// `addr` (`host:port`, or a URL) as the URL of a member's gRPC port.
-pub fn grpc_url(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
-    }
-}
-
-/// A channel to the gRPC port of the member at `addr`, connected on first use: how members
-/// reach each other (Raft, forwarded writes, forwarded usage reports).
-pub fn grpc_channel(addr: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(grpc_url(addr))?
-        .connect_timeout(Duration::from_millis(500))
-        .tcp_nodelay(true)
-        .connect_lazy())
 }
 
 /// A connection to one peer.

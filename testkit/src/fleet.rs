@@ -154,6 +154,8 @@ pub struct NodeOptions {
     pub env: Vec<(String, String)>,
     /// TOML sections appended to the config (`[quota]`, for instance).
     pub extra_toml: String,
+    /// TLS on the gRPC port, and the certificate the test's clients present.
+    pub tls: Option<crate::pki::NodeTls>,
 }
 
 /// A cluster member's Raft settings (the fault layer is always enabled in tests).
@@ -184,6 +186,7 @@ impl Default for NodeOptions {
             max_batch_messages: 512,
             worker_lease_ms: 30_000,
             ready_max_pending_messages: 100_000,
+            tls: None,
         }
     }
 }
@@ -200,6 +203,8 @@ pub struct Node {
     config: PathBuf,
     env: Vec<(String, String)>,
     starts: u32,
+    /// How the test's clients reach it.
+    pub dialer: kvplane_tls::Dialer,
 }
 
 impl Node {
@@ -260,6 +265,9 @@ impl Node {
         }
         toml.push('\n');
         toml.push_str(&o.extra_toml);
+        if let Some(t) = &o.tls {
+            toml.push_str(&t.toml());
+        }
         let path = dir.join("kvplane.toml");
         std::fs::write(&path, toml).unwrap();
         path
@@ -278,6 +286,10 @@ impl Node {
             config,
             env: o.env.clone(),
             starts: 0,
+            dialer: o
+                .tls
+                .as_ref()
+                .map_or_else(kvplane_tls::Dialer::plain, crate::pki::NodeTls::dialer),
         };
         node.spawn();
         node
@@ -377,19 +389,25 @@ impl Node {
     }
 
     pub async fn admin(&self) -> AdminClient<Channel> {
-        AdminClient::connect(self.endpoint()).await.unwrap()
+        AdminClient::new(self.channel().await)
     }
 
+    /// Its gRPC URL (`https` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://{}", self.grpc)
+        self.dialer.url(&self.grpc.to_string())
+    }
+
+    /// A channel to its gRPC port, as the test's clients reach it.
+    pub async fn channel(&self) -> Channel {
+        self.dialer.connect(&self.grpc.to_string()).await.unwrap()
     }
 
     pub async fn router(&self) -> RouterClient<Channel> {
-        RouterClient::connect(self.endpoint()).await.unwrap()
+        RouterClient::new(self.channel().await)
     }
 
     pub async fn status(&self) -> StatusResponse {
-        let mut c = AdminClient::connect(self.endpoint()).await.unwrap();
+        let mut c = AdminClient::new(self.channel().await);
         c.status(StatusRequest::default())
             .await
             .unwrap()

@@ -17,6 +17,8 @@
 pub mod eventually;
 #[cfg(feature = "fleet")]
 pub mod fleet;
+#[cfg(feature = "fleet")]
+pub mod pki;
 pub mod process;
 #[cfg(feature = "fleet")]
 pub mod state;

@@ -86,6 +86,8 @@ pub(crate) struct Exchange {
     pub(super) headers_answered: bool,
     pub(super) decided: bool,
     pub(super) routed: Option<Routed>,
+    /// Who the proxy is (its client certificate), for the tenants it may route for.
+    pub(super) caller: Option<crate::Caller>,
 }
 
 /// What handling one message gives: the answers to send, or a stream error.
@@ -97,6 +99,7 @@ impl Exchange {
         config: PickerConfig,
         own_id: String,
         budget: Arc<Semaphore>,
+        caller: Option<crate::Caller>,
     ) -> Self {
         Self {
             router,
@@ -113,6 +116,7 @@ impl Exchange {
             headers_answered: false,
             decided: false,
             routed: None,
+            caller,
         }
     }
 

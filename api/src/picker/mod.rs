@@ -113,6 +113,7 @@ impl ExternalProcessor for EndpointPicker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let caller = request.extensions().get::<crate::Caller>().cloned();
         let inbound = request.into_inner();
         let (tx, mut rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(16);
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -121,6 +122,7 @@ impl ExternalProcessor for EndpointPicker {
             self.config,
             format!("picker-{:x}-{n}", self.started_ns),
             self.held_bodies.clone(),
+            caller,
         );
         let on_panic = tx.clone();
         tokio::spawn(async move {

@@ -135,8 +135,15 @@ impl Exchange {
             endpoint_subset: subset.unwrap_or_default(),
             ..Default::default()
         };
-        let mut resp = match self.router.route_traced(&req).await {
+        let mut resp = match self.router.route_traced(&req, self.caller.as_ref()).await {
             Ok(r) => r.into_inner(),
+            Err(s) if s.code() == tonic::Code::PermissionDenied => {
+                return Ok(vec![self.refuse(Refused::new(
+                    403,
+                    "permission_denied",
+                    s.message().to_owned(),
+                ))]);
+            }
             Err(s) => {
                 return Ok(vec![self.refuse(Refused {
                     retry_after_ms: 1000,

@@ -152,5 +152,5 @@ pub(super) fn routing(p: &Parts, tasks: &mut Tasks) -> grpc::Services {
         escrow,
         routed,
     };
-    grpc::services(cfg, &p.member, &p.metrics, shared)
+    grpc::services(cfg, &p.member, &p.metrics, shared, p.access.clone())
 }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use kvplane_api::picker::ExternalProcessorServer;
 use kvplane_api::{
-    AdminService, ClusterControl, Consistency, EndpointPicker, Escrow, IngestStatus, NodeInfo,
-    RouterService, Tokenizers, predict::Predictor,
+    Access, AccessLayer, AdminService, ClusterControl, Consistency, EndpointPicker, Escrow,
+    IngestStatus, NodeInfo, RouterService, Tokenizers, predict::Predictor,
 };
 use kvplane_proto::v1::admin_server::AdminServer;
 use kvplane_proto::v1::router_server::RouterServer;
@@ -33,6 +33,7 @@ pub(super) struct Services {
     pub router: RouterService,
     pub picker: EndpointPicker,
     pub admin: AdminService,
+    pub access: Access,
 }
 
 /// Router, the picker and Admin of this member.
@@ -41,6 +42,7 @@ pub(super) fn services(
     member: &Arc<RaftMember>,
     metrics: &NodeMetrics,
     shared: Shared,
+    access: Access,
 ) -> Services {
     let consistency: Arc<dyn Consistency> = member.clone();
     let router = RouterService::new(member.handle.clone(), cfg.cost, metrics.api.clone())
@@ -49,7 +51,8 @@ pub(super) fn services(
         .with_quota(shared.escrow.clone())
         .with_predictor(shared.predictor)
         .with_routed_sink(shared.routed)
-        .with_cluster(member.clone() as Arc<dyn ClusterControl>);
+        .with_cluster(member.clone() as Arc<dyn ClusterControl>)
+        .with_access(access.clone());
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: {
@@ -71,12 +74,14 @@ pub(super) fn services(
         picker: EndpointPicker::new(router.clone(), cfg.picker),
         router,
         admin,
+        access,
     }
 }
 
-/// Serves `listener` until `stop`.
+/// Serves `listener` (TLS with `tls`) until `stop`.
 pub(super) async fn serve(
     listener: TcpListener,
+    tls: Option<kvplane_tls::Tls>,
     services: Services,
     member: Arc<RaftMember>,
     ready: Ready,
@@ -108,6 +113,7 @@ pub(super) async fn serve(
     };
     let served = tonic::transport::Server::builder()
         .layer(crate::telemetry::GrpcTraceLayer)
+        .layer(AccessLayer(services.access))
         .add_service(RouterServer::new(services.router))
         .add_service(services.picker.server())
         .add_service(AdminServer::new(services.admin))
@@ -117,12 +123,9 @@ pub(super) async fn serve(
         .add_service(member.grpc_service())
         // Accepted connections without Nagle: answers (AppendEntries acks, Route decisions) are
         // small writes, and Nagle holds one back until the peer's delayed ACK, about 40 ms.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                let _ = stop.wait_for(|s| *s).await;
-            },
-        )
+        .serve_with_incoming_shutdown(kvplane_tls::incoming(listener, tls), async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
         .await;
     follow.abort();
     if let Err(e) = served {

@@ -66,9 +66,19 @@ pub async fn run(
     let config_synced = components::config_sources(&mut p, &mut tasks);
     components::ingest(&p, &mut tasks, config_synced);
     let services = components::routing(&p, &mut tasks);
+    if let Some(tls) = p.tls.clone() {
+        tasks.spawn("tls files", |mut stop| async move {
+            let watching = tls.watch();
+            let _ = stop.wait_for(|s| *s).await;
+            watching.abort();
+        });
+    }
     let member = p.member.clone();
     let r = ready.clone();
-    tasks.spawn_critical("grpc", |stop| grpc::serve(grpc, services, member, r, stop));
+    let tls = p.tls.clone();
+    tasks.spawn_critical("grpc", |stop| {
+        grpc::serve(grpc, tls, services, member, r, stop)
+    });
     let registry = p.registry.clone();
     tasks.spawn_critical("http", |stop| http::serve(http, registry, ready, stop));
 

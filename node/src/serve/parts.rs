@@ -30,6 +30,10 @@ pub(super) struct Parts {
     pub kube_engines: Option<KubeWatch>,
     /// This process's incarnation in the quota ledger.
     pub incarnation: u64,
+    /// `[tls]`: the configurations in force (files watched for rotation).
+    pub tls: Option<kvplane_tls::Tls>,
+    /// Who may do what on the gRPC port.
+    pub access: kvplane_api::Access,
 }
 
 impl Parts {
@@ -65,8 +69,19 @@ impl Parts {
             Arc::new(move |a| m.observe(a))
         };
         let incarnation = crate::incarnation::next(&cfg.data_dir, kvplane_api::wall_ms())?;
-        let member =
-            Arc::new(RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied).await?);
+        let tls = match &cfg.tls {
+            Some(s) => {
+                let m = kvplane_tls::TlsMetrics::default();
+                m.register(&mut registry);
+                Some(kvplane_tls::Tls::load(s, m).context("tls")?)
+            }
+            None => None,
+        };
+        let dialer = kvplane_tls::Dialer::new(tls.clone());
+        let member = Arc::new(
+            RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied, dialer).await?,
+        );
+        let access = access(&cfg, tls.as_ref(), &member, &mut registry)?;
         member.failures.register(&mut registry);
         member.log_writes.register(&mut registry);
         let url = cfg.nats_url.clone();
@@ -100,6 +115,8 @@ impl Parts {
             kube,
             kube_engines,
             incarnation,
+            tls,
+            access,
         })
     }
 
@@ -118,6 +135,40 @@ impl Parts {
             ),
         )
     }
+}
+
+/// Who may do what: with TLS, members (default: this node's own identity) and `[access]`
+/// administrators hold every right, others what the replicated `AccessPolicy` objects grant.
+fn access(
+    cfg: &Config,
+    tls: Option<&kvplane_tls::Tls>,
+    member: &RaftMember,
+    registry: &mut Registry,
+) -> anyhow::Result<kvplane_api::Access> {
+    let metrics = kvplane_api::AccessMetrics::default();
+    metrics.register(registry);
+    let state = member.handle.clone();
+    let Some(tls) = tls else {
+        tracing::warn!(
+            "no [tls] section: the grpc port is plaintext and every caller may do everything"
+        );
+        return Ok(kvplane_api::Access::unchecked(state, metrics));
+    };
+    let mut members = cfg.access.members.clone();
+    if members.is_empty() {
+        let own = tls.own_identity().context(
+            "tls: this node's certificate names no URI or DNS name to know the other members by; set access.members",
+        )?;
+        members.push(own.0);
+    }
+    tracing::info!(?members, admins = ?cfg.access.admins, "tls on: callers are named by their certificates");
+    Ok(kvplane_api::Access::new(
+        true,
+        members,
+        cfg.access.admins.clone(),
+        state,
+        metrics,
+    ))
 }
 
 /// A Kubernetes client, the namespace it watches and how often its watcher resyncs.

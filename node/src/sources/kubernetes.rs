@@ -1,4 +1,4 @@
-//! The Kubernetes config source: the five kinds watched in one namespace (kube's runtime
+//! The Kubernetes config source: the six kinds watched in one namespace (kube's runtime
 //! watchers, list then watch, restarted with backoff). While this node leads, every change
 //! of the watched objects is admitted object by object ([`kvplane_policy::admit`]), the
 //! difference to the replicated catalog is proposed as one `ConfigApply` entry, and each
@@ -17,8 +17,8 @@ use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Client, CustomResourceExt, ResourceExt};
 use kvplane_policy::kinds::{
-    GROUP, GatewayBackend, InferencePolicy, InferencePool, InferenceProvider, InferenceWorkerSet,
-    ObjectStatus, VERSION,
+    AccessPolicy, GROUP, GatewayBackend, InferencePolicy, InferencePool, InferenceProvider,
+    InferenceWorkerSet, ObjectStatus, VERSION,
 };
 use kvplane_policy::{Kind, Object, ParseError, Refused, Submitted, admit};
 use kvplane_state::{Command, Owner, Proposer, StateHandle};
@@ -92,6 +92,7 @@ fn api_resource(kind: Kind) -> ApiResource {
         Kind::Provider => InferenceProvider::api_resource(),
         Kind::Policy => InferencePolicy::api_resource(),
         Kind::Backend => GatewayBackend::api_resource(),
+        Kind::Access => AccessPolicy::api_resource(),
     };
     debug_assert_eq!(crd.api_version, format!("{GROUP}/{VERSION}"));
     crd

@@ -99,6 +99,7 @@ async fn one_member() -> (RaftMember, tempfile::TempDir) {
         dir.path(),
         "127.0.0.1:1".parse().unwrap(),
         Arc::new(|_| {}),
+        kvplane_tls::Dialer::plain(),
     )
     .await
     .unwrap();
@@ -161,7 +162,7 @@ async fn custom_resources_enter_the_state_with_their_status_written_back() {
     let s = start(api.clone()).await;
 
     // Not leading: the watches run, nothing is written.
-    wait("five watches", || (s.api.served().0 == 5).then_some(())).await;
+    wait("six watches", || (s.api.served().0 == 6).then_some(())).await;
     assert!(s.state.load().catalog.is_empty());
     assert_eq!(s.api.status_patches(), 0);
 

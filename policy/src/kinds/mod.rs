@@ -1,5 +1,6 @@
-//! The five kinds, as Rust types from which the CRDs are generated.
+//! The five routing kinds and `AccessPolicy`, as Rust types from which the CRDs are generated.
 
+mod access;
 mod backend;
 mod classify;
 mod common;
@@ -9,6 +10,7 @@ mod pool;
 mod provider;
 mod worker_set;
 
+pub use access::{AccessPolicy, AccessPolicySpec, Right};
 pub use backend::{Backend, GatewayBackend, GatewayBackendSpec};
 pub use classify::{Classify, ComplexityTagger, PiiRule, PiiTagger, TagHeader};
 pub use common::{GROUP, Labels, ObjectStatus, TokenCost, VERSION};

@@ -1,0 +1,24 @@
+//! TLS for kvplane's gRPC port (the API, the endpoint picker and members' Raft RPCs) and for
+//! every process that calls it: members, gateways and the CLI.
+//!
+//! - [`TlsSection`]: a process's CA, certificate and key files.
+//! - [`Tls`]: the rustls configurations they give, read again when the files change.
+//! - [`incoming`]: a listener's connections, each carrying the caller's [`Peer`] (its
+//!   certificate's [`Identity`]) into every request's extensions.
+//! - [`Dialer`]: channels to a kvplane address, TLS when the process has a section.
+
+#[cfg(feature = "dev-ca")]
+pub mod dev_ca;
+mod dial;
+mod identity;
+mod incoming;
+mod material;
+mod reload;
+mod section;
+
+pub use dial::Dialer;
+pub use identity::{Identity, Peer};
+pub use incoming::{Conn, incoming};
+pub use material::TlsError;
+pub use reload::{Tls, TlsMetrics};
+pub use section::TlsSection;
