@@ -192,6 +192,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<PutConfigRequest>,
     ) -> Result<Response<WriteResponse>, Status> {
+        crate::access::check_access_write(request.extensions(), &request.get_ref().kind)?;
         let r = request.into_inner();
         if r.kind.is_empty() || r.name.is_empty() {
             return Err(Status::invalid_argument(
@@ -211,6 +212,7 @@ impl pb::admin_server::Admin for AdminService {
         &self,
         request: Request<DeleteConfigRequest>,
     ) -> Result<Response<WriteResponse>, Status> {
+        crate::access::check_access_write(request.extensions(), &request.get_ref().kind)?;
         let r = request.into_inner();
         let owner = if r.owner.is_empty() {
             kvplane_state::Owner::Admin

@@ -125,14 +125,26 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
-        // A ticket's charges name the tenants whose quota the report gives back.
-        if let (Some(access), Some(ticket)) = (&self.access, &request.get_ref().ticket) {
-            let caller = request.extensions().get::<crate::Caller>();
-            for c in ticket.charges.iter().filter(|c| c.provider.is_empty()) {
-                access.check_tenant(caller, &c.tenant)?;
+        let mut on_behalf_of = None;
+        if let Some(access) = &self.access {
+            // A member forwarding a report names whom it forwards it for.
+            let caller = access.on_behalf_of(
+                request.extensions().get::<crate::Caller>(),
+                request.metadata(),
+            );
+            let report = request.get_ref();
+            // A ticket's charges name the tenants whose quota the report gives back, and a
+            // request routed here the tenant it was routed for.
+            let charged = report.ticket.iter().flat_map(|t| &t.charges);
+            for c in charged.filter(|c| c.provider.is_empty()) {
+                access.check_tenant(Some(&caller), &c.tenant)?;
             }
+            if let Some(t) = self.usage.tenant_of(&report.request_id) {
+                access.check_request_id(Some(&caller), &t, &report.request_id)?;
+            }
+            on_behalf_of = caller.identity().map(str::to_owned);
         }
-        self.report_usage_in(request).await
+        self.report_usage_in(request, on_behalf_of.as_deref()).await
     }
 
     async fn explain(
@@ -195,6 +207,13 @@ impl RouterService {
     ) -> Result<Response<RouteResponse>, Status> {
         let started = Instant::now();
         self.fresh_enough(req).await?;
+        // A request id in flight for a tenant this caller may not route for is not taken over:
+        // its entry (and the report that settles it) stays the other tenant's.
+        if let Some(access) = &self.access
+            && let Some(t) = self.usage.tenant_of(&req.request_id)
+        {
+            access.check_request_id(caller, &t, &req.request_id)?;
+        }
         let view = self.state.load();
         let mut d = self.decide(&view, req, Mode::Route);
         // Before anything is reserved: a caller may spend only the quota of its own tenants,
@@ -245,6 +264,7 @@ impl RouterService {
                 &req.request_id,
                 Routed {
                     target: kvplane_policy::target_name(&c.target),
+                    tenant: d.tenant.clone(),
                     predicted_ttft_ms: c.prediction.ttft_ms,
                     at: Instant::now(),
                     reservations: reservations.clone(),
@@ -271,16 +291,19 @@ impl RouterService {
         Ok(Response::new(answer))
     }
 
+    /// Settles a report here, or forwards it to the replica that routed it (saying whom for:
+    /// `on_behalf_of`, the identity of a caller whose rights the other replica checks).
     pub(crate) async fn report_usage_in(
         &self,
         request: Request<UsageReport>,
+        on_behalf_of: Option<&str>,
     ) -> Result<Response<UsageAck>, Status> {
         let report = request.into_inner();
         if let Some(f) = &self.forwarder
             && f.elsewhere(&report)
         {
             let routed_by = crate::usage_forward::routed_by(&report);
-            match f.forward(report.clone()).await {
+            match f.forward(report.clone(), on_behalf_of).await {
                 Ok(ack) => {
                     self.metrics.usage("forwarded");
                     return Ok(Response::new(ack));
@@ -411,10 +434,17 @@ impl RouterService {
         &self,
         request: Request<RouteRequest>,
     ) -> Result<Response<ExplainResponse>, Status> {
+        let caller = request.extensions().get::<crate::Caller>().cloned();
         let req = request.into_inner();
         self.fresh_enough(&req).await?;
         let view = self.state.load();
         let mut d = self.decide(&view, &req, Mode::Explain);
+        if let Some(c) = caller.filter(|c| *c != crate::Caller::Unchecked) {
+            // As Route checks it: once the tenant is known, or when it would be served.
+            let tenant =
+                (!d.tenant.is_empty() || d.chosen().is_some()).then_some(d.tenant.as_str());
+            d.steps.extend(crate::access::explain(&c, tenant));
+        }
         if let Some((p, o)) = self.predictor.outcome(&req.request_id) {
             d.steps.push(format!(
                 "request {:?} was routed here: predicted {p:.1} ms to first token, observed {o:.1} ms",

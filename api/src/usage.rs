@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 pub(crate) struct Routed {
     /// `pool/worker`, or `provider:name`.
     pub(crate) target: String,
+    /// The tenant it was routed for: only a caller that may route for it may report its usage.
+    pub(crate) tenant: String,
     pub(crate) predicted_ttft_ms: f64,
     pub(crate) at: Instant,
     /// What tenant limits hold for it until its usage is reported. An unreported request
@@ -84,6 +86,15 @@ impl UsageBook {
                 }
             }
         }
+    }
+
+    /// The tenant of a request routed here and not yet reported whole.
+    pub(crate) fn tenant_of(&self, request_id: &str) -> Option<String> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(request_id)
+            .map(|r| r.tenant.clone())
     }
 
     pub(crate) fn take(&self, request_id: &str) -> Option<Routed> {

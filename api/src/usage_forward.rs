@@ -92,12 +92,21 @@ impl Forwarder {
     }
 
     /// Forwards `report` to the replica that routed it; its answer.
-    pub(crate) async fn forward(&self, mut report: UsageReport) -> Result<UsageAck, ForwardError> {
+    pub(crate) async fn forward(
+        &self,
+        mut report: UsageReport,
+        on_behalf_of: Option<&str>,
+    ) -> Result<UsageAck, ForwardError> {
         let id = routed_by(&report);
         let mut client = self.client(id)?;
         report.forwarded = true;
         let mut request = tonic::Request::new(report);
         request.set_timeout(Duration::from_secs(2));
+        if let Some(v) = on_behalf_of.and_then(|i| i.parse().ok()) {
+            request
+                .metadata_mut()
+                .insert(crate::access::ON_BEHALF_OF, v);
+        }
         client
             .report_usage(request)
             .await

@@ -16,13 +16,18 @@ pub struct TlsArgs {
 }
 
 impl TlsArgs {
-    pub fn dialer(&self) -> anyhow::Result<Dialer> {
+    /// The files, read now (a long-running process calls [`Tls::watch`] to follow renewals).
+    pub fn load(&self) -> anyhow::Result<Option<Tls>> {
         let Some(dir) = &self.tls_dir else {
-            return Ok(Dialer::plain());
+            return Ok(None);
         };
         let tls = Tls::load(&TlsSection::in_dir(dir), TlsMetrics::default())
             .with_context(|| format!("cannot use the TLS files in {}", dir.display()))?;
-        Ok(Dialer::new(Some(tls)))
+        Ok(Some(tls))
+    }
+
+    pub fn dialer(&self) -> anyhow::Result<Dialer> {
+        Ok(Dialer::new(self.load()?))
     }
 
     /// A channel to `addr`, connected now.

@@ -29,6 +29,12 @@ pub struct ExplainArgs {
     /// node's gRPC address (`http://...`). Without it, an empty fleet.
     #[arg(long, value_name = "SNAPSHOT_OR_ADDR")]
     pub state: Option<String>,
+    /// Offline: also show what this caller (a client certificate's SPIFFE URI or DNS name) may
+    /// do as the AccessPolicy objects grant, and whether it may route this request's tenant (a
+    /// node's [access] members and admins hold every right besides). Online, Explain shows the
+    /// rights of the certificate it is asked with.
+    #[arg(long)]
+    pub identity: Option<String>,
     /// The request as JSON: `{"tenant", "model", "tags", "headers", "body", "token_ids",
     /// "max_output_tokens"}` (`body` is the OpenAI request body). Else the flags above.
     #[arg(value_name = "REQUEST.json")]
@@ -75,6 +81,10 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             a.request.is_none(),
             "a request file is for offline explain: give --state and/or --policies"
         );
+        anyhow::ensure!(
+            a.identity.is_none(),
+            "--identity is for offline explain (give --state and/or --policies); online, Explain shows the rights of the certificate given with --tls-dir"
+        );
         return route::route(a.route, true).await;
     }
     let req = match &a.request {
@@ -93,8 +103,18 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
         CostModel::default(),
         Arc::new(ApiMetrics::default()),
     );
+    let mut request = tonic::Request::new(req);
+    if let Some(id) = &a.identity {
+        let grants = sm.handle().load().catalog.grants(id);
+        request
+            .extensions_mut()
+            .insert(kvplane_api::Caller::Granted {
+                identity: id.clone(),
+                grants,
+            });
+    }
     let x = service
-        .explain(tonic::Request::new(req))
+        .explain(request)
         .await
         .map_err(|s| anyhow::anyhow!("{}", s.message()))?
         .into_inner();

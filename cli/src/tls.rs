@@ -31,7 +31,9 @@ pub fn dev_certs(a: &DevCertsArgs) -> anyhow::Result<()> {
     ];
     for (dir, id) in &identities {
         let path = a.out.join(dir);
-        ca.write(&path, id, &hosts)
+        // Only the members serve: the operator's and the gateway's are client certificates.
+        let serves: &[&str] = if *dir == "member" { &hosts } else { &[] };
+        ca.write(&path, id, serves)
             .with_context(|| format!("cannot write {}", path.display()))?;
         println!("{:<9} {id}  ({})", dir, path.display());
     }

@@ -28,12 +28,13 @@ pub fn validate(a: &ValidateArgs) -> anyhow::Result<()> {
         if problems.len() == 1 { "" } else { "s" }
     );
     println!(
-        "ok: {} worker sets, {} pools, {} providers, {} policies, {} gateway backends",
+        "ok: {} worker sets, {} pools, {} providers, {} policies, {} gateway backends, {} access policies",
         catalog.worker_sets.len(),
         catalog.pools.len(),
         catalog.providers.len(),
         catalog.policies.len(),
-        catalog.backends.len()
+        catalog.backends.len(),
+        catalog.access.len()
     );
     Ok(())
 }

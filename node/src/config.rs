@@ -344,10 +344,8 @@ impl Config {
             ("access.admins", &self.access.admins),
         ] {
             for (i, id) in list.iter().enumerate() {
-                if id.is_empty() || id == "*" || id.trim_end_matches('*').contains('*') {
-                    p.push(format!(
-                        "{name}[{i}] {id:?} must be an identity or a prefix of one ending in *"
-                    ));
+                if let Some(problem) = kvplane_policy::access::pattern_problem(id) {
+                    p.push(format!("{name}[{i}] {id:?} {problem}"));
                 }
             }
         }

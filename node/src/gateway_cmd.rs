@@ -49,11 +49,14 @@ pub async fn gateway(
     a: GatewayArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    // The certificate it presents to kvplane, read again when cert-manager renews it.
+    let tls = a.tls.load()?;
+    let _renewals = tls.as_ref().map(kvplane_tls::Tls::watch);
     let strategy = match a.round_robin {
         Some(engines) => Strategy::RoundRobin { engines },
         None => Strategy::Kvplane {
             replicas: a.replicas,
-            dialer: a.tls.dialer()?,
+            dialer: kvplane_tls::Dialer::new(tls),
         },
     };
     let ca_pem = match &a.provider_ca_file {

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "deploy_types/cert_manager.rs"]
+mod cert_manager;
 #[path = "deploy_types/gateway_api.rs"]
 mod gateway_api;
 
@@ -103,6 +105,8 @@ struct Rendered {
     inference_pool_docs: Vec<Value>,
     gateways: Vec<gateway_api::Gateway>,
     http_routes: Vec<gateway_api::HttpRoute>,
+    issuers: Vec<cert_manager::Issuer>,
+    certificates: Vec<cert_manager::Certificate>,
 }
 
 fn parse(docs: &[Value]) -> Rendered {
@@ -138,6 +142,8 @@ fn parse(docs: &[Value]) -> Rendered {
             (Some("gateway.networking.k8s.io/v1"), Some("HTTPRoute")) => {
                 r.http_routes.push(strict(d));
             }
+            (Some("cert-manager.io/v1"), Some("Issuer")) => r.issuers.push(strict(d)),
+            (Some("cert-manager.io/v1"), Some("Certificate")) => r.certificates.push(strict(d)),
             other => panic!("{}: no strict check for {other:?}", name_of(d)),
         }
     }
@@ -449,4 +455,130 @@ fn the_node_configuration_in_the_config_map_is_valid() {
         assert_eq!(cfg.http_listen, "0.0.0.0:7071");
         assert_eq!(cfg.grpc_listen, "0.0.0.0:7070");
     }
+}
+
+#[test]
+fn the_members_certificate_names_what_peers_dial_and_the_node_reads_it_from_its_mount() {
+    use cert_manager::KeyUsage;
+    let r = parse(&render("overlays/dev"));
+    let cert = |name: &str| {
+        r.certificates
+            .iter()
+            .find(|c| c.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no Certificate {name}"))
+    };
+    let issuer = |name: &str| {
+        r.issuers
+            .iter()
+            .find(|i| i.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no Issuer {name}"))
+    };
+    // The chain: self-signed root -> kvplane's CA (isCA) -> members and operator.
+    let ca = cert("kvplane-ca");
+    assert_eq!(ca.spec.is_ca, Some(true));
+    assert!(issuer(&ca.spec.issuer_ref.name).spec.self_signed.is_some());
+    let ca_issuer = issuer("kvplane-ca");
+    assert_eq!(
+        ca_issuer.spec.ca.as_ref().unwrap().secret_name,
+        ca.spec.secret_name
+    );
+    let member = cert("kvplane-member");
+    let operator = cert("kvplane-operator");
+    for c in [member, operator] {
+        assert_eq!(c.spec.issuer_ref.name, "kvplane-ca");
+        assert!(c.spec.usages.contains(&KeyUsage::ClientAuth));
+    }
+    assert!(member.spec.usages.contains(&KeyUsage::ServerAuth));
+
+    // Members dial each other at the addresses the [raft.kubernetes] section makes: a
+    // certificate with the manifest's names passes rustls's own check for that address.
+    let text = r.config_maps[0].data.as_ref().unwrap()["kvplane.toml"].clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvplane.toml");
+    std::fs::write(&path, &text).unwrap();
+    let mut cfg = kvplane_node::config::Config::from_file(&path).unwrap();
+    let k = cfg.raft.kubernetes.as_mut().unwrap();
+    k.pod_name = Some("kvplane-2".into());
+    k.namespace = Some("kvplane".into());
+    let membership = cfg.raft.membership("0.0.0.0:7070").unwrap();
+    let host = membership.addr.rsplit_once(':').unwrap().0.to_owned();
+    let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
+    let verified = verifies_for(&member.spec.uris[0], &names, &host);
+    assert!(verified.is_ok(), "{host} with {names:?}: {verified:?}");
+    assert!(
+        verifies_for(
+            &member.spec.uris[0],
+            &names,
+            "kvplane-0.elsewhere.svc.cluster.local"
+        )
+        .is_err(),
+        "the check itself refuses a name the certificate does not hold"
+    );
+    // The node reads the member secret's files where the StatefulSet mounts it, and knows the
+    // operator by its certificate's URI; the members by their own (access.members empty).
+    let tls = cfg.tls.as_ref().expect("a [tls] section");
+    let pod = r.statefulsets[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let volume = pod
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| {
+            v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
+                == Some(member.spec.secret_name.as_str())
+        })
+        .expect("the member secret is a volume");
+    let mount = pod.containers[0]
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.name == volume.name)
+        .expect("and mounted");
+    for (file, key) in [
+        (&tls.ca, "ca.crt"),
+        (&tls.cert, "tls.crt"),
+        (&tls.key, "tls.key"),
+    ] {
+        assert_eq!(*file, Path::new(&mount.mount_path).join(key));
+    }
+    assert!(cfg.access.members.is_empty());
+    assert_eq!(cfg.access.admins, operator.spec.uris);
+}
+
+/// Whether a certificate naming `identity` and `names` (from a CA of ours) passes rustls's
+/// server check for `host`.
+fn verifies_for(identity: &str, names: &[&str], host: &str) -> Result<(), rustls::Error> {
+    use rustls::client::danger::ServerCertVerifier as _;
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    let ca = kvplane_tls::dev_ca::DevCa::new("deploy test ca").unwrap();
+    let issued = ca.issue(identity, names).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.ca_pem().as_bytes()).unwrap())
+        .unwrap();
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        std::sync::Arc::new(rustls::crypto::ring::default_provider()),
+    )
+    .build()
+    .unwrap();
+    let leaf = CertificateDer::from_pem_slice(issued.cert.as_bytes()).unwrap();
+    verifier
+        .verify_server_cert(
+            &leaf,
+            &[],
+            &ServerName::try_from(host.to_owned()).unwrap(),
+            &[],
+            UnixTime::now(),
+        )
+        .map(|_| ())
 }

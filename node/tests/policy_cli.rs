@@ -55,3 +55,72 @@ fn crds_prints_six_definitions() {
     let yaml = String::from_utf8_lossy(&out.stdout);
     assert_eq!(yaml.matches("kind: CustomResourceDefinition").count(), 6);
 }
+
+#[test]
+fn validate_reports_every_problem_of_an_access_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("access.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: AccessPolicy\nmetadata: {name: too-wide}\nspec: {identities: ['*'], rights: [route]}\n---\napiVersion: kvplane.io/v1alpha1\nkind: AccessPolicy\nmetadata: {name: typo}\nspec: {identities: ['spiffe://a/gw'], rights: [rout]}\n",
+    )
+    .unwrap();
+    let out = kvplane(&["validate", dir.path().to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "AccessPolicy/too-wide spec.identities[0]",
+        "AccessPolicy/too-wide spec.tenants: route needs the tenants it covers",
+        "spec.rights[0]: unknown variant `rout`",
+    ] {
+        assert!(stdout.contains(want), "{want}: {stdout}");
+    }
+}
+
+#[test]
+fn explain_shows_what_an_identity_may_do_and_whether_it_may_route_the_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("access.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: AccessPolicy\nmetadata: {name: cluster-a}\nspec: {identities: ['spiffe://a/*'], rights: [route, read], tenants: [acme]}\n",
+    )
+    .unwrap();
+    let explain = |identity: &str, tenant: &str| {
+        let out = kvplane(&[
+            "explain",
+            "--policies",
+            "examples/policies",
+            "--policies",
+            dir.path().to_str().unwrap(),
+            "--identity",
+            identity,
+            "--model",
+            "chat",
+            "--tenant",
+            tenant,
+            "--prompt",
+            "hello",
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = explain("spiffe://a/gw", "acme");
+    assert!(
+        a.contains("access: spiffe://a/gw holds route, read (AccessPolicy cluster-a), route for tenants [\"acme\"]"),
+        "{a}"
+    );
+    assert!(
+        a.contains("access: spiffe://a/gw may route for tenant \"acme\""),
+        "{a}"
+    );
+    let other = explain("spiffe://a/gw", "globex");
+    assert!(
+        other.contains(
+            "may not route for tenant \"globex\": Route would be refused PERMISSION_DENIED"
+        ),
+        "{other}"
+    );
+    let b = explain("spiffe://b/gw", "acme");
+    assert!(
+        b.contains("access: spiffe://b/gw: no AccessPolicy names it, no right"),
+        "{b}"
+    );
+}

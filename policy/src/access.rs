@@ -40,6 +40,26 @@ impl Grants {
     }
 }
 
+/// Why `pattern` cannot name callers (an `AccessPolicy` identity or a node's `[access]` entry),
+/// if it cannot: empty, a lone `*` (every holder of a certificate from the CA), a `*` anywhere
+/// but at the end, whitespace, or longer than [`MAX_IDENTITY_BYTES`].
+pub fn pattern_problem(pattern: &str) -> Option<String> {
+    if pattern.is_empty() || pattern == "*" {
+        Some("must name an identity or a prefix of one (a lone * would grant to every holder of a certificate from the CA)".into())
+    } else if pattern.len() > MAX_IDENTITY_BYTES {
+        Some(format!(
+            "is {} bytes, more than {MAX_IDENTITY_BYTES}",
+            pattern.len()
+        ))
+    } else if pattern.strip_suffix('*').unwrap_or(pattern).contains('*') {
+        Some("* may only end an identity".into())
+    } else if pattern.chars().any(char::is_whitespace) {
+        Some("must not contain whitespace".into())
+    } else {
+        None
+    }
+}
+
 /// Whether a policy's `pattern` names `identity`: equal, or a prefix of it before a trailing `*`.
 pub fn names(pattern: &str, identity: &str) -> bool {
     match pattern.strip_suffix('*') {
@@ -91,21 +111,8 @@ fn check_one(c: &mut Check<'_>, p: &AccessPolicySpec) {
         c.fail("spec.identities", "must name at least one identity");
     }
     for (i, id) in p.identities.iter().enumerate() {
-        let path = format!("spec.identities[{i}]");
-        if id.is_empty() || id == "*" {
-            c.fail(
-                path,
-                "must name an identity or a prefix of one (a lone * would grant to every holder of a certificate from the CA)",
-            );
-        } else if id.len() > MAX_IDENTITY_BYTES {
-            c.fail(
-                path,
-                format!("is {} bytes, more than {MAX_IDENTITY_BYTES}", id.len()),
-            );
-        } else if id.trim_end_matches('*').contains('*') || id.ends_with("**") {
-            c.fail(path, "* may only end an identity");
-        } else if id.chars().any(char::is_whitespace) {
-            c.fail(path, "must not contain whitespace");
+        if let Some(problem) = pattern_problem(id) {
+            c.fail(format!("spec.identities[{i}]"), problem);
         }
     }
     if p.rights.is_empty() {

@@ -37,6 +37,13 @@ impl Pki {
         dir
     }
 
+    /// A directory holding a client certificate for `identity` (it serves nothing).
+    pub fn issue_client(&self, name: &str, identity: &str) -> PathBuf {
+        let dir = self.dir.join(name);
+        self.ca.write(&dir, identity, &[]).unwrap();
+        dir
+    }
+
     /// Writes this CA's certificate over `dir/ca.crt` (a certificate from another CA that
     /// trusts this one, say).
     pub fn trust_in(&self, dir: &Path) {

@@ -56,15 +56,20 @@ impl DevCa {
         self.issuer.pem()
     }
 
-    /// A certificate for clients and servers naming `identity` (a URI such as a SPIFFE id, or a
-    /// DNS name) and serving `hosts` (DNS names or IP addresses).
+    /// A certificate naming `identity` (a URI such as a SPIFFE id, or a DNS name): for clients
+    /// and servers of `hosts` (DNS names or IP addresses), or, with no hosts, for clients only
+    /// (it cannot pass for a server).
     pub fn issue(&self, identity: &str, hosts: &[&str]) -> Result<Issued, DevCaError> {
         let mut p = CertificateParams::new(Vec::<String>::new())?;
         p.distinguished_name.push(DnType::CommonName, identity);
-        p.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
+        p.extended_key_usages = if hosts.is_empty() {
+            vec![ExtendedKeyUsagePurpose::ClientAuth]
+        } else {
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ]
+        };
         // The identity first: it is the name a caller is known by.
         p.subject_alt_names.push(if identity.contains("://") {
             SanType::URI(identity.try_into()?)

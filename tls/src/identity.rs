@@ -17,7 +17,8 @@ impl std::fmt::Display for Identity {
 }
 
 impl Identity {
-    /// The identity a DER certificate names, if it names one.
+    /// The identity a DER certificate names, if it names one. DNS names are compared in lower
+    /// case, and one spelled like a URI names nothing (it cannot pass for a SPIFFE id).
     pub fn of_certificate(der: &[u8]) -> Option<Identity> {
         let (_, cert) = X509Certificate::from_der(der).ok()?;
         let names = cert.subject_alternative_name().ok().flatten()?;
@@ -32,7 +33,12 @@ impl Identity {
                 _ => None,
             })
         };
-        uri.or_else(dns).map(|n| Identity(n.to_owned()))
+        match uri {
+            Some(u) => Some(Identity(u.to_owned())),
+            None => dns()
+                .filter(|d| !d.contains("://"))
+                .map(|d| Identity(d.to_ascii_lowercase())),
+        }
     }
 }
 

@@ -95,12 +95,17 @@ impl AsyncWrite for Conn {
     }
 }
 
+/// Handshakes in progress at once; past it, accepting waits for one to end.
+const MAX_HANDSHAKES: usize = 512;
+
 /// The connections `listener` accepts, without Nagle (answers are small writes), for
 /// `serve_with_incoming`. With `tls`, each handshake runs on its own task under the section's
-/// handshake timeout, so a slow or silent caller holds up no one else; failed handshakes are
-/// counted and dropped. Accepting stops when the stream is dropped.
+/// handshake timeout (at most [`MAX_HANDSHAKES`] at once), so a slow or silent caller holds up
+/// no one else; failed handshakes (a plaintext caller's too) are counted and dropped. Accepting
+/// stops when the stream is dropped.
 pub fn incoming(listener: TcpListener, tls: Option<Tls>) -> ReceiverStream<io::Result<Conn>> {
     let (tx, rx) = mpsc::channel(64);
+    let handshakes = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -133,7 +138,11 @@ pub fn incoming(listener: TcpListener, tls: Option<Tls>) -> ReceiverStream<io::R
                 continue;
             };
             let tx = tx.clone();
+            let Ok(permit) = handshakes.clone().acquire_owned().await else {
+                return;
+            };
             tokio::spawn(async move {
+                let _permit = permit;
                 let acceptor = TlsAcceptor::from(tls.server_config());
                 let shake = tokio::time::timeout(tls.handshake_timeout(), acceptor.accept(tcp));
                 let stream = match shake.await {

@@ -19,6 +19,6 @@ mod section;
 pub use dial::Dialer;
 pub use identity::{Identity, Peer};
 pub use incoming::{Conn, incoming};
-pub use material::TlsError;
+pub use material::{ServerCheck, TlsError};
 pub use reload::{Tls, TlsMetrics};
 pub use section::TlsSection;

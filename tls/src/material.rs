@@ -28,8 +28,10 @@ pub enum TlsError {
         #[source]
         source: rustls::Error,
     },
-    #[error("the client verifier cannot be built: {0}")]
+    #[error("the certificate verifier cannot be built: {0}")]
     Verifier(#[from] rustls::server::VerifierBuilderError),
+    #[error("servers are already checked")]
+    CheckSet,
     #[error("{cert} with {key}: {source}")]
     KeyPair {
         cert: PathBuf,
@@ -37,6 +39,72 @@ pub enum TlsError {
         #[source]
         source: rustls::Error,
     },
+}
+
+/// Which servers a process accepts beyond the CA's signature and the host's name: the
+/// identity its certificate must name (members accept only members).
+pub type ServerCheck = Arc<dyn Fn(&Identity) -> bool + Send + Sync>;
+
+/// The CA's check of a server's certificate, then `check` of the identity it names.
+struct CheckedVerifier {
+    webpki: Arc<rustls::client::WebPkiServerVerifier>,
+    check: ServerCheck,
+}
+
+impl std::fmt::Debug for CheckedVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckedVerifier").finish_non_exhaustive()
+    }
+}
+
+impl rustls::client::danger::ServerCertVerifier for CheckedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.webpki.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        match Identity::of_certificate(end_entity) {
+            Some(id) if (self.check)(&id) => Ok(verified),
+            Some(id) => Err(rustls::Error::General(format!(
+                "the server at {server_name:?} is {id}, not a member"
+            ))),
+            None => Err(rustls::Error::General(format!(
+                "the server at {server_name:?} names no identity"
+            ))),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
 }
 
 /// The configurations one version of the files gives.
@@ -71,13 +139,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// A client configuration trusting the CA in `ca` that presents no certificate.
 pub(crate) fn anonymous_client(ca: &Path) -> Result<Arc<ClientConfig>, TlsError> {
-    let mut roots = RootCertStore::empty();
-    for c in certificates(ca)? {
-        roots.add(c).map_err(|source| TlsError::Ca {
-            path: ca.to_owned(),
-            source,
-        })?;
-    }
+    let roots = roots(ca)?;
     let mut client = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|source| TlsError::Ca {
@@ -93,16 +155,22 @@ pub(crate) fn anonymous_client(ca: &Path) -> Result<Arc<ClientConfig>, TlsError>
 /// HTTP/2 only: every kvplane gRPC connection.
 const ALPN_H2: &[u8] = b"h2";
 
+/// The CA certificates in `path`, as roots.
+fn roots(path: &Path) -> Result<Arc<RootCertStore>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for ca in certificates(path)? {
+        roots.add(ca).map_err(|source| TlsError::Ca {
+            path: path.to_owned(),
+            source,
+        })?;
+    }
+    Ok(Arc::new(roots))
+}
+
 impl Configs {
-    pub(crate) fn load(s: &TlsSection) -> Result<Configs, TlsError> {
-        let mut roots = RootCertStore::empty();
-        for ca in certificates(&s.ca)? {
-            roots.add(ca).map_err(|source| TlsError::Ca {
-                path: s.ca.clone(),
-                source,
-            })?;
-        }
-        let roots = Arc::new(roots);
+    /// The files of `s`; servers this process dials must also pass `check`, when given.
+    pub(crate) fn load(s: &TlsSection, check: Option<&ServerCheck>) -> Result<Configs, TlsError> {
+        let roots = roots(&s.ca)?;
         let chain = certificates(&s.cert)?;
         let key = PrivateKeyDer::from_pem_file(&s.key).map_err(|source| TlsError::Pem {
             path: s.key.clone(),
@@ -126,10 +194,24 @@ impl Configs {
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(key_pair)?;
         server.alpn_protocols = vec![ALPN_H2.to_vec()];
-        let mut client = ClientConfig::builder_with_provider(provider())
+        let builder = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(key_pair)?
-            .with_root_certificates(roots)
+            .map_err(key_pair)?;
+        let builder = match check {
+            None => builder.with_root_certificates(roots),
+            Some(check) => {
+                let webpki =
+                    rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider())
+                        .build()?;
+                builder
+                    .dangerous()
+                    .with_custom_certificate_verifier(Arc::new(CheckedVerifier {
+                        webpki,
+                        check: check.clone(),
+                    }))
+            }
+        };
+        let mut client = builder
             .with_client_auth_cert(chain, key)
             .map_err(key_pair)?;
         client.alpn_protocols = vec![ALPN_H2.to_vec()];

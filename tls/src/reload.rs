@@ -13,7 +13,7 @@ use rustls::{ClientConfig, ServerConfig};
 
 use crate::TlsSection;
 use crate::identity::Identity;
-use crate::material::{Configs, TlsError};
+use crate::material::{Configs, ServerCheck, TlsError};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Outcome {
@@ -52,15 +52,29 @@ pub struct Tls {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
 struct Inner {
     section: TlsSection,
     current: ArcSwap<Configs>,
     metrics: TlsMetrics,
+    /// The files' stamp taken before `load` read them: a change after it is seen by `watch`.
+    loaded: Stamp,
+    /// What a server this process dials must also be (set once, before dialing).
+    server_check: std::sync::OnceLock<ServerCheck>,
+}
+
+type Stamp = Vec<Option<(SystemTime, u64)>>;
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("section", &self.section)
+            .field("checks_servers", &self.server_check.get().is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// What identifies a version of the files: their modification times and lengths.
-fn stamp(s: &TlsSection) -> Vec<Option<(SystemTime, u64)>> {
+fn stamp(s: &TlsSection) -> Stamp {
     let one = |p: &Path| {
         std::fs::metadata(p)
             .ok()
@@ -72,14 +86,27 @@ fn stamp(s: &TlsSection) -> Vec<Option<(SystemTime, u64)>> {
 impl Tls {
     /// Reads the files once; every problem is an error. Call [`Tls::watch`] to follow changes.
     pub fn load(section: &TlsSection, metrics: TlsMetrics) -> Result<Tls, TlsError> {
-        let configs = Configs::load(section)?;
+        let loaded = stamp(section);
+        let configs = Configs::load(section, None)?;
         Ok(Tls {
             inner: Arc::new(Inner {
                 section: section.clone(),
                 current: ArcSwap::from_pointee(configs),
                 metrics,
+                loaded,
+                server_check: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// From now on, a server this process dials must name an identity `check` accepts (a
+    /// member dials only members), besides the CA's signature and the host's name. Once: a
+    /// second check is refused, the first kept.
+    pub fn check_servers(&self, check: ServerCheck) -> Result<(), TlsError> {
+        if self.inner.server_check.set(check).is_err() {
+            return Err(TlsError::CheckSet);
+        }
+        self.reload()
     }
 
     pub fn server_config(&self) -> Arc<ServerConfig> {
@@ -105,7 +132,7 @@ impl Tls {
 
     /// Reads the files again now; on a problem the configurations stay as they were.
     pub fn reload(&self) -> Result<(), TlsError> {
-        let outcome = match Configs::load(&self.inner.section) {
+        let outcome = match Configs::load(&self.inner.section, self.inner.server_check.get()) {
             Ok(c) => {
                 self.inner.current.store(Arc::new(c));
                 Ok(())
@@ -127,7 +154,8 @@ impl Tls {
         let tls = self.clone();
         tokio::spawn(async move {
             let every = Duration::from_millis(tls.inner.section.reload_ms.max(10));
-            let mut seen = stamp(&tls.inner.section);
+            // From the files `load` read: a renewal while the process was starting counts.
+            let mut seen = tls.inner.loaded.clone();
             loop {
                 tokio::time::sleep(every).await;
                 let now = stamp(&tls.inner.section);

@@ -247,3 +247,55 @@ async fn grpc_over_tls_through_the_dialer_and_a_plaintext_dialer_is_refused() {
     };
     assert!(refused);
 }
+
+#[tokio::test]
+async fn a_member_dials_only_servers_whose_certificate_names_a_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = DevCa::new("kvplane test ca").unwrap();
+    // Two servers on loopback with certificates of the same CA for the same host: one a
+    // member's, one a gateway's that also serves (say a sidecar's).
+    let serve = |name: &str, identity: &str| {
+        let section = ca
+            .write(&dir.path().join(name), identity, &["127.0.0.1"])
+            .unwrap();
+        let tls = tls(&section);
+        async move {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap().to_string();
+            let (_reporter, health) = tonic_health::server::health_reporter();
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(health)
+                    .serve_with_incoming(incoming(l, Some(tls))),
+            );
+            addr
+        }
+    };
+    let member = serve("member-server", MEMBER).await;
+    let impostor = serve("impostor", GATEWAY).await;
+    let own = tls(&ca
+        .write(&dir.path().join("me"), MEMBER, &["127.0.0.1"])
+        .unwrap());
+    own.check_servers(std::sync::Arc::new(|id: &Identity| id.0 == MEMBER))
+        .unwrap();
+    let dialer = Dialer::new(Some(own.clone()));
+    let check = |addr: String| {
+        let dialer = dialer.clone();
+        async move {
+            let ch = dialer.connect(&addr).await.map_err(|e| format!("{e:?}"))?;
+            tonic_health::pb::health_client::HealthClient::new(ch)
+                .check(tonic_health::pb::HealthCheckRequest::default())
+                .await
+                .map_err(|e| e.to_string())
+        }
+    };
+    assert!(check(member).await.is_ok());
+    let refused = check(impostor).await.unwrap_err();
+    assert!(refused.contains("not a member"), "{refused}");
+    // The check is kept across a reload, and set only once.
+    own.reload().unwrap();
+    assert!(
+        own.check_servers(std::sync::Arc::new(|_: &Identity| true))
+            .is_err()
+    );
+}

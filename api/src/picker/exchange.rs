@@ -196,7 +196,9 @@ impl Drop for Exchange {
         let router = self.router.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let _ = router.report_usage_in(tonic::Request::new(report)).await;
+                let _ = router
+                    .report_usage_in(tonic::Request::new(report), None)
+                    .await;
             });
         }
     }

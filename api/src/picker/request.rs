@@ -163,7 +163,7 @@ impl Exchange {
                     let report = AnswerTail::default().report(request_id, 0.0, Outcome::Error);
                     let _ = self
                         .router
-                        .report_usage_in(tonic::Request::new(report))
+                        .report_usage_in(tonic::Request::new(report), None)
                         .await;
                 }
                 return Ok(vec![self.refuse(refused)]);

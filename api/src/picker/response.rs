@@ -70,7 +70,7 @@ impl Exchange {
                     };
                     let _ = self
                         .router
-                        .report_usage_in(tonic::Request::new(report))
+                        .report_usage_in(tonic::Request::new(report), None)
                         .await;
                 }
             }
@@ -105,7 +105,7 @@ impl Exchange {
         );
         let _ = self
             .router
-            .report_usage_in(tonic::Request::new(report))
+            .report_usage_in(tonic::Request::new(report), None)
             .await;
     }
 }

@@ -77,11 +77,15 @@ impl Parts {
             }
             None => None,
         };
+        let members = match &tls {
+            Some(tls) => Some(members(&cfg, tls)?),
+            None => None,
+        };
         let dialer = kvplane_tls::Dialer::new(tls.clone());
         let member = Arc::new(
             RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied, dialer).await?,
         );
-        let access = access(&cfg, tls.as_ref(), &member, &mut registry)?;
+        let access = access(&cfg, members, &member, &mut registry);
         member.failures.register(&mut registry);
         member.log_writes.register(&mut registry);
         let url = cfg.nats_url.clone();
@@ -137,23 +141,9 @@ impl Parts {
     }
 }
 
-/// Who may do what: with TLS, members (default: this node's own identity) and `[access]`
-/// administrators hold every right, others what the replicated `AccessPolicy` objects grant.
-fn access(
-    cfg: &Config,
-    tls: Option<&kvplane_tls::Tls>,
-    member: &RaftMember,
-    registry: &mut Registry,
-) -> anyhow::Result<kvplane_api::Access> {
-    let metrics = kvplane_api::AccessMetrics::default();
-    metrics.register(registry);
-    let state = member.handle.clone();
-    let Some(tls) = tls else {
-        tracing::warn!(
-            "no [tls] section: the grpc port is plaintext and every caller may do everything"
-        );
-        return Ok(kvplane_api::Access::unchecked(state, metrics));
-    };
+/// The members' identities (default: this node's own), which the other members' certificates
+/// must name: as callers of Raft RPCs, and as servers this node dials.
+fn members(cfg: &Config, tls: &kvplane_tls::Tls) -> anyhow::Result<Vec<String>> {
     let mut members = cfg.access.members.clone();
     if members.is_empty() {
         let own = tls.own_identity().context(
@@ -161,14 +151,35 @@ fn access(
         )?;
         members.push(own.0);
     }
+    let check = members.clone();
+    tls.check_servers(Arc::new(move |id| {
+        check
+            .iter()
+            .any(|m| kvplane_policy::access::names(m, &id.0))
+    }))
+    .context("tls")?;
+    Ok(members)
+}
+
+/// Who may do what: with TLS (`members` known), members and `[access]` administrators hold
+/// every right, others what the replicated `AccessPolicy` objects grant.
+fn access(
+    cfg: &Config,
+    members: Option<Vec<String>>,
+    member: &RaftMember,
+    registry: &mut Registry,
+) -> kvplane_api::Access {
+    let metrics = kvplane_api::AccessMetrics::default();
+    metrics.register(registry);
+    let state = member.handle.clone();
+    let Some(members) = members else {
+        tracing::warn!(
+            "no [tls] section: the grpc port is plaintext and every caller may do everything"
+        );
+        return kvplane_api::Access::unchecked(state, metrics);
+    };
     tracing::info!(?members, admins = ?cfg.access.admins, "tls on: callers are named by their certificates");
-    Ok(kvplane_api::Access::new(
-        true,
-        members,
-        cfg.access.admins.clone(),
-        state,
-        metrics,
-    ))
+    kvplane_api::Access::new(true, members, cfg.access.admins.clone(), state, metrics)
 }
 
 /// A Kubernetes client, the namespace it watches and how often its watcher resyncs.
