@@ -6,15 +6,13 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::OrderedConfig, stream};
 use futures::StreamExt;
-use kvplane_state::{Command, IngestBatch, IngestItem, IngestPayload, Proposer, WorkerMetrics};
+use kvplane_state::{Command, IngestBatch, IngestItem, Proposer};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::message::WorkerStatus;
-use crate::subject::{MessageKind, STREAM_SUBJECTS, Subject};
-use crate::vllm::decode_batch;
-use crate::{IngestError, IngestMetrics, MetricsMessage, RejectReason, WorkerMessage};
+use crate::subject::STREAM_SUBJECTS;
+use crate::{IngestError, IngestMetrics, RejectReason};
 
 /// How the consumer batches and what it accepts.
 #[derive(Debug, Clone)]
@@ -213,84 +211,22 @@ impl<P: Proposer> Ingestor<P> {
 
     /// One message to an item; `None` when rejected (counted).
     fn convert(&self, seq: u64, subject: &str, payload: &[u8]) -> Option<IngestItem> {
-        let Some(s) = Subject::parse(subject) else {
-            return self.reject(RejectReason::UnknownSubject, seq, subject, "bad subject");
-        };
-        if payload.len() > self.cfg.max_message_bytes {
-            return self.reject(RejectReason::Oversized, seq, subject, "payload too large");
+        match crate::convert::convert(self.cfg.max_message_bytes, seq, subject, payload) {
+            Ok(c) => {
+                self.metrics.message(c.kind);
+                for skipped in &c.skipped {
+                    self.metrics.skipped(skipped.reason());
+                    tracing::debug!(seq, subject, ?skipped, "vllm event skipped");
+                }
+                Some(c.item)
+            }
+            Err(r) => {
+                if let Some(kind) = r.kind {
+                    self.metrics.message(kind);
+                }
+                self.reject(r.reason, seq, subject, &r.detail)
+            }
         }
-        let payload = match s.kind {
-            MessageKind::Kv => {
-                self.metrics.message("kv");
-                match decode_batch(payload) {
-                    Ok(d) => {
-                        if let Some(rank) = s.rank
-                            && rank != d.batch.dp_rank
-                        {
-                            let why = format!(
-                                "the batch is of rank {}, the subject of rank {rank}",
-                                d.batch.dp_rank
-                            );
-                            return self.reject(RejectReason::RankMismatch, seq, subject, &why);
-                        }
-                        for skipped in &d.skipped {
-                            self.metrics.skipped(skipped.reason());
-                            tracing::debug!(seq, subject, ?skipped, "vllm event skipped");
-                        }
-                        // Hashed here, once, for every member (the log's compact form).
-                        IngestPayload::Kv(d.batch.compact())
-                    }
-                    Err(e) => {
-                        return self.reject(
-                            RejectReason::Undecodable,
-                            seq,
-                            subject,
-                            &e.to_string(),
-                        );
-                    }
-                }
-            }
-            MessageKind::Metrics => {
-                self.metrics.message("metrics");
-                match serde_json::from_slice::<MetricsMessage>(payload)
-                    .map_err(|e| e.to_string())
-                    .and_then(|m| m.check().map(|()| m).map_err(|e| e.to_string()))
-                {
-                    Ok(m) => IngestPayload::Metrics(WorkerMetrics {
-                        running: m.num_requests_running,
-                        waiting: m.num_requests_waiting,
-                        kv_cache_usage: m.kv_cache_usage_perc,
-                        prefix_cache_hit_rate: m.prefix_cache_hit_rate,
-                        ttft_sum_s: m.time_to_first_token_seconds_sum,
-                        ttft_count: m.time_to_first_token_seconds_count,
-                    }),
-                    Err(e) => return self.reject(RejectReason::BadMetrics, seq, subject, &e),
-                }
-            }
-            MessageKind::Worker => {
-                self.metrics.message("worker");
-                match serde_json::from_slice::<WorkerMessage>(payload) {
-                    Ok(w) => IngestPayload::Worker {
-                        up: w.status == WorkerStatus::Up,
-                        address: w.address,
-                    },
-                    Err(e) => {
-                        return self.reject(
-                            RejectReason::BadWorkerMessage,
-                            seq,
-                            subject,
-                            &e.to_string(),
-                        );
-                    }
-                }
-            }
-        };
-        Some(IngestItem {
-            seq,
-            pool: s.pool.to_owned(),
-            worker: s.worker.to_owned(),
-            payload,
-        })
     }
 
     fn reject(

@@ -3,6 +3,7 @@
 
 pub mod bridge;
 mod consumer;
+mod convert;
 mod error;
 mod message;
 mod metrics;
@@ -11,6 +12,7 @@ mod subject;
 pub mod vllm;
 
 pub use consumer::{IngestConfig, Ingestor, ensure_stream};
+pub use convert::{Converted, Rejected, convert};
 pub use error::{DecodeError, IngestError};
 pub use message::{MetricsMessage, WorkerMessage, WorkerStatus};
 pub use metrics::{IngestMetrics, RejectReason};

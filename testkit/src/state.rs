@@ -38,6 +38,23 @@ impl TestFleet {
     }
 
     /// A fleet under these policy documents (YAML).
+    /// The policies in `dir`, with `workers` up in every worker set.
+    pub fn with_policies_up(dir: &str, workers: &[&str]) -> Self {
+        let mut f = Self::with_policies(dir);
+        let sets: Vec<String> =
+            f.sm.handle()
+                .load()
+                .catalog
+                .worker_sets
+                .keys()
+                .cloned()
+                .collect();
+        for s in &sets {
+            f.up(s, workers);
+        }
+        f
+    }
+
     pub fn with_yaml(yaml: &str) -> Self {
         let mut docs = Documents::default();
         docs.add_file("test.yaml", yaml);

@@ -97,9 +97,37 @@ impl EndpointPicker {
         }
     }
 
+    /// One request's conversation as the stream would hold it, for `caller`, driven message by
+    /// message (tests and fuzz targets play a proxy with it).
+    pub fn conversation(&self, caller: Option<crate::Caller>) -> Conversation {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Conversation(exchange::Exchange::new(
+            self.router.clone(),
+            self.config,
+            format!("picker-{:x}-{n}", self.started_ns),
+            self.held_bodies.clone(),
+            caller,
+        ))
+    }
+
     /// The gRPC service, taking messages as large as a body the picker reads.
     pub fn server(self) -> ExternalProcessorServer<Self> {
         ExternalProcessorServer::new(self).max_decoding_message_size(MAX_BODY_BYTES + (1 << 20))
+    }
+}
+
+/// One proxy request's messages and the picker's answers, without the gRPC stream around them.
+pub struct Conversation(exchange::Exchange);
+
+impl Conversation {
+    /// The answers to one message of the proxy's, or the error that ends the stream.
+    pub async fn on(&mut self, msg: ProcessingRequest) -> Result<Vec<ProcessingResponse>, Status> {
+        self.0.on(msg).await
+    }
+
+    /// The proxy closed the stream.
+    pub async fn closed(&mut self) {
+        self.0.closed().await;
     }
 }
 
@@ -116,14 +144,7 @@ impl ExternalProcessor for EndpointPicker {
         let caller = request.extensions().get::<crate::Caller>().cloned();
         let inbound = request.into_inner();
         let (tx, mut rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(16);
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let exchange = exchange::Exchange::new(
-            self.router.clone(),
-            self.config,
-            format!("picker-{:x}-{n}", self.started_ns),
-            self.held_bodies.clone(),
-            caller,
-        );
+        let exchange = self.conversation(caller).0;
         let on_panic = tx.clone();
         tokio::spawn(async move {
             // A stream that ends without a status would tell the proxy to go on without a
