@@ -7,6 +7,7 @@ mod convert;
 mod error;
 mod message;
 mod metrics;
+mod nats_auth;
 pub mod scrape;
 mod subject;
 pub mod vllm;
@@ -16,6 +17,7 @@ pub use convert::{Converted, Rejected, convert};
 pub use error::{DecodeError, IngestError};
 pub use message::{MetricsMessage, WorkerMessage, WorkerStatus};
 pub use metrics::{IngestMetrics, RejectReason};
+pub use nats_auth::{NatsAuth, NatsAuthError};
 pub use subject::{
     MessageKind, STREAM_SUBJECTS, Subject, kv_rank_subject, kv_subject, metrics_subject,
     worker_subject,

@@ -45,6 +45,22 @@ pub struct BridgeArgs {
         default_value = "nats://127.0.0.1:4222"
     )]
     pub nats_url: String,
+    /// A NATS credentials file (user JWT and nkey seed).
+    #[arg(long, env = "KVPLANE_NATS_CREDS")]
+    pub nats_creds: Option<std::path::PathBuf>,
+    /// A NATS user, with --nats-password-file.
+    #[arg(long, env = "KVPLANE_NATS_USER")]
+    pub nats_user: Option<String>,
+    #[arg(long, env = "KVPLANE_NATS_PASSWORD_FILE")]
+    pub nats_password_file: Option<std::path::PathBuf>,
+    /// The CA of the NATS server's certificate: TLS to NATS.
+    #[arg(long, env = "KVPLANE_NATS_CA")]
+    pub nats_ca: Option<std::path::PathBuf>,
+    /// A client certificate and key for a NATS server that verifies clients.
+    #[arg(long, env = "KVPLANE_NATS_CERT")]
+    pub nats_cert: Option<std::path::PathBuf>,
+    #[arg(long, env = "KVPLANE_NATS_KEY")]
+    pub nats_key: Option<std::path::PathBuf>,
     #[arg(long, default_value = "KVPLANE")]
     pub stream: String,
     #[arg(long, default_value_t = 500)]
@@ -118,6 +134,16 @@ pub async fn bridge(
             })
             .await
     });
+    let nats_auth = kvplane_ingest::NatsAuth {
+        creds_file: a.nats_creds,
+        user: a.nats_user,
+        password_file: a.nats_password_file,
+        ca: a.nats_ca,
+        cert: a.nats_cert,
+        key: a.nats_key,
+    };
+    let problems = nats_auth.problems("--nats-*");
+    anyhow::ensure!(problems.is_empty(), "{}", problems.join("; "));
     let cfg = BridgeConfig {
         pool: a.pool,
         worker: a.worker,
@@ -127,6 +153,7 @@ pub async fn bridge(
         zmq_pub: a.zmq_pub,
         zmq_replay: a.zmq_replay,
         nats_url: a.nats_url,
+        nats_auth,
         stream: a.stream,
         scrape_interval: Duration::from_millis(a.scrape_interval_ms),
         max_pending: a.max_pending,

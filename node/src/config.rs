@@ -57,6 +57,8 @@ pub struct Config {
     /// HTTP address for `/metrics`, `/healthz` and `/readyz`. Port 0 picks a free port.
     pub http_listen: String,
     pub nats_url: String,
+    /// Credentials and TLS for NATS (absent: anonymous, plaintext).
+    pub nats: kvplane_ingest::NatsAuth,
     pub log_format: LogFormat,
     pub ingest: IngestSection,
     pub cost: CostModel,
@@ -175,6 +177,7 @@ impl Default for Config {
             grpc_listen: "127.0.0.1:7070".into(),
             http_listen: "127.0.0.1:7071".into(),
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats: kvplane_ingest::NatsAuth::default(),
             log_format: LogFormat::Text,
             ingest: IngestSection::default(),
             cost: CostModel::default(),
@@ -361,6 +364,7 @@ impl Config {
         {
             p.push("tls.reload_ms must be at least 1".into());
         }
+        p.extend(self.nats.problems("nats"));
         p.extend(self.cost.problems());
         p.extend(self.picker.problems());
         if self.policy_poll_ms == 0 {

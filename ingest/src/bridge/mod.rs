@@ -64,6 +64,8 @@ pub struct BridgeConfig {
     pub zmq_pub: String,
     pub zmq_replay: String,
     pub nats_url: String,
+    /// Its NATS user's credentials (a bridge's user may publish only its worker's subjects).
+    pub nats_auth: crate::NatsAuth,
     pub stream: String,
     pub scrape_interval: Duration,
     pub max_pending: usize,
@@ -76,12 +78,17 @@ pub struct BridgeConfig {
 
 /// Runs the bridge until `shutdown` turns true.
 pub async fn run(cfg: BridgeConfig, metrics: Arc<BridgeMetrics>, shutdown: watch::Receiver<bool>) {
-    let client = match async_nats::ConnectOptions::new()
+    let options = async_nats::ConnectOptions::new()
         .name(format!("kvplane-bridge-{}", cfg.worker))
-        .retry_on_initial_connect()
-        .connect(cfg.nats_url.as_str())
-        .await
-    {
+        .retry_on_initial_connect();
+    let options = match cfg.nats_auth.apply(options).await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, "nats credentials");
+            return;
+        }
+    };
+    let client = match options.connect(cfg.nats_url.as_str()).await {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, url = cfg.nats_url, "invalid nats url");

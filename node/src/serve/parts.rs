@@ -89,7 +89,7 @@ impl Parts {
         member.failures.register(&mut registry);
         member.log_writes.register(&mut registry);
         let url = cfg.nats_url.clone();
-        let nats = async_nats::ConnectOptions::new()
+        let options = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))
             .retry_on_initial_connect()
             // async-nats names no server in its own messages: these name the URL.
@@ -104,7 +104,11 @@ impl Parts {
                         other => tracing::warn!(%url, event = %other, "nats"),
                     }
                 }
-            })
+            });
+        let nats = cfg
+            .nats
+            .apply(options)
+            .await?
             .connect(cfg.nats_url.as_str())
             .await
             .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;

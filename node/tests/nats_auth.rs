@@ -1,0 +1,154 @@
+//! NATS credentials with a real nats-server that authenticates users and enforces their
+//! permissions: the node connects as its user, a bridge as a user that may publish only its own
+//! worker's subjects, and that user cannot publish for another worker; no user, no connection.
+
+#![allow(clippy::unwrap_used)]
+
+mod harness;
+
+use std::time::Duration;
+
+use harness::{Cluster, Engine, EngineOptions, Nats, NodeOptions, eventually};
+
+/// The node's user may do anything; `bridge-w1` may publish only worker `w1` of pool `gpu`'s
+/// subjects (and the JetStream API calls a bridge makes), and hear only its own replies.
+fn server_config() -> String {
+    let w1 = [
+        "kvplane.kv.gpu.w1",
+        "kvplane.kv.gpu.w1.>",
+        "kvplane.metrics.gpu.w1",
+        "kvplane.worker.gpu.w1",
+        "$JS.API.STREAM.INFO.KVPLANE",
+        "$JS.API.STREAM.MSG.GET.KVPLANE",
+        "$JS.API.DIRECT.GET.KVPLANE.>",
+    ]
+    .map(|s| format!("{s:?}"))
+    .join(", ");
+    format!(
+        "accounts {{\n  KV {{\n    jetstream: enabled\n    users: [\n      {{user: node, password: node-secret}}\n      {{user: bridge-w1, password: w1-secret, permissions: {{publish: {{allow: [{w1}]}}, subscribe: {{allow: [\"_INBOX.>\"]}}}}}}\n    ]\n  }}\n}}\nno_auth_user: \"\"\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_publishes_only_its_own_workers_subjects_and_the_node_connects_as_its_user() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = |name: &str, value: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, format!("{value}\n")).unwrap();
+        p
+    };
+    let node_password = secret("node.password", "node-secret");
+    let w1_password = secret("w1.password", "w1-secret");
+    let nats = Nats::start_configured(&server_config());
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: sim-8b, blockSize: 16}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_on(
+        nats,
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies),
+            pools: vec![],
+            extra_toml: format!(
+                "[nats]\nuser = \"node\"\npassword_file = {:?}\n",
+                node_password
+            ),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    eventually("the node is ready", Duration::from_secs(30), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
+
+    // Worker w1's bridge, as its own user: its engine comes up and its cache is indexed.
+    let w1 = Engine::start_with(
+        &dir.path().join("fleet"),
+        &cluster.nats.url(),
+        "w1",
+        &EngineOptions {
+            pool: "gpu".into(),
+            bridge_args: vec![
+                "--nats-user".into(),
+                "bridge-w1".into(),
+                "--nats-password-file".into(),
+                w1_password.display().to_string(),
+            ],
+            ..Default::default()
+        },
+    );
+    harness::wait_workers_up(node, 1).await;
+    let status = node.status().await;
+    assert_eq!(status.workers[0].worker_id, "w1");
+
+    // The same user publishing for worker w2 is refused by the server: nothing arrives.
+    let as_w1 = async_nats::ConnectOptions::new()
+        .user_and_password("bridge-w1".into(), "w1-secret".into())
+        .connect(cluster.nats.url())
+        .await
+        .unwrap();
+    let mut js = async_nats::jetstream::new(as_w1);
+    // A refused publish gets no acknowledgement: waited for 1 s, not the default 5 s.
+    js.set_timeout(Duration::from_secs(1));
+    let forged = js
+        .publish(
+            kvplane_ingest::worker_subject("gpu", "w2"),
+            br#"{"status":"up","address":"http://evil:8000"}"#.to_vec().into(),
+        )
+        .await;
+    let refused = match forged {
+        Err(e) => e.to_string(),
+        Ok(ack) => match ack.await {
+            Err(e) => e.to_string(),
+            Ok(a) => panic!("the server stored a forged announcement: {a:?}"),
+        },
+    };
+    assert!(!refused.is_empty());
+    // Its own subject still goes through, with the acknowledgement it is owed.
+    js.publish(
+        kvplane_ingest::worker_subject("gpu", "w1"),
+        br#"{"status":"up","address":"http://w1-again:8000"}"#
+            .to_vec()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    eventually(
+        "w1's own announcement applies",
+        Duration::from_secs(20),
+        || async {
+            let s = node.status().await;
+            s.workers
+                .iter()
+                .any(|w| w.worker_id == "w1" && w.address == "http://w1-again:8000")
+                .then_some(())
+        },
+    )
+    .await;
+    let s = node.status().await;
+    assert!(
+        s.workers.iter().all(|w| w.worker_id != "w2"),
+        "no forged worker: {:?}",
+        s.workers
+    );
+
+    // Without a user, or with a wrong password, no connection at all.
+    for o in [
+        async_nats::ConnectOptions::new(),
+        async_nats::ConnectOptions::new().user_and_password("node".into(), "wrong".into()),
+    ] {
+        let c = tokio::time::timeout(Duration::from_secs(2), o.connect(cluster.nats.url())).await;
+        assert!(
+            !matches!(c, Ok(Ok(_))),
+            "nats-server accepted a connection without its user's password"
+        );
+    }
+    drop(w1);
+}
