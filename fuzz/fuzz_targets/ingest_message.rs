@@ -4,7 +4,9 @@
 //! may panic; a rejection (of the message, or of the entry by the state) is a value.
 #![no_main]
 
-use kvplane_state::{Command, Entry, IngestBatch, Owner, POOL_KIND, PoolConfig, StateMachine};
+use kvplane_state::{
+    Command, Entry, IngestBatch, IngestPayload, KvEvent, Owner, POOL_KIND, PoolConfig, StateMachine,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -16,13 +18,24 @@ fuzz_target!(|data: &[u8]| {
     let Ok(c) = kvplane_ingest::convert(1 << 20, 1, &subject, payload) else {
         return;
     };
+    // The pool's block size is the batch's own (vLLM's fixtures use 4 and 16): a mismatch would
+    // stop every stored block before the index.
+    let block_size = match &c.item.payload {
+        IngestPayload::Kv(b) => b.events.iter().find_map(|e| match e {
+            KvEvent::Stored { block_size, .. } | KvEvent::StoredBlocks { block_size, .. } => {
+                Some(*block_size).filter(|b| *b > 0)
+            }
+            _ => None,
+        }),
+        _ => None,
+    };
     let mut sm = StateMachine::new();
     let pool = Command::ConfigPut {
         owner: Some(Owner::Admin),
         kind: POOL_KIND.into(),
         name: c.item.pool.clone(),
         value: PoolConfig {
-            block_size: 16,
+            block_size: block_size.unwrap_or(16),
             models: Vec::new(),
             lora_adapters: Vec::new(),
         }

@@ -40,17 +40,42 @@ pub enum NatsAuthError {
 }
 
 impl NatsAuth {
-    /// Every problem with these settings (`prefix` names where they come from).
-    pub fn problems(&self, prefix: &str) -> Vec<String> {
+    /// Every problem with these settings, each setting named by `name` (a config key or a
+    /// flag): pairs that go together, files that cannot be read.
+    pub fn problems(&self, name: impl Fn(&'static str) -> String) -> Vec<String> {
         let mut p = Vec::new();
         if self.user.is_some() != self.password_file.is_some() {
-            p.push(format!("{prefix}: user and password_file go together"));
+            p.push(format!(
+                "{} and {} go together",
+                name("user"),
+                name("password_file")
+            ));
+        }
+        if self.user.as_deref() == Some("") {
+            p.push(format!("{} must not be empty", name("user")));
         }
         if self.creds_file.is_some() && self.user.is_some() {
-            p.push(format!("{prefix}: a creds_file or a user, not both"));
+            p.push(format!(
+                "{} or {}, not both",
+                name("creds_file"),
+                name("user")
+            ));
         }
         if self.cert.is_some() != self.key.is_some() {
-            p.push(format!("{prefix}: cert and key go together"));
+            p.push(format!("{} and {} go together", name("cert"), name("key")));
+        }
+        for (key, path) in [
+            ("creds_file", &self.creds_file),
+            ("password_file", &self.password_file),
+            ("ca", &self.ca),
+            ("cert", &self.cert),
+            ("key", &self.key),
+        ] {
+            if let Some(path) = path
+                && let Err(e) = std::fs::File::open(path)
+            {
+                p.push(format!("{} {}: {e}", name(key), path.display()));
+            }
         }
         p
     }
@@ -81,8 +106,40 @@ impl NatsAuth {
             o = o.add_root_certificates(ca.clone()).require_tls(true);
         }
         if let (Some(cert), Some(key)) = (&self.cert, &self.key) {
-            o = o.add_client_certificate(cert.clone(), key.clone());
+            // A client certificate is for TLS: never sent over plaintext by mistake.
+            o = o
+                .add_client_certificate(cert.clone(), key.clone())
+                .require_tls(true);
         }
         Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_problem_is_named_by_the_callers_own_names() {
+        let a = NatsAuth {
+            creds_file: Some("/nonexistent/node.creds".into()),
+            user: Some(String::new()),
+            password_file: None,
+            ca: None,
+            cert: Some("/nonexistent/tls.crt".into()),
+            key: None,
+        };
+        let p = a.problems(|k| format!("nats.{k}"));
+        for want in [
+            "nats.user and nats.password_file go together",
+            "nats.user must not be empty",
+            "nats.creds_file or nats.user, not both",
+            "nats.cert and nats.key go together",
+            "nats.creds_file /nonexistent/node.creds: ",
+            "nats.cert /nonexistent/tls.crt: ",
+        ] {
+            assert!(p.iter().any(|x| x.starts_with(want)), "{want}: {p:#?}");
+        }
+        assert!(NatsAuth::default().problems(|k| k.to_owned()).is_empty());
     }
 }

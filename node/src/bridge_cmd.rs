@@ -96,6 +96,25 @@ pub async fn bridge(
     if a.scrape_interval_ms == 0 {
         problems.push("scrape-interval-ms must be at least 1".into());
     }
+    let nats_auth = kvplane_ingest::NatsAuth {
+        creds_file: a.nats_creds,
+        user: a.nats_user,
+        password_file: a.nats_password_file,
+        ca: a.nats_ca,
+        cert: a.nats_cert,
+        key: a.nats_key,
+    };
+    problems.extend(nats_auth.problems(|key| {
+        match key {
+            "creds_file" => "--nats-creds",
+            "password_file" => "--nats-password-file",
+            "user" => "--nats-user",
+            "ca" => "--nats-ca",
+            "cert" => "--nats-cert",
+            _ => "--nats-key",
+        }
+        .to_owned()
+    }));
     if !problems.is_empty() {
         anyhow::bail!("invalid bridge arguments:\n  - {}", problems.join("\n  - "));
     }
@@ -134,16 +153,6 @@ pub async fn bridge(
             })
             .await
     });
-    let nats_auth = kvplane_ingest::NatsAuth {
-        creds_file: a.nats_creds,
-        user: a.nats_user,
-        password_file: a.nats_password_file,
-        ca: a.nats_ca,
-        cert: a.nats_cert,
-        key: a.nats_key,
-    };
-    let problems = nats_auth.problems("--nats-*");
-    anyhow::ensure!(problems.is_empty(), "{}", problems.join("; "));
     let cfg = BridgeConfig {
         pool: a.pool,
         worker: a.worker,

@@ -364,7 +364,7 @@ impl Config {
         {
             p.push("tls.reload_ms must be at least 1".into());
         }
-        p.extend(self.nats.problems("nats"));
+        p.extend(self.nats.problems(|key| format!("nats.{key}")));
         p.extend(self.cost.problems());
         p.extend(self.picker.problems());
         if self.policy_poll_ms == 0 {

@@ -20,7 +20,6 @@ fn server_config() -> String {
         "kvplane.worker.gpu.w1",
         "$JS.API.STREAM.INFO.KVPLANE",
         "$JS.API.STREAM.MSG.GET.KVPLANE",
-        "$JS.API.DIRECT.GET.KVPLANE.>",
     ]
     .map(|s| format!("{s:?}"))
     .join(", ");

@@ -37,7 +37,6 @@ impl TestFleet {
         Self::with_documents(Documents::read(&[dir.into()]).unwrap())
     }
 
-    /// A fleet under these policy documents (YAML).
     /// The policies in `dir`, with `workers` up in every worker set.
     pub fn with_policies_up(dir: &str, workers: &[&str]) -> Self {
         let mut f = Self::with_policies(dir);
@@ -55,6 +54,7 @@ impl TestFleet {
         f
     }
 
+    /// A fleet under these policy documents (YAML).
     pub fn with_yaml(yaml: &str) -> Self {
         let mut docs = Documents::default();
         docs.add_file("test.yaml", yaml);
