@@ -50,6 +50,8 @@ pub struct AdminService {
     state: StateHandle,
     node: NodeInfo,
     escrow: Option<Arc<crate::Escrow>>,
+    limits: crate::Limits,
+    metrics: Option<Arc<crate::ApiMetrics>>,
 }
 
 impl AdminService {
@@ -58,6 +60,43 @@ impl AdminService {
             state,
             node,
             escrow: None,
+            limits: crate::Limits::default(),
+            metrics: None,
+        }
+    }
+
+    /// Bounds on a written config object, each hit counted in `metrics`.
+    pub fn with_limits(mut self, limits: crate::Limits, metrics: Arc<crate::ApiMetrics>) -> Self {
+        self.limits = limits;
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// A config object over the limits: refused before it reaches the log.
+    fn check_object(&self, r: &PutConfigRequest) -> Result<(), Status> {
+        let l = &self.limits;
+        let over = [
+            ("name_bytes", "kind", r.kind.len(), l.name_bytes),
+            ("name_bytes", "name", r.name.len(), l.name_bytes),
+            (
+                "config_object_bytes",
+                "value",
+                r.value.len(),
+                l.config_object_bytes,
+            ),
+        ]
+        .into_iter()
+        .find(|(_, _, found, limit)| found > limit);
+        match over {
+            None => Ok(()),
+            Some((limit_name, field, found, limit)) => {
+                if let Some(m) = &self.metrics {
+                    m.limit_hit(limit_name);
+                }
+                Err(Status::invalid_argument(format!(
+                    "the config object's {field} is {found} bytes, over the limit of {limit} (limits.{limit_name})"
+                )))
+            }
         }
     }
 
@@ -199,6 +238,7 @@ impl pb::admin_server::Admin for AdminService {
                 "a config object needs a kind and a name",
             ));
         }
+        self.check_object(&r)?;
         self.write(Command::ConfigPut {
             owner: Some(kvplane_state::Owner::Admin),
             kind: r.kind,

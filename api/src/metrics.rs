@@ -17,6 +17,11 @@ struct FilterLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabel {
+    limit: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TagLabel {
     source: &'static str,
 }
@@ -30,6 +35,7 @@ pub struct ApiMetrics {
     filtered: Family<FilterLabel, Counter>,
     tags: Family<TagLabel, Counter>,
     picker: Family<OutcomeLabel, Counter>,
+    limits: Family<LimitLabel, Counter>,
 }
 
 impl Default for ApiMetrics {
@@ -42,6 +48,7 @@ impl Default for ApiMetrics {
             filtered: Family::default(),
             tags: Family::default(),
             picker: Family::default(),
+            limits: Family::default(),
         }
     }
 }
@@ -91,6 +98,14 @@ impl ApiMetrics {
                 let _created = family.get_or_create(&OutcomeLabel { outcome });
             }
         }
+        for &limit in crate::limits::LIMIT_NAMES {
+            let _created = self.limits.get_or_create(&LimitLabel { limit });
+        }
+        registry.register(
+            "kvplane_limit_hits",
+            "Calls refused (or, for in_flight_requests, requests forgotten) for going over a [limits] bound, by the bound's name",
+            self.limits.clone(),
+        );
         registry.register(
             "kvplane_route_decisions",
             "Route decisions, by outcome (routed or the rejection code)",
@@ -121,6 +136,11 @@ impl ApiMetrics {
             "Requests through the Envoy endpoint picker, by outcome (routed, provider, the refusal, unavailable, served_elsewhere: the proxy reported another endpoint served)",
             self.picker.clone(),
         );
+    }
+
+    /// Counts one call over the bound `limit` (a [`crate::limits::LIMIT_NAMES`] name).
+    pub fn limit_hit(&self, limit: &'static str) {
+        self.limits.get_or_create(&LimitLabel { limit }).inc();
     }
 
     /// Counts the filters that removed candidates and the sources of the tags of a decision.

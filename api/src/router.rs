@@ -32,6 +32,7 @@ pub struct RouterService {
     pub(crate) tokenizers: Arc<crate::Tokenizers>,
     forwarder: Option<Arc<crate::usage_forward::Forwarder>>,
     access: Option<crate::Access>,
+    pub(crate) limits: crate::Limits,
 }
 
 impl RouterService {
@@ -48,7 +49,18 @@ impl RouterService {
             tokenizers: Arc::default(),
             forwarder: None,
             access: None,
+            limits: crate::Limits::default(),
         }
+    }
+
+    /// Bounds on what a call may carry (and on the requests remembered as routed).
+    pub fn with_limits(mut self, limits: crate::Limits) -> Self {
+        self.limits = limits;
+        self.usage = Arc::new(
+            UsageBook::new(limits.in_flight_requests, Duration::from_secs(600))
+                .counting(self.metrics.clone()),
+        );
+        self
     }
 
     /// A cluster member: Route answers name this replica (`routed_by`), and a report for a

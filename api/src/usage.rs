@@ -43,6 +43,8 @@ pub(crate) struct UsageBook {
     inner: Mutex<HashMap<String, Routed>>,
     capacity: usize,
     ttl: Duration,
+    /// Counts the entries forgotten for room (`limits.in_flight_requests`).
+    metrics: Option<std::sync::Arc<crate::ApiMetrics>>,
 }
 
 impl UsageBook {
@@ -51,7 +53,14 @@ impl UsageBook {
             inner: Mutex::new(HashMap::new()),
             capacity,
             ttl,
+            metrics: None,
         }
+    }
+
+    /// Counts each fresh entry forgotten for room in `kvplane_limit_hits_total`.
+    pub(crate) fn counting(mut self, metrics: std::sync::Arc<crate::ApiMetrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     pub(crate) fn insert(&self, request_id: &str, routed: Routed) {
@@ -66,6 +75,9 @@ impl UsageBook {
                 // Still full of fresh entries: forget the oldest.
                 if let Some(oldest) = map.iter().min_by_key(|(_, r)| r.at).map(|(k, _)| k.clone()) {
                     map.remove(&oldest);
+                    if let Some(m) = &self.metrics {
+                        m.limit_hit("in_flight_requests");
+                    }
                 }
             }
         }

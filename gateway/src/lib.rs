@@ -23,7 +23,7 @@ mod secrets;
 mod target;
 
 pub use metrics::GatewayMetrics;
-pub use proxy::{GatewayConfig, GatewayError, MAX_BODY_BYTES, Strategy, run};
+pub use proxy::{GatewayConfig, GatewayError, Strategy, run};
 pub use replicas::Replicas;
 pub use secrets::{SecretError, Secrets};
 

@@ -11,8 +11,22 @@ pub(crate) struct StatusLabel {
     pub(crate) status: u16,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct LimitLabel {
+    pub(crate) limit: &'static str,
+}
+
+/// The gateway's bounds, as `kvplane_gateway_limit_hits_total{limit}` names them.
+pub(crate) const LIMITS: &[&str] = &[
+    "body_bytes",
+    "body_read_ms",
+    "http_headers",
+    "http_header_read_ms",
+];
+
 #[derive(Debug)]
 pub struct GatewayMetrics {
+    pub(crate) limits: Family<LimitLabel, Counter>,
     pub(crate) requests: Family<StatusLabel, Counter>,
     pub(crate) route_seconds: Histogram,
     pub(crate) ttft_seconds: Histogram,
@@ -23,6 +37,7 @@ pub struct GatewayMetrics {
 impl Default for GatewayMetrics {
     fn default() -> Self {
         Self {
+            limits: Family::default(),
             requests: Family::default(),
             route_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
             ttft_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
@@ -33,7 +48,20 @@ impl Default for GatewayMetrics {
 }
 
 impl GatewayMetrics {
+    /// Counts one request or connection ended by the bound `limit` (one of [`LIMITS`]).
+    pub(crate) fn limit_hit(&self, limit: &'static str) {
+        self.limits.get_or_create(&LimitLabel { limit }).inc();
+    }
+
     pub fn register(&self, r: &mut Registry) {
+        for &limit in LIMITS {
+            let _created = self.limits.get_or_create(&LimitLabel { limit });
+        }
+        r.register(
+            "kvplane_gateway_limit_hits",
+            "Requests refused, or connections closed, for going over a bound (--max-body-bytes, --body-read-ms, --max-headers or --max-header-bytes, --header-read-ms)",
+            self.limits.clone(),
+        );
         r.register(
             "kvplane_gateway_requests",
             "Requests answered, by HTTP status",

@@ -56,6 +56,14 @@ pub struct GatewayConfig {
     /// How long a target may take to answer a request's headers (an engine answering a
     /// request that is not streamed sends them at its end).
     pub headers_timeout: std::time::Duration,
+    /// TLS on the listener (clients see this certificate); `None`: plaintext.
+    pub listen_tls: Option<kvplane_tls::Tls>,
+    /// What a client may send before its request is read: headers and how long they take.
+    pub http: kvplane_tls::HttpSection,
+    /// The largest request body taken (larger: 413).
+    pub max_body_bytes: usize,
+    /// How long a client may take to send a request's body after its headers (longer: 408).
+    pub body_read: std::time::Duration,
 }
 
 /// Why the gateway cannot start.
@@ -83,6 +91,8 @@ struct Inner {
     tenant_header: String,
     secrets: Secrets,
     headers_timeout: std::time::Duration,
+    max_body_bytes: usize,
+    body_read: std::time::Duration,
     http: reqwest::Client,
     metrics: GatewayMetrics,
     registry: Registry,
@@ -126,6 +136,8 @@ pub async fn run(
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
         secrets: cfg.secrets,
         headers_timeout: cfg.headers_timeout,
+        max_body_bytes: cfg.max_body_bytes,
+        body_read: cfg.body_read,
         http,
         metrics,
         registry,
@@ -141,32 +153,23 @@ pub async fn run(
         .route("/readyz", get(readyz))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(echo_request_id))
-        .with_state(app);
+        .with_state(app.clone());
     // On the shutdown signal: no new connections; requests in flight get `drain` to finish.
-    let (stopping, mut stopped) = tokio::sync::watch::channel(false);
-    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-        shutdown.await;
-        let _ = stopping.send(true);
-    });
-    let drain = cfg.drain;
-    tokio::select! {
-        r = serve => r?,
-        () = async {
-            let _ = stopped.wait_for(|s| *s).await;
-            tokio::time::sleep(drain).await;
-        } => {
-            tracing::warn!(drain_s = drain.as_secs_f64(), "requests still open at the drain deadline: cut");
-        }
-    }
+    kvplane_tls::serve_http(
+        listener,
+        cfg.listen_tls,
+        router,
+        cfg.http,
+        Arc::new(move |limit| app.0.metrics.limit_hit(limit)),
+        shutdown,
+        cfg.drain,
+    )
+    .await;
     Ok(())
 }
 
-/// The largest request body taken (a larger one is refused with 413).
-pub const MAX_BODY_BYTES: usize = 16 << 20;
-
-type Body_ = Result<Bytes, axum::extract::rejection::BytesRejection>;
+type Body_ = axum::body::Body;
 
 async fn completions(State(app): State<App>, headers: HeaderMap, body: Body_) -> Response {
     app.post("/v1/completions", headers, body).await
@@ -587,24 +590,47 @@ impl App {
         }))
     }
 
-    /// A POST whose body could not be read (too large, cut off) is refused in OpenAI's shape.
+    /// A POST whose body could not be read (too large, too slow, cut off) is refused in
+    /// OpenAI's shape.
     async fn post(&self, path: &str, headers: HeaderMap, body: Body_) -> Response {
-        match body {
-            Ok(b) => self.forward(path, headers, b).await,
-            Err(e) => {
-                let (code, msg) = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        let limit = self.0.max_body_bytes;
+        let read = axum::body::to_bytes(body, limit);
+        let (status, code, msg) = match tokio::time::timeout(self.0.body_read, read).await {
+            Ok(Ok(b)) => return self.forward(path, headers, b).await,
+            Ok(Err(e)) => {
+                let e = e.into_inner();
+                if e.downcast_ref::<http_body_util::LengthLimitError>()
+                    .is_some()
+                {
+                    self.0.metrics.limit_hit("body_bytes");
                     (
+                        StatusCode::PAYLOAD_TOO_LARGE,
                         "request_too_large",
-                        format!("the request body is over {MAX_BODY_BYTES} bytes"),
+                        format!("the request body is over {limit} bytes (--max-body-bytes)"),
                     )
                 } else {
-                    ("invalid_request", e.body_text())
-                };
-                let r = error_response(e.status(), code, &msg, 0);
-                self.answered("POST", path, "", Instant::now(), &r);
-                r
+                    (
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request",
+                        format!("the request body could not be read: {e}"),
+                    )
+                }
             }
-        }
+            Err(_) => {
+                self.0.metrics.limit_hit("body_read_ms");
+                (
+                    StatusCode::REQUEST_TIMEOUT,
+                    "request_timeout",
+                    format!(
+                        "the request body did not arrive within {} ms (--body-read-ms)",
+                        self.0.body_read.as_millis()
+                    ),
+                )
+            }
+        };
+        let r = error_response(status, code, &msg, 0);
+        self.answered("POST", path, "", Instant::now(), &r);
+        r
     }
 
     async fn forward(&self, path: &str, headers: HeaderMap, body: Bytes) -> Response {

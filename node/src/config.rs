@@ -56,6 +56,8 @@ pub struct Config {
     pub grpc_listen: String,
     /// HTTP address for `/metrics`, `/healthz` and `/readyz`. Port 0 picks a free port.
     pub http_listen: String,
+    /// The HTTP port's bounds, and whether it stays plaintext beside a `[tls]` gRPC port.
+    pub http: kvplane_tls::HttpSection,
     pub nats_url: String,
     /// Credentials and TLS for NATS (absent: anonymous, plaintext).
     pub nats: kvplane_ingest::NatsAuth,
@@ -92,6 +94,9 @@ pub struct Config {
     pub tls: Option<kvplane_tls::TlsSection>,
     /// Who holds every right whatever the replicated `AccessPolicy` objects say (with `[tls]`).
     pub access: AccessSection,
+    /// Bounds on what a caller may send (message, body and name sizes, tags, headers, call
+    /// time, requests remembered in flight); each hit counted in `kvplane_limit_hits_total`.
+    pub limits: kvplane_api::Limits,
 }
 
 /// `[access]`: identities (a client certificate's URI name, else its DNS name; a trailing `*`
@@ -176,6 +181,7 @@ impl Default for Config {
             data_dir: PathBuf::from("./kvplane-data"),
             grpc_listen: "127.0.0.1:7070".into(),
             http_listen: "127.0.0.1:7071".into(),
+            http: kvplane_tls::HttpSection::default(),
             nats_url: "nats://127.0.0.1:4222".into(),
             nats: kvplane_ingest::NatsAuth::default(),
             log_format: LogFormat::Text,
@@ -192,6 +198,7 @@ impl Default for Config {
             quota: QuotaSection::default(),
             tls: None,
             access: AccessSection::default(),
+            limits: kvplane_api::Limits::default(),
         }
     }
 }
@@ -367,6 +374,8 @@ impl Config {
         p.extend(self.nats.problems(|key| format!("nats.{key}")));
         p.extend(self.cost.problems());
         p.extend(self.picker.problems());
+        p.extend(self.limits.problems());
+        p.extend(self.http.problems(|k| format!("http.{k}")));
         if self.policy_poll_ms == 0 {
             p.push("policy_poll_ms must be at least 1".into());
         }

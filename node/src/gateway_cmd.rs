@@ -43,6 +43,26 @@ pub struct GatewayArgs {
     /// is not streamed gets them at its end).
     #[arg(long, default_value_t = 600)]
     pub upstream_timeout_seconds: u64,
+    /// Serve clients over TLS with the certificate in this directory (`tls.crt`, `tls.key`,
+    /// `ca.crt`: a cert-manager secret's layout; read again when renewed). Without it:
+    /// plaintext.
+    #[arg(long, env = "KVPLANE_LISTEN_TLS_DIR", value_name = "DIR")]
+    pub listen_tls_dir: Option<std::path::PathBuf>,
+    /// The largest request body taken; larger: 413.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
+    /// How long a client may take to send a request's body; longer: 408.
+    #[arg(long, default_value_t = 30_000)]
+    pub body_read_ms: u64,
+    /// Bytes of a request's start line and headers; more: 431 and the connection closed.
+    #[arg(long, default_value_t = kvplane_tls::HttpSection::default().header_bytes)]
+    pub max_header_bytes: usize,
+    /// Headers of one request; more: 431 and the connection closed.
+    #[arg(long, default_value_t = kvplane_tls::HttpSection::default().headers)]
+    pub max_headers: usize,
+    /// A client that has not sent a request's head this long after it began is dropped.
+    #[arg(long, default_value_t = kvplane_tls::HttpSection::default().header_read_ms)]
+    pub header_read_ms: u64,
 }
 
 pub async fn gateway(
@@ -66,6 +86,37 @@ pub async fn gateway(
         ),
         None => None,
     };
+    let http = kvplane_tls::HttpSection {
+        plaintext: false,
+        header_bytes: a.max_header_bytes,
+        headers: a.max_headers,
+        header_read_ms: a.header_read_ms,
+    };
+    let mut problems = http.problems(|k| match k {
+        "header_bytes" => "--max-header-bytes".into(),
+        "headers" => "--max-headers".into(),
+        _ => "--header-read-ms".into(),
+    });
+    if a.max_body_bytes == 0 {
+        problems.push("--max-body-bytes must be at least 1".into());
+    }
+    if a.body_read_ms == 0 {
+        problems.push("--body-read-ms must be at least 1".into());
+    }
+    if !problems.is_empty() {
+        anyhow::bail!("invalid arguments:\n  - {}", problems.join("\n  - "));
+    }
+    let listen_tls = match &a.listen_tls_dir {
+        Some(dir) => Some(
+            kvplane_tls::Tls::load(
+                &kvplane_tls::TlsSection::in_dir(dir),
+                kvplane_tls::TlsMetrics::default(),
+            )
+            .with_context(|| format!("cannot use the TLS files in {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let _listen_renewals = listen_tls.as_ref().map(kvplane_tls::Tls::watch);
     let listener = tokio::net::TcpListener::bind(&a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
@@ -80,6 +131,10 @@ pub async fn gateway(
             ca_pem,
             drain: std::time::Duration::from_secs(a.drain_seconds),
             headers_timeout: std::time::Duration::from_secs(a.upstream_timeout_seconds),
+            listen_tls,
+            http,
+            max_body_bytes: a.max_body_bytes,
+            body_read: std::time::Duration::from_millis(a.body_read_ms),
         },
         listener,
         shutdown,

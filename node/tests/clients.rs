@@ -113,7 +113,7 @@ async fn the_openai_sdk_and_grpcio_work_against_kvplane_as_against_any_server() 
             client
                 .post(format!("{base}/v1/chat/completions"))
                 .header("content-type", "application/json")
-                .body(vec![b' '; kvplane_gateway::MAX_BODY_BYTES + 1]),
+                .body(vec![b' '; (16 << 20) + 1]),
             413,
             "request_too_large",
         ),

@@ -205,6 +205,9 @@ pub struct Node {
     starts: u32,
     /// How the test's clients reach it.
     pub dialer: kvplane_tls::Dialer,
+    /// Its HTTP port's client: `https`, trusting the test CA, when the node has TLS.
+    http_client: reqwest::Client,
+    https: bool,
 }
 
 impl Node {
@@ -290,6 +293,14 @@ impl Node {
                 .tls
                 .as_ref()
                 .map_or_else(kvplane_tls::Dialer::plain, crate::pki::NodeTls::dialer),
+            // Trusting what the test's gRPC clients trust.
+            http_client: http_client(
+                o.tls
+                    .as_ref()
+                    .map(|t| t.client.as_ref().unwrap_or(&t.dir).join("ca.crt"))
+                    .as_deref(),
+            ),
+            https: o.tls.is_some() && !o.extra_toml.contains("plaintext = true"),
         };
         node.spawn();
         node
@@ -427,9 +438,18 @@ impl Node {
         .await
     }
 
+    /// The URL of `path` on its HTTP port (`https` when the node has TLS there).
+    pub fn http_url(&self, path: &str) -> String {
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}{path}", self.http.port())
+    }
+
     /// `/readyz`: its status code and body.
     pub async fn readyz(&self) -> (u16, String) {
-        let r = reqwest::get(format!("http://{}/readyz", self.http))
+        let r = self
+            .http_client
+            .get(self.http_url("/readyz"))
+            .send()
             .await
             .unwrap();
         (r.status().as_u16(), r.text().await.unwrap())
@@ -437,17 +457,13 @@ impl Node {
 
     /// `/metrics` text.
     pub async fn metrics(&self) -> String {
-        let addr = self.http;
-        tokio::task::spawn_blocking(move || {
-            use std::io::{Read, Write};
-            let mut s = TcpStream::connect(addr).unwrap();
-            write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).unwrap();
-            out
-        })
-        .await
-        .unwrap()
+        let r = self
+            .http_client
+            .get(self.http_url("/metrics"))
+            .send()
+            .await
+            .unwrap();
+        r.text().await.unwrap()
     }
 }
 
@@ -842,6 +858,18 @@ impl Engine {
         let url = format!("http://{}/metrics", self.bridge.field("http"));
         metric_value(&http_get(&url).await, name)
     }
+}
+
+/// An HTTP client trusting the CA in `ca` (a PEM file) besides nothing else.
+fn http_client(ca: Option<&Path>) -> reqwest::Client {
+    let mut b = reqwest::Client::builder().use_rustls_tls();
+    if let Some(ca) = ca {
+        let pem = std::fs::read(ca).unwrap();
+        for c in reqwest::Certificate::from_pem_bundle(&pem).unwrap() {
+            b = b.add_root_certificate(c);
+        }
+    }
+    b.build().unwrap()
 }
 
 pub async fn http_get(url: &str) -> String {

@@ -104,6 +104,24 @@ const MAX_HANDSHAKES: usize = 512;
 /// no one else; failed handshakes (a plaintext caller's too) are counted and dropped. Accepting
 /// stops when the stream is dropped.
 pub fn incoming(listener: TcpListener, tls: Option<Tls>) -> ReceiverStream<io::Result<Conn>> {
+    accept(listener, tls, Protocol::H2)
+}
+
+/// What a listener's TLS handshake offers (ALPN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// gRPC.
+    H2,
+    /// The HTTP listeners ([`crate::serve_http`]).
+    Http1,
+}
+
+/// [`incoming`], offering `protocol`.
+pub(crate) fn accept(
+    listener: TcpListener,
+    tls: Option<Tls>,
+    protocol: Protocol,
+) -> ReceiverStream<io::Result<Conn>> {
     let (tx, rx) = mpsc::channel(64);
     let handshakes = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     tokio::spawn(async move {
@@ -143,7 +161,10 @@ pub fn incoming(listener: TcpListener, tls: Option<Tls>) -> ReceiverStream<io::R
             };
             tokio::spawn(async move {
                 let _permit = permit;
-                let acceptor = TlsAcceptor::from(tls.server_config());
+                let acceptor = TlsAcceptor::from(match protocol {
+                    Protocol::H2 => tls.server_config(),
+                    Protocol::Http1 => tls.http1_server_config(),
+                });
                 let shake = tokio::time::timeout(tls.handshake_timeout(), acceptor.accept(tcp));
                 let stream = match shake.await {
                     Ok(Ok(s)) => s,

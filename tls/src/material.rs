@@ -111,6 +111,8 @@ impl rustls::client::danger::ServerCertVerifier for CheckedVerifier {
 #[derive(Debug)]
 pub(crate) struct Configs {
     pub server: Arc<ServerConfig>,
+    /// The same, offering HTTP/1.1 (the HTTP listeners: gateway, metrics and probes).
+    pub http1_server: Arc<ServerConfig>,
     pub client: Arc<ClientConfig>,
     /// The identity this process's own certificate names.
     pub own: Option<Identity>,
@@ -193,6 +195,8 @@ impl Configs {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(key_pair)?;
+        let mut http1_server = server.clone();
+        http1_server.alpn_protocols = vec![b"http/1.1".to_vec()];
         server.alpn_protocols = vec![ALPN_H2.to_vec()];
         let builder = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
@@ -217,6 +221,7 @@ impl Configs {
         client.alpn_protocols = vec![ALPN_H2.to_vec()];
         Ok(Configs {
             server: Arc::new(server),
+            http1_server: Arc::new(http1_server),
             client: Arc::new(client),
             own,
         })

@@ -113,6 +113,11 @@ impl Tls {
         self.inner.current.load().server.clone()
     }
 
+    /// The server configuration of an HTTP/1.1 listener.
+    pub fn http1_server_config(&self) -> Arc<ServerConfig> {
+        self.inner.current.load().http1_server.clone()
+    }
+
     pub fn client_config(&self) -> Arc<ClientConfig> {
         self.inner.current.load().client.clone()
     }

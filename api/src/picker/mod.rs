@@ -38,7 +38,6 @@ use tonic::{Request, Response, Status, Streaming};
 
 pub use answer::PROVIDER_HEADER;
 pub use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-pub use request::MAX_BODY_BYTES;
 
 use crate::RouterService;
 
@@ -110,9 +109,10 @@ impl EndpointPicker {
         ))
     }
 
-    /// The gRPC service, taking messages as large as a body the picker reads.
+    /// The gRPC service, taking messages up to `limits.grpc_message_bytes`.
     pub fn server(self) -> ExternalProcessorServer<Self> {
-        ExternalProcessorServer::new(self).max_decoding_message_size(MAX_BODY_BYTES + (1 << 20))
+        let max = self.router.limits.grpc_message_bytes;
+        ExternalProcessorServer::new(self).max_decoding_message_size(max)
     }
 }
 

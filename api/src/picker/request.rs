@@ -17,9 +17,6 @@ use super::answer::{self, Refused};
 use super::envoy::{self, header};
 use super::exchange::{Answers, BodyMode, Exchange, Routed, respond, stream_back};
 
-/// At most this much request body is read (a larger one is refused with 413).
-pub const MAX_BODY_BYTES: usize = 16 << 20;
-
 impl Exchange {
     pub(super) fn request_headers(&mut self, h: &HttpHeaders) -> Vec<ProcessingResponse> {
         self.headers = envoy::headers(h);
@@ -48,11 +45,14 @@ impl Exchange {
             // Refused already: the proxy answers the client; nothing more to say.
             return Ok(Vec::new());
         }
-        if self.body.len() + b.body.len() > MAX_BODY_BYTES {
+        // At most `limits.body_bytes` of request body is read (a larger one is refused).
+        let limit = self.router.limits.body_bytes;
+        if self.body.len() + b.body.len() > limit {
+            self.router.metrics.limit_hit("body_bytes");
             return Ok(vec![self.refuse(Refused::new(
                 413,
                 "body_too_large",
-                format!("the request body is over {MAX_BODY_BYTES} bytes"),
+                format!("the request body is over {limit} bytes (limits.body_bytes)"),
             ))]);
         }
         let kib = u32::try_from(b.body.len().div_ceil(1024)).unwrap_or(u32::MAX);

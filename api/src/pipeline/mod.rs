@@ -195,6 +195,11 @@ impl RouterService {
             alternatives: Vec::new(),
             steps: Vec::new(),
         };
+        // 0. bounds: nothing over a limit is read further
+        if let Err(e) = self.limits.check_route(req) {
+            self.metrics.limit_hit(e.name);
+            return d.refuse(Reject::InvalidRequest, e.to_string(), explain);
+        }
         // 1. prompt: what the request says; its tokens once its model resolved
         let fields = match prompt::fields(req) {
             Ok(f) => f,

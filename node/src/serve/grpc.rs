@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kvplane_api::picker::ExternalProcessorServer;
 use kvplane_api::{
     Access, AccessLayer, AdminService, ClusterControl, Consistency, EndpointPicker, Escrow,
-    IngestStatus, NodeInfo, RouterService, Tokenizers, predict::Predictor,
+    IngestStatus, LimitsLayer, NodeInfo, RouterService, Tokenizers, predict::Predictor,
 };
 use kvplane_proto::v1::admin_server::AdminServer;
 use kvplane_proto::v1::router_server::RouterServer;
@@ -34,6 +34,8 @@ pub(super) struct Services {
     pub picker: EndpointPicker,
     pub admin: AdminService,
     pub access: Access,
+    pub limits: LimitsLayer,
+    pub grpc: kvplane_api::Limits,
 }
 
 /// Router, the picker and Admin of this member.
@@ -52,7 +54,8 @@ pub(super) fn services(
         .with_predictor(shared.predictor)
         .with_routed_sink(shared.routed)
         .with_cluster(member.clone() as Arc<dyn ClusterControl>)
-        .with_access(access.clone());
+        .with_access(access.clone())
+        .with_limits(cfg.limits);
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: {
@@ -69,12 +72,16 @@ pub(super) fn services(
             })
         },
     };
-    let admin = AdminService::new(member.handle.clone(), node_info).with_quota(shared.escrow);
+    let admin = AdminService::new(member.handle.clone(), node_info)
+        .with_quota(shared.escrow)
+        .with_limits(cfg.limits, metrics.api.clone());
     Services {
         picker: EndpointPicker::new(router.clone(), cfg.picker),
         router,
         admin,
         access,
+        limits: LimitsLayer::new(&cfg.limits, metrics.api.clone()),
+        grpc: cfg.limits,
     }
 }
 
@@ -111,12 +118,16 @@ pub(super) async fn serve(
             (None, None)
         }
     };
+    let max = services.grpc.grpc_message_bytes;
     let served = tonic::transport::Server::builder()
+        .max_concurrent_streams(services.grpc.grpc_streams_per_connection)
+        .http2_max_header_list_size(services.grpc.grpc_header_bytes)
         .layer(crate::telemetry::GrpcTraceLayer)
+        .layer(services.limits)
         .layer(AccessLayer(services.access))
-        .add_service(RouterServer::new(services.router))
+        .add_service(RouterServer::new(services.router).max_decoding_message_size(max))
         .add_service(services.picker.server())
-        .add_service(AdminServer::new(services.admin))
+        .add_service(AdminServer::new(services.admin).max_decoding_message_size(max))
         .add_service(health)
         .add_optional_service(v1)
         .add_optional_service(v1alpha)

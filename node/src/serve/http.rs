@@ -1,5 +1,6 @@
 //! The HTTP port: `/metrics` (OpenMetrics), `/healthz` (the process runs) and `/readyz` (the
-//! member knows a leader and keeps up).
+//! member knows a leader and keeps up). TLS with the node's `[tls]` unless `[http] plaintext`;
+//! bounded by `[http]` (a client's headers and how long it may take to send them).
 
 use std::sync::Arc;
 
@@ -11,21 +12,31 @@ use tokio::sync::watch;
 
 use super::ready::Ready;
 
+/// What the HTTP port serves and how.
+pub(super) struct HttpPort {
+    pub tls: Option<kvplane_tls::Tls>,
+    pub section: kvplane_tls::HttpSection,
+    /// Where a connection ended by a bound is counted.
+    pub api: Arc<kvplane_api::ApiMetrics>,
+    pub registry: Arc<Registry>,
+    pub ready: Ready,
+}
+
 /// Serves `listener` until `stop`.
-pub(super) async fn serve(
-    listener: TcpListener,
-    registry: Arc<Registry>,
-    ready: Ready,
-    mut stop: watch::Receiver<bool>,
-) {
-    let served = axum::serve(listener, app(registry, ready))
-        .with_graceful_shutdown(async move {
+pub(super) async fn serve(listener: TcpListener, port: HttpPort, mut stop: watch::Receiver<bool>) {
+    let api = port.api;
+    kvplane_tls::serve_http(
+        listener,
+        port.tls,
+        app(port.registry, port.ready),
+        port.section,
+        Arc::new(move |limit| api.limit_hit(limit)),
+        async move {
             let _ = stop.wait_for(|s| *s).await;
-        })
-        .await;
-    if let Err(e) = served {
-        tracing::warn!(error = %e, "http server ended with an error");
-    }
+        },
+        std::time::Duration::from_secs(1),
+    )
+    .await;
 }
 
 fn app(registry: Arc<Registry>, ready: Ready) -> axum::Router {

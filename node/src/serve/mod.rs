@@ -79,8 +79,14 @@ pub async fn run(
     tasks.spawn_critical("grpc", |stop| {
         grpc::serve(grpc, tls, services, member, r, stop)
     });
-    let registry = p.registry.clone();
-    tasks.spawn_critical("http", |stop| http::serve(http, registry, ready, stop));
+    let port = http::HttpPort {
+        tls: p.tls.clone(),
+        section: p.cfg.http,
+        api: p.metrics.api.clone(),
+        registry: p.registry.clone(),
+        ready,
+    };
+    tasks.spawn_critical("http", |stop| http::serve(http, port, stop));
 
     let applied_index = p.member.handle.load().applied_index;
     tracing::info!(node_id = p.cfg.node_id, grpc = %bound.grpc, http = %bound.http, applied_index, "kvplane node serving");

@@ -1,0 +1,125 @@
+//! Stated bounds on what a caller may send the routing service: the `[limits]` section of a
+//! node's config. Each bound has a safe default; a request over one is refused with the bound's
+//! name and counted in `kvplane_limit_hits_total{limit}`; nothing else it carried is kept.
+
+mod grpc;
+mod request;
+
+use serde::Deserialize;
+
+pub use grpc::LimitsLayer;
+pub use request::OverLimit;
+
+/// `[limits]`: what one call may carry, and how long a Router call may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// The largest gRPC message a Router, Admin or endpoint-picker call may send (bytes);
+    /// larger: OUT_OF_RANGE before the message is read.
+    pub grpc_message_bytes: usize,
+    /// Calls one HTTP/2 connection may have open at once on the gRPC port (the connection's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`: a client waits for a slot).
+    pub grpc_streams_per_connection: u32,
+    /// Header bytes of one gRPC call (HTTP/2 `SETTINGS_MAX_HEADER_LIST_SIZE`).
+    pub grpc_header_bytes: u32,
+    /// A Router call (Route, Explain, ReportUsage, Models) still unanswered after this long
+    /// ends with DEADLINE_EXCEEDED (milliseconds).
+    pub route_call_ms: u64,
+    /// Tags a Route request may name.
+    pub tags: usize,
+    /// Bytes of one tag.
+    pub tag_bytes: usize,
+    /// Bytes of a request id, tenant, model or cache salt.
+    pub name_bytes: usize,
+    /// Headers a Route request may pass on.
+    pub headers: usize,
+    /// Bytes of one header (name and value).
+    pub header_bytes: usize,
+    /// Bytes of a request body (Route and the endpoint picker).
+    pub body_bytes: usize,
+    /// Prompt token ids a Route request may carry.
+    pub token_ids: usize,
+    /// Endpoints a Route request's subset may list.
+    pub endpoint_subset: usize,
+    /// Bytes of one config object written through `Admin.PutConfig`.
+    pub config_object_bytes: usize,
+    /// Requests this replica remembers as routed and not yet reported; past it the oldest is
+    /// forgotten, as one unreported for ten minutes is (its reservation stays charged).
+    pub in_flight_requests: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            grpc_message_bytes: 20 << 20,
+            grpc_streams_per_connection: 1024,
+            grpc_header_bytes: 16 << 10,
+            route_call_ms: 10_000,
+            tags: 32,
+            tag_bytes: 128,
+            name_bytes: 256,
+            headers: 64,
+            header_bytes: 8 << 10,
+            body_bytes: 16 << 20,
+            token_ids: 1 << 20,
+            endpoint_subset: 1024,
+            config_object_bytes: 1 << 20,
+            in_flight_requests: 100_000,
+        }
+    }
+}
+
+/// The names of the bounds, as `kvplane_limit_hits_total{limit}` labels them.
+pub const LIMIT_NAMES: &[&str] = &[
+    "grpc_message_bytes",
+    "route_call_ms",
+    "tags",
+    "tag_bytes",
+    "name_bytes",
+    "headers",
+    "header_bytes",
+    "body_bytes",
+    "token_ids",
+    "endpoint_subset",
+    "config_object_bytes",
+    "in_flight_requests",
+    "http_headers",
+    "http_header_read_ms",
+];
+
+impl Limits {
+    /// Every problem with these limits (each must allow something).
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        let sizes = [
+            ("grpc_message_bytes", self.grpc_message_bytes, 64 << 10),
+            ("tag_bytes", self.tag_bytes, 1),
+            ("name_bytes", self.name_bytes, 64),
+            ("header_bytes", self.header_bytes, 64),
+            ("body_bytes", self.body_bytes, 1024),
+            ("config_object_bytes", self.config_object_bytes, 1024),
+            ("in_flight_requests", self.in_flight_requests, 1),
+        ];
+        for (name, v, least) in sizes {
+            if v < least {
+                p.push(format!("limits.{name} must be at least {least}"));
+            }
+        }
+        if self.grpc_streams_per_connection == 0 {
+            p.push("limits.grpc_streams_per_connection must be at least 1".into());
+        }
+        if self.grpc_header_bytes < 1024 {
+            p.push("limits.grpc_header_bytes must be at least 1024".into());
+        }
+        if self.route_call_ms == 0 {
+            p.push("limits.route_call_ms must be at least 1".into());
+        }
+        if self.body_bytes + (1 << 20) > self.grpc_message_bytes {
+            p.push(format!(
+                "limits.grpc_message_bytes ({}) must exceed limits.body_bytes ({}) by 1 MiB: a Route message carries the body",
+                self.grpc_message_bytes, self.body_bytes
+            ));
+        }
+        p
+    }
+}

@@ -1,0 +1,140 @@
+//! The HTTP/1.1 listeners (the gateway, a node's metrics and probes): TLS when the process has
+//! a section, and bounds on what a client may send before its request is read.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio_stream::StreamExt;
+
+use crate::Tls;
+use crate::incoming::{Protocol, accept};
+
+/// `[http]` of a node, the gateway's `--http-*` flags: one HTTP listener's bounds, and whether
+/// it stays plaintext beside a TLS gRPC port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSection {
+    /// Plaintext although the process has TLS: for probes and scrapers without the CA (the port
+    /// then serves nothing but metrics and health).
+    pub plaintext: bool,
+    /// Bytes of a request's start line and headers; more: 431 and the connection closed.
+    pub header_bytes: usize,
+    /// Headers of one request; more: 431 and the connection closed.
+    pub headers: usize,
+    /// A client that has not sent a request's whole head this long after it began (or after
+    /// the connection opened) is dropped: a slow client holds no connection longer.
+    pub header_read_ms: u64,
+}
+
+impl Default for HttpSection {
+    fn default() -> Self {
+        Self {
+            plaintext: false,
+            header_bytes: 16 << 10,
+            headers: 64,
+            header_read_ms: 10_000,
+        }
+    }
+}
+
+/// hyper's smallest read buffer: a head limit below it is not kept.
+const MIN_HEADER_BYTES: usize = 8192;
+
+impl HttpSection {
+    /// Every problem with these bounds, each named by `key(field)`.
+    pub fn problems(&self, key: impl Fn(&str) -> String) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.header_bytes < MIN_HEADER_BYTES {
+            p.push(format!(
+                "{} must be at least {MIN_HEADER_BYTES}",
+                key("header_bytes")
+            ));
+        }
+        if self.headers == 0 {
+            p.push(format!("{} must be at least 1", key("headers")));
+        }
+        if self.header_read_ms == 0 {
+            p.push(format!("{} must be at least 1", key("header_read_ms")));
+        }
+        p
+    }
+}
+
+/// Which bound a connection ended on: `http_headers` (too many or too large) or
+/// `http_header_read_ms` (a head that did not come in time).
+pub type OnLimit = Arc<dyn Fn(&'static str) + Send + Sync>;
+
+/// Serves `service` on `listener` (TLS with `tls`, HTTP/1.1) until `shutdown`; connections
+/// still open then get `drain` to finish their requests. Each connection's bounds are
+/// `section`'s; a connection ended by one is reported to `on_limit`.
+pub async fn serve_http<S, B>(
+    listener: TcpListener,
+    tls: Option<Tls>,
+    service: S,
+    section: HttpSection,
+    on_limit: OnLimit,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+) where
+    S: tower::Service<http::Request<Incoming>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let tls = tls.filter(|_| !section.plaintext);
+    let mut conns = accept(listener, tls, Protocol::Http1);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(section.header_read_ms))
+        .max_headers(section.headers)
+        .max_buf_size(section.header_bytes.max(MIN_HEADER_BYTES))
+        .max_header_size(section.header_bytes);
+    tokio::pin!(shutdown);
+    loop {
+        let conn = tokio::select! {
+            c = conns.next() => c,
+            () = &mut shutdown => break,
+        };
+        let Some(Ok(conn)) = conn else {
+            break;
+        };
+        let served = builder.serve_connection(
+            TokioIo::new(conn),
+            hyper_util::service::TowerToHyperService::new(service.clone()),
+        );
+        let served = graceful.watch(served);
+        let on_limit = on_limit.clone();
+        tokio::spawn(async move {
+            if let Err(e) = served.await {
+                if e.is_timeout() {
+                    on_limit("http_header_read_ms");
+                } else if e.is_parse_too_large() {
+                    on_limit("http_headers");
+                }
+                tracing::debug!(error = %e, "http connection ended with an error");
+            }
+        });
+    }
+    drop(conns);
+    if tokio::time::timeout(drain, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            drain_s = drain.as_secs_f64(),
+            "requests still open at the drain deadline: cut"
+        );
+    }
+}
