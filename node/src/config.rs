@@ -73,6 +73,7 @@ pub struct Config {
     pub policy_dir: Option<PathBuf>,
     /// How often the leader rereads `policy_dir`.
     pub policy_poll_ms: u64,
+
     /// Admission against tenant limits.
     pub quota: QuotaSection,
     /// Policy objects as custom resources of the Kubernetes cluster the node runs in.
@@ -193,6 +194,7 @@ impl Default for Config {
             picker: kvplane_api::PickerConfig::default(),
             policy_dir: None,
             policy_poll_ms: 1000,
+
             policy_kubernetes: None,
             kubernetes_engines: None,
             quota: QuotaSection::default(),

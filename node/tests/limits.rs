@@ -234,3 +234,84 @@ async fn the_gateway_serves_clients_over_tls_and_refuses_too_many_headers_and_sl
     let again = client.get(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(again.status().as_u16(), 200);
 }
+
+fn laughs() -> String {
+    let mut doc = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..10 {
+        let p = i - 1;
+        let refs = vec![format!("*a{p}"); 10].join(", ");
+        doc.push_str(&format!("a{i}: &a{i} [{refs}]\n"));
+    }
+    doc
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_file_over_its_bounds_is_a_counted_problem_and_the_catalog_stays() {
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(
+        policies.path().join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: sim-8b}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies.path().to_owned()),
+            pools: vec![],
+            extra_toml: "[limits]\npolicy_file_bytes = 4096\npolicy_document_nodes = 10000\n"
+                .into(),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    let models = || async {
+        let mut r = node.router().await;
+        let m = r
+            .models(kvplane_proto::v1::ModelsRequest::default())
+            .await
+            .unwrap();
+        m.into_inner()
+            .models
+            .into_iter()
+            .map(|m| m.id)
+            .collect::<Vec<_>>()
+    };
+    harness::eventually(
+        "the worker set is applied",
+        Duration::from_secs(20),
+        || async { models().await.contains(&"sim-8b".to_owned()).then_some(()) },
+    )
+    .await;
+    let metric = |m: &str, name: &str| harness::metric_value(m, name);
+    // A document that expands without bound, then a file over the size bound: each read is
+    // refused with the bound named, counted, and the catalog stays as it was.
+    for (file, text, words) in [
+        ("laughs.yaml", laughs(), "more than 10000 nodes"),
+        (
+            "big.yaml",
+            format!("# {}\n", "x".repeat(5000)),
+            "over the limit of 4096",
+        ),
+    ] {
+        let before = metric(
+            &node.metrics().await,
+            "kvplane_policy_source_invalid_reads_total",
+        );
+        std::fs::write(policies.path().join(file), text).unwrap();
+        harness::eventually(
+            "the read is refused, the bound named",
+            Duration::from_secs(20),
+            || async {
+                let m = node.metrics().await;
+                let log = std::fs::read_to_string(node.dir.join("node.1.log")).unwrap();
+                (metric(&m, "kvplane_policy_source_invalid_reads_total") > before
+                    && metric(&m, "kvplane_policy_source_problems") == 1.0
+                    && log.contains(words))
+                .then_some(())
+            },
+        )
+        .await;
+        assert_eq!(models().await, vec!["sim-8b".to_owned()]);
+        std::fs::remove_file(policies.path().join(file)).unwrap();
+    }
+}

@@ -41,16 +41,59 @@ impl std::fmt::Display for Located {
 }
 
 /// Parsed documents, not yet checked against each other.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Documents {
     pub objects: Vec<(Source, Object)>,
     pub problems: Vec<Located>,
+    /// FileBounds on what one file may hold.
+    pub bounds: FileBounds,
+}
+
+impl Default for Documents {
+    fn default() -> Self {
+        Self::bounded(FileBounds::default())
+    }
+}
+
+/// What one policy file may hold: its size, and the YAML nodes one of its documents expands
+/// to with its aliases followed. A file over either is a problem, and none of its documents is
+/// read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileBounds {
+    pub file_bytes: usize,
+    pub document_nodes: usize,
+}
+
+impl Default for FileBounds {
+    fn default() -> Self {
+        Self {
+            file_bytes: 4 << 20,
+            document_nodes: 1_000_000,
+        }
+    }
 }
 
 impl Documents {
+    /// No documents yet; files over `bounds` will be problems.
+    pub fn bounded(bounds: FileBounds) -> Self {
+        Self {
+            objects: Vec::new(),
+            problems: Vec::new(),
+            bounds,
+        }
+    }
+
     /// Reads every `*.yaml` / `*.yml` file under `paths` (directories recursively, files as
     /// given), in sorted order: the one place this crate touches the file system.
     pub fn read(paths: &[std::path::PathBuf]) -> std::io::Result<Documents> {
+        Self::read_bounded(paths, FileBounds::default())
+    }
+
+    /// [`Documents::read`] with `bounds` on each file.
+    pub fn read_bounded(
+        paths: &[std::path::PathBuf],
+        bounds: FileBounds,
+    ) -> std::io::Result<Documents> {
         fn files(p: &std::path::Path, out: &mut Vec<std::path::PathBuf>) -> std::io::Result<()> {
             if p.is_file() {
                 out.push(p.to_owned());
@@ -75,8 +118,13 @@ impl Documents {
                 std::io::Error::new(e.kind(), format!("cannot read {}: {e}", p.display()))
             })?;
         }
-        let mut docs = Documents::default();
+        let mut docs = Documents::bounded(bounds);
         for f in all {
+            let len = std::fs::metadata(&f).map_or(0, |m| m.len());
+            if usize::try_from(len).map_or(true, |l| l > bounds.file_bytes) {
+                docs.too_large(&f.display().to_string(), len);
+                continue;
+            }
             let text = std::fs::read_to_string(&f).map_err(|e| {
                 std::io::Error::new(e.kind(), format!("cannot read {}: {e}", f.display()))
             })?;
@@ -85,9 +133,48 @@ impl Documents {
         Ok(docs)
     }
 
-    /// Adds every document of one file's `text`.
+    fn too_large(&mut self, file: &str, len: u64) {
+        self.problems.push(Located {
+            source: Source {
+                file: file.to_owned(),
+                doc: 0,
+            },
+            object: None,
+            path: String::new(),
+            message: format!(
+                "the file is {len} bytes, over the limit of {}",
+                self.bounds.file_bytes
+            ),
+        });
+    }
+
+    /// Adds every document of one file's `text`; a file over the bounds adds a problem and
+    /// no document.
     pub fn add_file(&mut self, file: &str, text: &str) {
+        if text.len() > self.bounds.file_bytes {
+            self.too_large(file, text.len() as u64);
+            return;
+        }
+        // Counted before anything is built: aliases cannot make a document larger than this.
+        // The first document that fails (too large, or not YAML) ends the file.
+        let seen = std::cell::Cell::new(0);
+        let mut first_bad = None;
         for (i, de) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+            seen.set(0);
+            let budget = crate::expansion::Budget {
+                seen: &seen,
+                limit: self.bounds.document_nodes,
+            };
+            if let Err(e) = serde::de::DeserializeSeed::deserialize(budget, de) {
+                first_bad = Some((i, e));
+                break;
+            }
+        }
+        let good = first_bad.as_ref().map_or(usize::MAX, |(i, _)| *i);
+        for (i, de) in serde_yaml_ng::Deserializer::from_str(text)
+            .enumerate()
+            .take(good)
+        {
             let source = Source {
                 file: file.to_owned(),
                 doc: i + 1,
@@ -116,6 +203,17 @@ impl Documents {
                     message: e.message,
                 }),
             }
+        }
+        if let Some((i, e)) = first_bad {
+            self.problems.push(Located {
+                source: Source {
+                    file: file.to_owned(),
+                    doc: i + 1,
+                },
+                object: None,
+                path: String::new(),
+                message: format!("not valid YAML: {e}"),
+            });
         }
     }
 

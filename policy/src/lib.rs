@@ -21,6 +21,7 @@ mod candidate;
 mod catalog;
 pub mod classify;
 mod documents;
+mod expansion;
 pub mod filters;
 pub mod kinds;
 mod limits;
@@ -36,7 +37,7 @@ pub use candidate::{
 };
 pub use catalog::Check;
 pub use catalog::{Catalog, Problem};
-pub use documents::{Documents, Located, Source};
+pub use documents::{Documents, FileBounds, Located, Source};
 pub use limits::{LimitKey, MatchedLimit};
 pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
 pub use resolve::{Attached, Request, Resolved, RuleChoice, SetRef, Via};

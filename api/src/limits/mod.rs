@@ -43,6 +43,12 @@ pub struct Limits {
     pub endpoint_subset: usize,
     /// Bytes of one config object written through `Admin.PutConfig`.
     pub config_object_bytes: usize,
+    /// A file of the policy directory larger than this is a problem (none of its documents is
+    /// read; the last valid policies stay).
+    pub policy_file_bytes: usize,
+    /// A policy document expanding to more YAML nodes than this, its aliases followed, is a
+    /// problem, refused before it is built.
+    pub policy_document_nodes: usize,
     /// Requests this replica remembers as routed and not yet reported; past it the oldest is
     /// forgotten, as one unreported for ten minutes is (its reservation stays charged).
     pub in_flight_requests: usize,
@@ -64,6 +70,8 @@ impl Default for Limits {
             token_ids: 1 << 20,
             endpoint_subset: 1024,
             config_object_bytes: 1 << 20,
+            policy_file_bytes: 4 << 20,
+            policy_document_nodes: 1_000_000,
             in_flight_requests: 100_000,
         }
     }
@@ -99,6 +107,8 @@ impl Limits {
             ("body_bytes", self.body_bytes, 1024),
             ("config_object_bytes", self.config_object_bytes, 1024),
             ("in_flight_requests", self.in_flight_requests, 1),
+            ("policy_file_bytes", self.policy_file_bytes, 1024),
+            ("policy_document_nodes", self.policy_document_nodes, 100),
         ];
         for (name, v, least) in sizes {
             if v < least {

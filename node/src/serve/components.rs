@@ -74,9 +74,13 @@ pub(super) fn config_sources(p: &mut Parts, tasks: &mut Tasks) -> Option<watch::
         (p.cfg.policy_dir.is_some() || p.kube.is_some()).then(|| source.synced.subscribe());
     if let Some(dir) = p.cfg.policy_dir.clone() {
         let every = Duration::from_millis(p.cfg.policy_poll_ms);
+        let bounds = kvplane_policy::FileBounds {
+            file_bytes: p.cfg.limits.policy_file_bytes,
+            document_nodes: p.cfg.limits.policy_document_nodes,
+        };
         let (s, m) = (source.clone(), p.metrics.directory.clone());
         tasks.spawn("policy directory", |stop| {
-            sources::directory::run(dir, every, s, m, stop)
+            sources::directory::run((dir, bounds), every, s, m, stop)
         });
     }
     if let Some((client, namespace, resync)) = p.kube_engines.take() {

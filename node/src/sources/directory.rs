@@ -60,7 +60,7 @@ impl PolicySourceMetrics {
 /// Keeps the objects the directory owns in the state's catalog equal to `dir` while this node
 /// leads, until `stop`.
 pub async fn run(
-    dir: PathBuf,
+    (dir, bounds): (PathBuf, kvplane_policy::FileBounds),
     every: Duration,
     node: Context<impl Proposer>,
     metrics: Arc<PolicySourceMetrics>,
@@ -70,7 +70,7 @@ pub async fn run(
     loop {
         if node.leading() {
             sync_once(
-                &dir,
+                (&dir, bounds),
                 &node,
                 &metrics,
                 (&mut last_problems, &mut last_conflicts),
@@ -86,12 +86,13 @@ pub async fn run(
 }
 
 async fn sync_once(
-    dir: &std::path::Path,
+    (dir, bounds): (&std::path::Path, kvplane_policy::FileBounds),
     node: &Context<impl Proposer>,
     metrics: &PolicySourceMetrics,
     (last_problems, last_conflicts): (&mut Vec<String>, &mut Vec<String>),
 ) {
-    let (desired, problems) = match Documents::read(&[dir.to_owned()]).map(Documents::check) {
+    let read = Documents::read_bounded(&[dir.to_owned()], bounds);
+    let (desired, problems) = match read.map(Documents::check) {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "cannot read the policy directory");
