@@ -19,6 +19,6 @@ pub use message::{MetricsMessage, WorkerMessage, WorkerStatus};
 pub use metrics::{IngestMetrics, RejectReason};
 pub use nats_auth::{NatsAuth, NatsAuthError};
 pub use subject::{
-    MessageKind, STREAM_SUBJECTS, Subject, kv_rank_subject, kv_subject, metrics_subject,
-    worker_subject,
+    MessageKind, STREAM_SUBJECTS, Subject, bridge_inbox_prefix, kv_rank_subject, kv_subject,
+    metrics_subject, worker_subject,
 };

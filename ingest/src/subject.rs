@@ -86,6 +86,13 @@ pub fn worker_subject(pool: &str, worker: &str) -> String {
     format!("kvplane.worker.{pool}.{worker}")
 }
 
+/// Where the bridge of `worker` hears replies (its JetStream acknowledgements and stream
+/// reads): `_INBOX.kvplane.<pool>.<worker>.>`, so its NATS user may subscribe to its own
+/// replies only.
+pub fn bridge_inbox_prefix(pool: &str, worker: &str) -> String {
+    format!("_INBOX.kvplane.{pool}.{worker}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

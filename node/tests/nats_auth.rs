@@ -24,7 +24,7 @@ fn server_config() -> String {
     .map(|s| format!("{s:?}"))
     .join(", ");
     format!(
-        "accounts {{\n  KV {{\n    jetstream: enabled\n    users: [\n      {{user: node, password: node-secret}}\n      {{user: bridge-w1, password: w1-secret, permissions: {{publish: {{allow: [{w1}]}}, subscribe: {{allow: [\"_INBOX.>\"]}}}}}}\n    ]\n  }}\n}}\nno_auth_user: \"\"\n"
+        "accounts {{\n  KV {{\n    jetstream: enabled\n    users: [\n      {{user: node, password: node-secret}}\n      {{user: bridge-w1, password: w1-secret, permissions: {{publish: {{allow: [{w1}]}}, subscribe: {{allow: [\"_INBOX.kvplane.gpu.w1.>\"]}}}}}}\n    ]\n  }}\n}}\nno_auth_user: \"\"\n"
     )
 }
 
@@ -85,9 +85,31 @@ async fn a_bridge_publishes_only_its_own_workers_subjects_and_the_node_connects_
     let status = node.status().await;
     assert_eq!(status.workers[0].worker_id, "w1");
 
+    // The user hears replies only under its own worker's inbox prefix: with the default
+    // `_INBOX.` its own publish gets no acknowledgement (waited for 1 s, not 5).
+    let elsewhere = async_nats::ConnectOptions::new()
+        .user_and_password("bridge-w1".into(), "w1-secret".into())
+        .connect(cluster.nats.url())
+        .await
+        .unwrap();
+    let mut js = async_nats::jetstream::new(elsewhere);
+    js.set_timeout(Duration::from_secs(1));
+    let unheard = js
+        .publish(kvplane_ingest::worker_subject("gpu", "w1"), "{}".into())
+        .await;
+    let unheard = match unheard {
+        Err(e) => e.to_string(),
+        Ok(ack) => ack
+            .await
+            .map(|a| format!("{a:?}"))
+            .unwrap_or_else(|e| e.to_string()),
+    };
+    assert!(unheard.contains("timed out"), "{unheard}");
+
     // The same user publishing for worker w2 is refused by the server: nothing arrives.
     let as_w1 = async_nats::ConnectOptions::new()
         .user_and_password("bridge-w1".into(), "w1-secret".into())
+        .custom_inbox_prefix(kvplane_ingest::bridge_inbox_prefix("gpu", "w1"))
         .connect(cluster.nats.url())
         .await
         .unwrap();
@@ -147,6 +169,115 @@ async fn a_bridge_publishes_only_its_own_workers_subjects_and_the_node_connects_
         assert!(
             !matches!(c, Ok(Ok(_))),
             "nats-server accepted a connection without its user's password"
+        );
+    }
+    drop(w1);
+}
+
+/// nats-server speaking only TLS, asking every client for a certificate from the test CA, and
+/// users as above.
+fn tls_server_config(certs: &std::path::Path) -> String {
+    format!(
+        "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 2\n}}\n{}",
+        certs.join("tls.crt"),
+        certs.join("tls.key"),
+        certs.join("ca.crt"),
+        server_config()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_and_a_bridge_reach_nats_over_mutual_tls_and_a_client_without_a_certificate_is_refused()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = harness::pki::Pki::new(&dir.path().join("pki"), "kvplane test ca");
+    let server = pki.issue("nats", "spiffe://kvplane.test/ns/nats/sa/nats");
+    let node_cert = pki.issue_client("node", harness::pki::MEMBER);
+    let bridge_cert = pki.issue_client("bridge", "spiffe://kvplane.test/ns/fleet/sa/bridge-w1");
+    let secret = |name: &str, value: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, format!("{value}\n")).unwrap();
+        p
+    };
+    let node_password = secret("node.password", "node-secret");
+    let w1_password = secret("w1.password", "w1-secret");
+    let nats = Nats::start_configured(&tls_server_config(&server));
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: gpu}\nspec: {model: sim-8b, blockSize: 16}\n",
+    )
+    .unwrap();
+    let cluster = Cluster::start_on(
+        nats,
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies),
+            pools: vec![],
+            extra_toml: format!(
+                "[nats]\nuser = \"node\"\npassword_file = {:?}\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+                node_password,
+                node_cert.join("ca.crt"),
+                node_cert.join("tls.crt"),
+                node_cert.join("tls.key"),
+            ),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    eventually("the node is ready", Duration::from_secs(30), || async {
+        (node.readyz().await.0 == 200).then_some(())
+    })
+    .await;
+
+    // Worker w1's bridge over TLS with its own certificate and user: its engine is indexed.
+    let w1 = Engine::start_with(
+        &dir.path().join("fleet"),
+        &cluster.nats.url(),
+        "w1",
+        &EngineOptions {
+            pool: "gpu".into(),
+            bridge_args: vec![
+                "--nats-user".into(),
+                "bridge-w1".into(),
+                "--nats-password-file".into(),
+                w1_password.display().to_string(),
+                "--nats-ca".into(),
+                bridge_cert.join("ca.crt").display().to_string(),
+                "--nats-cert".into(),
+                bridge_cert.join("tls.crt").display().to_string(),
+                "--nats-key".into(),
+                bridge_cert.join("tls.key").display().to_string(),
+            ],
+            ..Default::default()
+        },
+    );
+    harness::wait_workers_up(node, 1).await;
+    assert_eq!(node.status().await.workers[0].worker_id, "w1");
+
+    // The right user without a client certificate (trusting the CA or not) gets no connection.
+    let ca = std::fs::read_to_string(node_cert.join("ca.crt")).unwrap();
+    let ca_file = dir.path().join("ca-only.crt");
+    std::fs::write(&ca_file, ca).unwrap();
+    for (what, o) in [
+        (
+            "neither the CA nor a certificate",
+            async_nats::ConnectOptions::new()
+                .user_and_password("node".into(), "node-secret".into()),
+        ),
+        (
+            "no client certificate",
+            async_nats::ConnectOptions::new()
+                .user_and_password("node".into(), "node-secret".into())
+                .add_root_certificates(ca_file.clone())
+                .require_tls(true),
+        ),
+    ] {
+        let c = tokio::time::timeout(Duration::from_secs(3), o.connect(cluster.nats.url())).await;
+        assert!(
+            !matches!(c, Ok(Ok(_))),
+            "nats-server accepted a connection with {what}"
         );
     }
     drop(w1);

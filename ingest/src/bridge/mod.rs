@@ -80,6 +80,7 @@ pub struct BridgeConfig {
 pub async fn run(cfg: BridgeConfig, metrics: Arc<BridgeMetrics>, shutdown: watch::Receiver<bool>) {
     let options = async_nats::ConnectOptions::new()
         .name(format!("kvplane-bridge-{}", cfg.worker))
+        .custom_inbox_prefix(crate::bridge_inbox_prefix(&cfg.pool, &cfg.worker))
         .retry_on_initial_connect();
     let options = match cfg.nats_auth.apply(options).await {
         Ok(o) => o,
