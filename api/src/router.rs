@@ -137,6 +137,10 @@ impl pb::router_server::Router for RouterService {
         &self,
         request: Request<UsageReport>,
     ) -> Result<Response<UsageAck>, Status> {
+        if let Err(e) = self.limits.check_report(request.get_ref()) {
+            self.metrics.limit_hit(e.name);
+            return Err(Status::invalid_argument(e.to_string()));
+        }
         let mut on_behalf_of = None;
         if let Some(access) = &self.access {
             // A member forwarding a report names whom it forwards it for.

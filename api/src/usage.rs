@@ -1,6 +1,6 @@
 //! Requests routed by this node and not yet reported, for ReportUsage.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -37,20 +37,57 @@ pub(crate) enum Start {
 }
 
 /// A bounded table of requests in flight. Entries older than `ttl` are dropped when the table
-/// is full, so an unreported request cannot pin memory.
+/// is full, so an unreported request cannot pin memory; still full, the oldest is forgotten.
+/// Both in constant time per request, whatever the table holds.
 #[derive(Debug)]
 pub(crate) struct UsageBook {
-    inner: Mutex<HashMap<String, Routed>>,
+    inner: Mutex<Book>,
     capacity: usize,
     ttl: Duration,
     /// Counts the entries forgotten for room (`limits.in_flight_requests`).
     metrics: Option<std::sync::Arc<crate::ApiMetrics>>,
 }
 
+/// The entries, and their ids in the order they were routed (an id whose entry was taken or
+/// routed again since is passed over when met).
+#[derive(Debug, Default)]
+struct Book {
+    map: HashMap<String, Routed>,
+    order: VecDeque<(Instant, String)>,
+}
+
+impl Book {
+    /// Drops expired entries from the front, then the oldest fresh ones while the table is
+    /// full; returns how many fresh entries were forgotten.
+    fn make_room(&mut self, capacity: usize, ttl: Duration) -> u64 {
+        let mut forgotten = 0;
+        while let Some((at, id)) = self.order.front() {
+            let current = self.map.get(id).is_some_and(|r| r.at == *at);
+            if current {
+                if at.elapsed() < ttl && self.map.len() < capacity {
+                    break;
+                }
+                if at.elapsed() < ttl {
+                    forgotten += 1;
+                }
+                self.map.remove(id);
+            }
+            self.order.pop_front();
+        }
+        // Ids passed over pile up when requests are reported in order: bounded all the same.
+        if self.order.len() > 2 * capacity.max(self.map.len()) + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(at, id)| map.get(id).is_some_and(|r| r.at == *at));
+        }
+        forgotten
+    }
+}
+
 impl UsageBook {
     pub(crate) fn new(capacity: usize, ttl: Duration) -> Self {
         Self {
-            inner: Mutex::new(HashMap::new()),
+            inner: Mutex::new(Book::default()),
             capacity,
             ttl,
             metrics: None,
@@ -67,27 +104,23 @@ impl UsageBook {
         if request_id.is_empty() {
             return;
         }
-        let mut map = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= self.capacity {
-            let ttl = self.ttl;
-            map.retain(|_, r| r.at.elapsed() < ttl);
-            if map.len() >= self.capacity {
-                // Still full of fresh entries: forget the oldest.
-                if let Some(oldest) = map.iter().min_by_key(|(_, r)| r.at).map(|(k, _)| k.clone()) {
-                    map.remove(&oldest);
-                    if let Some(m) = &self.metrics {
-                        m.limit_hit("in_flight_requests");
-                    }
-                }
+        let mut book = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        // An id routed again replaces its entry; room for one more.
+        book.map.remove(request_id);
+        let forgotten = book.make_room(self.capacity, self.ttl);
+        if let Some(m) = &self.metrics {
+            for _ in 0..forgotten {
+                m.limit_hit("in_flight_requests");
             }
         }
-        map.insert(request_id.to_owned(), routed);
+        book.order.push_back((routed.at, request_id.to_owned()));
+        book.map.insert(request_id.to_owned(), routed);
     }
 
     /// Marks a routed request started: its first token came (its usage comes later).
     pub(crate) fn start(&self, request_id: &str) -> Start {
-        let mut map = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        match map.get_mut(request_id) {
+        let mut book = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        match book.map.get_mut(request_id) {
             None => Start::Unknown,
             Some(r) if r.started => Start::Again,
             Some(r) => {
@@ -105,6 +138,7 @@ impl UsageBook {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .map
             .get(request_id)
             .map(|r| r.tenant.clone())
     }
@@ -113,6 +147,66 @@ impl UsageBook {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .map
             .remove(request_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn routed(tenant: &str) -> Routed {
+        Routed {
+            target: String::new(),
+            tenant: tenant.into(),
+            predicted_ttft_ms: 0.0,
+            at: Instant::now(),
+            reservations: Vec::new(),
+            worker: None,
+            started: false,
+        }
+    }
+
+    /// Against a plain list of the ids in flight, oldest first: the book holds the newest
+    /// `capacity` of them, whatever was reported or routed again in between.
+    #[test]
+    fn a_full_book_forgets_the_oldest_in_flight_as_a_plain_list_would() {
+        let capacity = 4;
+        let book = UsageBook::new(capacity, Duration::from_secs(600));
+        let mut model: Vec<String> = Vec::new();
+        let mut forgotten = 0;
+        let mut x: u64 = 7;
+        for step in 0..5_000u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let id = format!("r{}", (x >> 33) % 9);
+            if (x >> 20).is_multiple_of(3) {
+                let taken = book.take(&id).is_some();
+                assert_eq!(taken, model.contains(&id), "step {step}: take {id}");
+                model.retain(|m| *m != id);
+            } else {
+                book.insert(&id, routed(&id));
+                model.retain(|m| *m != id);
+                model.push(id);
+                while model.len() > capacity {
+                    model.remove(0);
+                    forgotten += 1;
+                }
+            }
+            for m in &model {
+                assert_eq!(
+                    book.tenant_of(m).as_deref(),
+                    Some(m.as_str()),
+                    "step {step}"
+                );
+            }
+            let inner = book.inner.lock().unwrap();
+            assert_eq!(inner.map.len(), model.len(), "step {step}");
+            assert!(inner.order.len() <= 2 * capacity + 64 + 1);
+        }
+        assert!(forgotten > 0);
     }
 }

@@ -112,13 +112,13 @@ fn usage(text: &str) -> (u64, u64) {
 /// Sends `items` on schedule (engine time over `speedup`), the i-th to `urls[i % n]` (several
 /// gateways behind one Service); says its progress on stderr every two seconds.
 pub(crate) async fn run_phase(
+    client: &reqwest::Client,
     name: &str,
     urls: &[String],
     model: &str,
     items: &[WorkItem],
     speedup: f64,
 ) -> Vec<Outcome> {
-    let client = reqwest::Client::new();
     let start = Instant::now();
     let total = items.len();
     let answered = Arc::new(AtomicUsize::new(0));

@@ -5,7 +5,9 @@
 //! round-robin like a Kubernetes Service. Runs the seeded shared-prefix workload through the
 //! round-robin gateway, resets the engines' prefix caches, runs it again spread over the
 //! kvplane gateways, replays the same requests in virtual time, prints a summary, and stops
-//! everything.
+//! everything. Everything kvplane speaks is TLS, with certificates from a development CA
+//! ([`crate::demo_pki`]), and the access checks are on: the gateways route by an
+//! `AccessPolicy`, the demo reads the status as the configured admin.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -16,10 +18,12 @@ use kvplane_sim::workload::{Kind, Spec, generate};
 use kvplane_testkit::process;
 
 use crate::client::{percentile, run_phase};
+use crate::demo_pki::DemoPki;
 use crate::procs::{
     Procs, field, start_gateways, start_members, start_nats, start_round_robin, start_sim_engine,
     wait_status,
 };
+use kvplane_tls::Dialer;
 use serde_json::{Value, json};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -99,9 +103,15 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let mut procs = Procs::new(&dir);
     println!("kvplane demo: logs in {}", dir.display());
+    let pki = DemoPki::new(&dir.join("pki"))?;
+    let operator = pki.operator()?;
+    println!(
+        "wrote a development CA and certificates for members, gateways, bridges, NATS and an operator under {}",
+        dir.join("pki").display()
+    );
 
-    let nats_url = start_nats(&mut procs, &dir).await?;
-    println!("started nats-server (jetstream) on {nats_url}");
+    let nats_url = start_nats(&mut procs, &dir, Some(&pki.nats_conf())).await?;
+    println!("started nats-server (jetstream, mutual TLS) on {nats_url}");
 
     // The fleet as a policy: one worker set (the engines' pool), predicted TTFT from their
     // prefill rate; the node keeps its state in line with the directory.
@@ -118,6 +128,7 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
             engine.block_size, engine.prefill_tokens_per_s
         ),
     )?;
+    std::fs::write(policies.join("access.yaml"), DemoPki::access_policy_yaml())?;
     let cost = crate::routing::engine_cost(&engine);
     // Three Raft members; the first initializes the cluster.
     let (nodes, _) = start_members(
@@ -126,21 +137,26 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         &nats_url,
         NODES,
         &format!(
-            "pools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n",
+            "pools = []\npolicy_dir = \"{}\"\npolicy_poll_ms = 200\n\n[cost]\nbase_ms = {}\nprefill_tokens_per_s = {}\nwaiting_request_ms = {}\nrunning_request_ms = {}\n{}",
             policies.display(),
             cost.base_ms,
             cost.prefill_tokens_per_s,
             cost.waiting_request_ms,
             cost.running_request_ms,
+            pki.member_toml(),
         ),
     )?;
     for n in &nodes {
-        wait_policy(n).await?;
+        wait_policy(&operator, n).await?;
     }
     let grpc = nodes[0].clone();
     println!(
-        "started a {NODES}-node kvplane cluster (Raft), gRPC {}; every replica holds the fleet's InferenceWorkerSet",
-        nodes.join(", ")
+        "started a {NODES}-node kvplane cluster (Raft over mutual TLS), gRPC {}; every replica holds the fleet's InferenceWorkerSet and the gateways' AccessPolicy",
+        nodes
+            .iter()
+            .map(|n| operator.url(n))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
 
     let mut engines = Vec::new();
@@ -161,40 +177,47 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
         let http = format!("http://{}", field(&ready, "http")?);
         let zmq_pub = field(&ready, "zmq_pub")?;
         let zmq_replay = field(&ready, "zmq_replay")?;
+        let mut args: Vec<String> = vec![
+            "bridge".into(),
+            "--worker".into(),
+            name.clone(),
+            "--engine-url".into(),
+            http.clone(),
+            "--zmq-pub".into(),
+            zmq_pub,
+            "--zmq-replay".into(),
+            zmq_replay,
+            "--nats-url".into(),
+            nats_url.clone(),
+            "--scrape-interval-ms".into(),
+            ((250.0 / speedup).max(20.0) as u64).to_string(),
+        ];
+        args.extend(pki.bridge_args());
         procs.spawn(
             &format!("bridge-{i}"),
             &exe,
-            &[
-                "bridge".into(),
-                "--worker".into(),
-                name.clone(),
-                "--engine-url".into(),
-                http.clone(),
-                "--zmq-pub".into(),
-                zmq_pub,
-                "--zmq-replay".into(),
-                zmq_replay,
-                "--nats-url".into(),
-                nats_url.clone(),
-                "--scrape-interval-ms".into(),
-                ((250.0 / speedup).max(20.0) as u64).to_string(),
-            ],
+            &args,
             Some("kvplane-bridge ready"),
         )?;
         println!("started {name} (simulated vLLM, {speedup}x real time) on {http} with its bridge");
         engines.push((name, http));
     }
     for n in &nodes {
-        wait_workers(n, 3).await?;
+        wait_workers(&operator, n, 3).await?;
     }
     println!("every kvplane replica sees 3 workers up");
 
     // One gateway per replica (each asks its own first, the others on failure), requests
     // spread over them in turn: several routers deciding at once from the replicated state.
-    let gw = start_gateways(&mut procs, &nodes)?;
+    let gw = start_gateways(&mut procs, &nodes, &pki.gateway_args(), true)?;
     let rr_engines: Vec<String> = engines.iter().map(|(_, u)| u.clone()).collect();
-    let gw_rr = vec![start_round_robin(&mut procs, &rr_engines)?];
-    println!("started gateways: {NODES} asking kvplane, one round-robin");
+    let gw_rr = vec![start_round_robin(
+        &mut procs,
+        &rr_engines,
+        &pki.gateway_args(),
+        true,
+    )?];
+    println!("started gateways (HTTPS): {NODES} asking kvplane, one round-robin");
 
     let spec = Spec {
         kind: Kind::SharedPrefix,
@@ -213,17 +236,18 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     );
 
     let client = reqwest::Client::new();
+    let gateway_client = pki.http_client()?;
     let mut summaries = Vec::new();
     for (label, urls) in [("round-robin", &gw_rr), ("kvplane", &gw)] {
         for (_, e) in &engines {
             let _ = client.post(format!("{e}/reset_prefix_cache")).send().await;
         }
-        wait_blocks_cleared(&grpc).await?;
+        wait_blocks_cleared(&operator, &grpc).await?;
         let before: Vec<(f64, f64)> =
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
         println!("running {label} ...");
-        let outcomes = run_phase(label, urls, MODEL, &items, speedup).await;
+        let outcomes = run_phase(&gateway_client, label, urls, MODEL, &items, speedup).await;
         let after: Vec<(f64, f64)> =
             futures::future::join_all(engines.iter().map(|(_, e)| engine_counters(&client, e)))
                 .await;
@@ -344,19 +368,24 @@ pub async fn run(a: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn wait_policy(grpc: &str) -> anyhow::Result<()> {
+async fn wait_policy(operator: &Dialer, grpc: &str) -> anyhow::Result<()> {
     wait_status(
+        operator,
         grpc,
-        "applying the demo's policy",
+        "applying the demo's policies",
         Duration::from_secs(30),
-        |s| s.policy_objects.get("InferenceWorkerSet") == Some(&1),
+        |s| {
+            s.policy_objects.get("InferenceWorkerSet") == Some(&1)
+                && s.policy_objects.get("AccessPolicy") == Some(&1)
+        },
     )
     .await
     .map(drop)
 }
 
-async fn wait_workers(grpc: &str, n: usize) -> anyhow::Result<()> {
+async fn wait_workers(operator: &Dialer, grpc: &str, n: usize) -> anyhow::Result<()> {
     wait_status(
+        operator,
         grpc,
         &format!("seeing {n} workers"),
         Duration::from_secs(30),
@@ -372,8 +401,9 @@ async fn wait_workers(grpc: &str, n: usize) -> anyhow::Result<()> {
     .map(drop)
 }
 
-async fn wait_blocks_cleared(grpc: &str) -> anyhow::Result<()> {
+async fn wait_blocks_cleared(operator: &Dialer, grpc: &str) -> anyhow::Result<()> {
     wait_status(
+        operator,
         grpc,
         "seeing the engines' caches cleared",
         Duration::from_secs(30),

@@ -8,6 +8,7 @@ mod catalog_size;
 mod client;
 pub mod cluster;
 pub mod demo;
+mod demo_pki;
 pub mod external;
 mod grants;
 pub mod ingest;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use kvplane_proto::v1::{StatusRequest, StatusResponse, admin_client::AdminClient};
 use kvplane_testkit::process;
+use kvplane_tls::Dialer;
 
 /// One started program.
 struct Proc {
@@ -147,13 +148,14 @@ pub(crate) fn field(line: &str, key: &str) -> anyhow::Result<String> {
 }
 
 /// A node's Status, or `None` while it does not answer.
-pub(crate) async fn status(grpc: &str) -> Option<StatusResponse> {
-    let mut c = AdminClient::connect(grpc.to_owned()).await.ok()?;
+pub(crate) async fn status(dialer: &Dialer, grpc: &str) -> Option<StatusResponse> {
+    let mut c = AdminClient::new(dialer.connect(grpc).await.ok()?);
     Some(c.status(StatusRequest::default()).await.ok()?.into_inner())
 }
 
-/// Polls `grpc`'s Status until `ok` holds, for up to `timeout`.
+/// Polls `grpc`'s Status (asked through `dialer`) until `ok` holds, for up to `timeout`.
 pub(crate) async fn wait_status(
+    dialer: &Dialer,
     grpc: &str,
     what: &str,
     timeout: Duration,
@@ -161,7 +163,7 @@ pub(crate) async fn wait_status(
 ) -> anyhow::Result<StatusResponse> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(s) = status(grpc).await
+        if let Some(s) = status(dialer, grpc).await
             && ok(&s)
         {
             return Ok(s);
@@ -174,25 +176,31 @@ pub(crate) async fn wait_status(
 }
 
 /// Starts a JetStream-enabled `nats-server` on a free loopback port, its store in
-/// `dir/nats`; returns its URL once it accepts connections.
-pub(crate) async fn start_nats(procs: &mut Procs, dir: &Path) -> anyhow::Result<String> {
+/// `dir/nats` (with the configuration `conf`, when given); returns its URL once it accepts
+/// connections.
+pub(crate) async fn start_nats(
+    procs: &mut Procs,
+    dir: &Path,
+    conf: Option<&str>,
+) -> anyhow::Result<String> {
     let nats = process::which("nats-server")
         .context("nats-server is not installed (run scripts/install-deps)")?;
     let port = process::free_port()?;
-    procs.spawn(
-        "nats",
-        &nats,
-        &[
-            "-js".into(),
-            "-a".into(),
-            "127.0.0.1".into(),
-            "-p".into(),
-            port.to_string(),
-            "-sd".into(),
-            dir.join("nats").display().to_string(),
-        ],
-        None,
-    )?;
+    let mut args: Vec<String> = vec![
+        "-js".into(),
+        "-a".into(),
+        "127.0.0.1".into(),
+        "-p".into(),
+        port.to_string(),
+        "-sd".into(),
+        dir.join("nats").display().to_string(),
+    ];
+    if let Some(conf) = conf {
+        let path = dir.join("nats.conf");
+        std::fs::write(&path, conf)?;
+        args.extend(["-c".into(), path.display().to_string()]);
+    }
+    procs.spawn("nats", &nats, &args, None)?;
     process::wait_tcp(port, Duration::from_secs(15)).await?;
     Ok(format!("nats://127.0.0.1:{port}"))
 }
@@ -259,9 +267,23 @@ pub(crate) fn start_members(
     Ok((nodes, http))
 }
 
+/// The chat-completions URL of a gateway's ready line (`https` when it serves TLS).
+fn chat_url(ready: &str, https: bool) -> anyhow::Result<String> {
+    let scheme = if https { "https" } else { "http" };
+    Ok(format!(
+        "{scheme}://{}/v1/chat/completions",
+        field(ready, "http")?
+    ))
+}
+
 /// One kvplane gateway per member, each asking its own member first and the others on
-/// failure; returns their chat-completions URLs.
-pub(crate) fn start_gateways(procs: &mut Procs, nodes: &[String]) -> anyhow::Result<Vec<String>> {
+/// failure, with `extra` flags (`https`: they serve TLS); returns their chat-completions URLs.
+pub(crate) fn start_gateways(
+    procs: &mut Procs,
+    nodes: &[String],
+    extra: &[String],
+    https: bool,
+) -> anyhow::Result<Vec<String>> {
     let exe = process::kvplane_binary();
     let mut urls = Vec::new();
     for i in 0..nodes.len() {
@@ -269,22 +291,21 @@ pub(crate) fn start_gateways(procs: &mut Procs, nodes: &[String]) -> anyhow::Res
             .map(|k| nodes[(i + k) % nodes.len()].clone())
             .collect::<Vec<_>>()
             .join(",");
+        let mut args: Vec<String> = vec![
+            "gateway".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--replicas".into(),
+            replicas,
+        ];
+        args.extend_from_slice(extra);
         let ready = procs.spawn(
             &format!("gateway-kvplane-{i}"),
             &exe,
-            &[
-                "gateway".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--replicas".into(),
-                replicas,
-            ],
+            &args,
             Some("kvplane-gateway ready"),
         )?;
-        urls.push(format!(
-            "http://{}/v1/chat/completions",
-            field(&ready, "http")?
-        ));
+        urls.push(chat_url(&ready, https)?);
     }
     Ok(urls)
 }
@@ -317,23 +338,27 @@ pub(crate) fn start_sim_engine(
     )
 }
 
-/// A `kvplane gateway --round-robin` over `engines` (their base URLs), the baseline; returns
-/// its chat-completions URL.
-pub(crate) fn start_round_robin(procs: &mut Procs, engines: &[String]) -> anyhow::Result<String> {
+/// A `kvplane gateway --round-robin` over `engines` (their base URLs), the baseline, with
+/// `extra` flags (`https`: it serves TLS); returns its chat-completions URL.
+pub(crate) fn start_round_robin(
+    procs: &mut Procs,
+    engines: &[String],
+    extra: &[String],
+    https: bool,
+) -> anyhow::Result<String> {
+    let mut args: Vec<String> = vec![
+        "gateway".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--round-robin".into(),
+        engines.join(","),
+    ];
+    args.extend_from_slice(extra);
     let ready = procs.spawn(
         "gateway-round-robin",
         &process::kvplane_binary(),
-        &[
-            "gateway".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--round-robin".into(),
-            engines.join(","),
-        ],
+        &args,
         Some("kvplane-gateway ready"),
     )?;
-    Ok(format!(
-        "http://{}/v1/chat/completions",
-        field(&ready, "http")?
-    ))
+    chat_url(&ready, https)
 }

@@ -131,6 +131,9 @@ pub async fn run(
     let metrics = GatewayMetrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    if let Some(tls) = &cfg.listen_tls {
+        tls.metrics().register(&mut registry);
+    }
     let app = App(Arc::new(Inner {
         mode,
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),

@@ -41,7 +41,15 @@ async fn routed(node: &harness::Node, body: &serde_json::Value) -> (String, u32,
 }
 
 async fn complete(url: &str, body: &serde_json::Value) -> reqwest::Response {
-    let r = reqwest::Client::new()
+    complete_with(&reqwest::Client::new(), url, body).await
+}
+
+async fn complete_with(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    let r = client
         .post(url)
         .header("x-tenant", "t1")
         .json(body)
@@ -122,21 +130,62 @@ async fn a_request_whose_engine_is_gone_goes_to_the_next_alternative() {
     );
 }
 
+/// With TLS everywhere the gateway and the node speak it: the node's gRPC and HTTP ports, the
+/// gateway's listener and its calls, which an `AccessPolicy` grants `route`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
-    let (cluster, engines) = harness::node_with_engines(3).await;
+    let pki_dir = tempfile::tempdir().unwrap();
+    let pki = harness::pki::Pki::new(pki_dir.path(), "kvplane test ca");
+    let gateway_id = "spiffe://kvplane.test/ns/edge/sa/gateway";
+    let gateway_dir = pki.issue("gateway", gateway_id);
+    let (cluster, engines) = harness::node_with_engines_under(
+        3,
+        &NodeOptions {
+            pool_models: vec!["sim-8b".into()],
+            tls: Some(harness::pki::NodeTls {
+                dir: pki.issue("member", harness::pki::MEMBER),
+                members: vec![],
+                admins: vec![harness::pki::OPERATOR.into()],
+                client: Some(pki.issue_client("operator", harness::pki::OPERATOR)),
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
     let root = cluster.root.path().to_owned();
     let node = &cluster.nodes[0];
+    node.admin()
+        .await
+        .put_config(kvplane_proto::v1::PutConfigRequest {
+            kind: "AccessPolicy".into(),
+            name: "gateways".into(),
+            value: format!(
+                r#"{{"identities":["{gateway_id}"],"rights":["route"],"tenants":["*"]}}"#
+            )
+            .into_bytes(),
+        })
+        .await
+        .unwrap();
     // A dead replica first: the gateway fails over to the live one.
-    let gateway = harness::gateway(
+    let tls_args = |dir: &std::path::Path| {
+        let d = dir.display().to_string();
+        vec!["--tls-dir".into(), d.clone(), "--listen-tls-dir".into(), d]
+    };
+    let gateway = harness::gateway_with(
         &format!(
-            "http://127.0.0.1:{},{}",
+            "https://127.0.0.1:{},{}",
             harness::free_port(),
             node.endpoint()
         ),
+        &tls_args(&gateway_dir),
         root.join("gateway.log"),
     );
-    let gw = format!("http://{}/v1/chat/completions", gateway.field("http"));
+    let gw = format!("https://{}/v1/chat/completions", gateway.field("http"));
+    let client = harness::fleet::http_client(Some(&gateway_dir.join("ca.crt")));
+    let complete = |url: &str, body: &serde_json::Value| {
+        let (client, url, body) = (client.clone(), url.to_owned(), body.clone());
+        async move { complete_with(&client, &url, &body).await }
+    };
 
     // Warm engine-2 directly with a long system prompt.
     let second = cached_on(node, &engines[1], "engine-2").await;
@@ -205,12 +254,7 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
     // A model nobody serves is refused with kvplane's reason.
     let mut other = second.clone();
     other["model"] = json!("no-such-model");
-    let r = reqwest::Client::new()
-        .post(&gw)
-        .json(&other)
-        .send()
-        .await
-        .unwrap();
+    let r = client.post(&gw).json(&other).send().await.unwrap();
     assert_eq!(r.status(), 404);
     let err: serde_json::Value = r.json().await.unwrap();
     assert!(
@@ -220,7 +264,14 @@ async fn the_gateway_sends_a_prefix_to_the_engine_that_holds_it() {
             .contains("no backend publishes and no worker set serves model"),
         "{err}"
     );
-    let gm = harness::http_get(&format!("http://{}/metrics", gateway.field("http"))).await;
+    let gm = client
+        .get(format!("https://{}/metrics", gateway.field("http")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(
         harness::metric_value(&gm, "kvplane_gateway_replica_failovers_total") >= 1.0,
         "{gm}"

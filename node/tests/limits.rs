@@ -55,7 +55,7 @@ async fn every_oversized_input_on_the_grpc_port_is_refused_counted_and_nothing_e
     let cluster = Cluster::start_with(
         1,
         &NodeOptions {
-            extra_toml: "[limits]\ngrpc_message_bytes = 2097152\nbody_bytes = 1048576\ntags = 4\nconfig_object_bytes = 1024\n[http]\nheader_read_ms = 300\n".into(),
+            extra_toml: "[limits]\ngrpc_message_bytes = 2097152\nbody_bytes = 1048576\ntoken_ids = 1024\ntags = 4\nconfig_object_bytes = 1024\n[http]\nheader_read_ms = 300\n".into(),
             ..Default::default()
         },
     );
@@ -118,6 +118,39 @@ async fn every_oversized_input_on_the_grpc_port_is_refused_counted_and_nothing_e
     );
     assert_eq!(after, at, "a refused object wrote nothing");
 
+    // A usage report whose ticket names more charges than a ticket may: refused, named.
+    let charges = (0..17)
+        .map(|i| kvplane_proto::v1::QuotaCharge {
+            tenant: format!("t{i}"),
+            ..Default::default()
+        })
+        .collect();
+    let e = router
+        .report_usage(kvplane_proto::v1::UsageReport {
+            request_id: "forged".into(),
+            ticket: Some(kvplane_proto::v1::Ticket {
+                charges,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("limits.ticket_charges"), "{e}");
+
+    // An idle keep-alive connection on the HTTP port is closed after header_read_ms, and is
+    // no client over a bound.
+    let mut idle = tokio::net::TcpStream::connect(node.http).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), idle.read_to_end(&mut answer)).await;
+    assert!(closed.is_ok(), "the idle connection is still open");
+    assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(hits(&node.metrics().await, "http_header_read_ms"), 0.0);
+
     // A client that starts a request on the HTTP port and never finishes its head is dropped.
     let mut slow = tokio::net::TcpStream::connect(node.http).await.unwrap();
     slow.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")
@@ -134,6 +167,7 @@ async fn every_oversized_input_on_the_grpc_port_is_refused_counted_and_nothing_e
         "body_bytes",
         "grpc_message_bytes",
         "config_object_bytes",
+        "ticket_charges",
         "http_header_read_ms",
     ] {
         assert_eq!(hits(&m, limit), 1.0, "{limit}");
@@ -186,12 +220,7 @@ async fn the_gateway_serves_clients_over_tls_and_refuses_too_many_headers_and_sl
     );
     let port = gateway.field("http").rsplit(':').next().unwrap().to_owned();
     let base = format!("https://127.0.0.1:{port}");
-    let ca = std::fs::read(certs.join("ca.crt")).unwrap();
-    let client = reqwest::Client::builder()
-        .use_rustls_tls()
-        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
-        .build()
-        .unwrap();
+    let client = harness::fleet::http_client(Some(&certs.join("ca.crt")));
     let health = client.get(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(health.status().as_u16(), 200);
     // Plaintext to the TLS listener gets no answer.
@@ -258,8 +287,7 @@ async fn a_policy_file_over_its_bounds_is_a_counted_problem_and_the_catalog_stay
         &NodeOptions {
             policy_dir: Some(policies.path().to_owned()),
             pools: vec![],
-            extra_toml: "[limits]\npolicy_file_bytes = 4096\npolicy_document_nodes = 10000\n"
-                .into(),
+            extra_toml: "[limits]\npolicy_file_bytes = 4096\npolicy_file_nodes = 10000\n".into(),
             ..Default::default()
         },
     );
@@ -286,11 +314,15 @@ async fn a_policy_file_over_its_bounds_is_a_counted_problem_and_the_catalog_stay
     // A document that expands without bound, then a file over the size bound: each read is
     // refused with the bound named, counted, and the catalog stays as it was.
     for (file, text, words) in [
-        ("laughs.yaml", laughs(), "more than 10000 nodes"),
+        (
+            "laughs.yaml",
+            laughs(),
+            "(a node's limits.policy_file_nodes)",
+        ),
         (
             "big.yaml",
             format!("# {}\n", "x".repeat(5000)),
-            "over the limit of 4096",
+            "over the limit of 4096 bytes (a node's limits.policy_file_bytes)",
         ),
     ] {
         let before = metric(

@@ -55,20 +55,21 @@ impl Default for Documents {
     }
 }
 
-/// What one policy file may hold: its size, and the YAML nodes one of its documents expands
-/// to with its aliases followed. A file over either is a problem, and none of its documents is
-/// read.
+/// What one policy file may hold: its size, and the YAML nodes its documents expand to with
+/// their aliases followed. A file over its size is a problem and none of its documents is
+/// read; over its nodes, a problem at the document that went over, and the documents before
+/// it are read (a node refuses a directory with any problem as a whole).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileBounds {
     pub file_bytes: usize,
-    pub document_nodes: usize,
+    pub file_nodes: usize,
 }
 
 impl Default for FileBounds {
     fn default() -> Self {
         Self {
             file_bytes: 4 << 20,
-            document_nodes: 1_000_000,
+            file_nodes: 1_000_000,
         }
     }
 }
@@ -120,29 +121,34 @@ impl Documents {
         }
         let mut docs = Documents::bounded(bounds);
         for f in all {
-            let len = std::fs::metadata(&f).map_or(0, |m| m.len());
-            if usize::try_from(len).map_or(true, |l| l > bounds.file_bytes) {
-                docs.too_large(&f.display().to_string(), len);
-                continue;
-            }
-            let text = std::fs::read_to_string(&f).map_err(|e| {
-                std::io::Error::new(e.kind(), format!("cannot read {}: {e}", f.display()))
-            })?;
+            // One byte past the bound is enough to know the file is over it.
+            let cap = u64::try_from(bounds.file_bytes).unwrap_or(u64::MAX);
+            let mut text = String::new();
+            std::fs::File::open(&f)
+                .and_then(|file| {
+                    std::io::Read::read_to_string(
+                        &mut std::io::Read::take(file, cap + 1),
+                        &mut text,
+                    )
+                })
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("cannot read {}: {e}", f.display()))
+                })?;
             docs.add_file(&f.display().to_string(), &text);
         }
         Ok(docs)
     }
 
-    fn too_large(&mut self, file: &str, len: u64) {
+    fn too_large(&mut self, file: &str) {
         self.problems.push(Located {
             source: Source {
                 file: file.to_owned(),
-                doc: 0,
+                doc: 1,
             },
             object: None,
             path: String::new(),
             message: format!(
-                "the file is {len} bytes, over the limit of {}",
+                "the file is over the limit of {} bytes (a node's limits.policy_file_bytes)",
                 self.bounds.file_bytes
             ),
         });
@@ -152,7 +158,7 @@ impl Documents {
     /// no document.
     pub fn add_file(&mut self, file: &str, text: &str) {
         if text.len() > self.bounds.file_bytes {
-            self.too_large(file, text.len() as u64);
+            self.too_large(file);
             return;
         }
         // Counted before anything is built: aliases cannot make a document larger than this.
@@ -160,10 +166,9 @@ impl Documents {
         let seen = std::cell::Cell::new(0);
         let mut first_bad = None;
         for (i, de) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-            seen.set(0);
             let budget = crate::expansion::Budget {
                 seen: &seen,
-                limit: self.bounds.document_nodes,
+                limit: self.bounds.file_nodes,
             };
             if let Err(e) = serde::de::DeserializeSeed::deserialize(budget, de) {
                 first_bad = Some((i, e));

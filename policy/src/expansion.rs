@@ -1,13 +1,13 @@
-//! How many YAML nodes a document expands to, aliases followed, counted without building them:
-//! a document that names an anchor many times (a "billion laughs") is refused before it is
-//! built. YAML's own recursion limit (128 levels) bounds the depth.
+//! How many YAML nodes a file's documents expand to, aliases followed, counted without building
+//! them: a document that names an anchor many times (a "billion laughs") is refused before it
+//! is built. YAML's own recursion limit (128 levels) bounds the depth.
 
 use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, Visitor};
 
-/// Counts the nodes of one document, failing once there are more than `limit`.
+/// Counts the nodes of a file's documents, failing once there are more than `limit`.
 pub(crate) struct Budget<'a> {
     pub(crate) seen: &'a Cell<usize>,
     pub(crate) limit: usize,
@@ -19,7 +19,7 @@ impl Budget<'_> {
         self.seen.set(n);
         if n > self.limit {
             return Err(E::custom(format!(
-                "the document expands to more than {} nodes (aliases followed)",
+                "the file expands to more than {} nodes, its aliases followed (a node's limits.policy_file_nodes)",
                 self.limit
             )));
         }

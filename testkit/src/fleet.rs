@@ -860,8 +860,8 @@ impl Engine {
     }
 }
 
-/// An HTTP client trusting the CA in `ca` (a PEM file) besides nothing else.
-fn http_client(ca: Option<&Path>) -> reqwest::Client {
+/// An HTTP client trusting the CA in `ca` (a PEM file), or the web's roots without one.
+pub fn http_client(ca: Option<&Path>) -> reqwest::Client {
     let mut b = reqwest::Client::builder().use_rustls_tls();
     if let Some(ca) = ca {
         let pem = std::fs::read(ca).unwrap();

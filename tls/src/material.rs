@@ -195,7 +195,14 @@ impl Configs {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(key_pair)?;
-        let mut http1_server = server.clone();
+        // The HTTP/1.1 listeners (a gateway's clients, scrapers, probes) ask for no client
+        // certificate: they tell no caller apart.
+        let mut http1_server = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(key_pair)?
+            .with_no_client_auth()
+            .with_single_cert(chain.clone(), key.clone_key())
+            .map_err(key_pair)?;
         http1_server.alpn_protocols = vec![b"http/1.1".to_vec()];
         server.alpn_protocols = vec![ALPN_H2.to_vec()];
         let builder = ClientConfig::builder_with_provider(provider())

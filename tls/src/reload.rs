@@ -127,7 +127,8 @@ impl Tls {
         self.inner.current.load().own.clone()
     }
 
-    pub(crate) fn metrics(&self) -> &TlsMetrics {
+    /// What its reloads and handshakes counted.
+    pub fn metrics(&self) -> &TlsMetrics {
         &self.inner.metrics
     }
 

@@ -9,8 +9,9 @@ use futures::future::BoxFuture;
 
 use crate::ApiMetrics;
 
-/// Bounds every Router call to `route_call_ms` and counts refusals of too large messages
-/// (`kvplane_limit_hits_total{limit="grpc_message_bytes"|"route_call_ms"}`).
+/// Bounds every Router call to `route_call_ms` and counts Router's and Admin's refusals of too
+/// large messages (`kvplane_limit_hits_total{limit="grpc_message_bytes"|"route_call_ms"}`; the
+/// picker counts its own, which come after its stream's headers).
 #[derive(Debug, Clone)]
 pub struct LimitsLayer {
     route_call: Duration,
@@ -43,9 +44,11 @@ pub struct Bounded<S> {
 }
 
 /// The Router service's path prefix: its calls are unary, bounded in time. Raft's (a
-/// snapshot streams for as long as it takes) and the picker's (one stream per proxy
-/// connection) are not.
+/// snapshot streams for as long as it takes) and the picker's (one stream per proxied
+/// request, open while the request is) are not.
 const ROUTER: &str = "/kvplane.v1.Router/";
+/// Admin's: its too large messages are counted too (Raft's have a limit of their own).
+const ADMIN: &str = "/kvplane.v1.Admin/";
 
 /// tonic's words for a message over its decoding limit (OUT_OF_RANGE).
 const TOO_LARGE: &str = "Error, decoded message length too large";
@@ -65,6 +68,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let bounded = req.uri().path().starts_with(ROUTER);
+        let counted = bounded || req.uri().path().starts_with(ADMIN);
         let call = self.inner.call(req);
         let layer = self.layer.clone();
         Box::pin(async move {
@@ -83,7 +87,8 @@ where
             } else {
                 call.await
             };
-            if let Ok(r) = &answer
+            if counted
+                && let Ok(r) = &answer
                 && r.headers().get("grpc-status").is_some_and(|s| s == "11")
                 && r.headers()
                     .get("grpc-message")
@@ -96,6 +101,11 @@ where
             answer
         })
     }
+}
+
+/// Whether `status` is tonic's refusal of a message over its decoding limit.
+pub(crate) fn is_too_large(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().starts_with(TOO_LARGE)
 }
 
 /// gRPC's `grpc-message` is percent-encoded.

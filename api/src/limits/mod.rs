@@ -8,6 +8,7 @@ mod request;
 use serde::Deserialize;
 
 pub use grpc::LimitsLayer;
+pub(crate) use grpc::is_too_large;
 pub use request::OverLimit;
 
 /// `[limits]`: what one call may carry, and how long a Router call may take.
@@ -41,14 +42,17 @@ pub struct Limits {
     pub token_ids: usize,
     /// Endpoints a Route request's subset may list.
     pub endpoint_subset: usize,
+    /// Charges a usage report's ticket may name (a routed request's ticket names one per
+    /// limit that held it).
+    pub ticket_charges: usize,
     /// Bytes of one config object written through `Admin.PutConfig`.
     pub config_object_bytes: usize,
     /// A file of the policy directory larger than this is a problem (none of its documents is
     /// read; the last valid policies stay).
     pub policy_file_bytes: usize,
-    /// A policy document expanding to more YAML nodes than this, its aliases followed, is a
-    /// problem, refused before it is built.
-    pub policy_document_nodes: usize,
+    /// A policy file whose documents expand to more YAML nodes than this, their aliases
+    /// followed, is a problem, refused before it is built.
+    pub policy_file_nodes: usize,
     /// Requests this replica remembers as routed and not yet reported; past it the oldest is
     /// forgotten, as one unreported for ten minutes is (its reservation stays charged).
     pub in_flight_requests: usize,
@@ -67,11 +71,12 @@ impl Default for Limits {
             headers: 64,
             header_bytes: 8 << 10,
             body_bytes: 16 << 20,
-            token_ids: 1 << 20,
+            token_ids: 1 << 18,
             endpoint_subset: 1024,
+            ticket_charges: 16,
             config_object_bytes: 1 << 20,
             policy_file_bytes: 4 << 20,
-            policy_document_nodes: 1_000_000,
+            policy_file_nodes: 1_000_000,
             in_flight_requests: 100_000,
         }
     }
@@ -89,6 +94,7 @@ pub const LIMIT_NAMES: &[&str] = &[
     "body_bytes",
     "token_ids",
     "endpoint_subset",
+    "ticket_charges",
     "config_object_bytes",
     "in_flight_requests",
     "http_headers",
@@ -107,8 +113,13 @@ impl Limits {
             ("body_bytes", self.body_bytes, 1024),
             ("config_object_bytes", self.config_object_bytes, 1024),
             ("in_flight_requests", self.in_flight_requests, 1),
+            ("tags", self.tags, 1),
+            ("headers", self.headers, 1),
+            ("token_ids", self.token_ids, 1),
+            ("endpoint_subset", self.endpoint_subset, 1),
+            ("ticket_charges", self.ticket_charges, 1),
             ("policy_file_bytes", self.policy_file_bytes, 1024),
-            ("policy_document_nodes", self.policy_document_nodes, 100),
+            ("policy_file_nodes", self.policy_file_nodes, 100),
         ];
         for (name, v, least) in sizes {
             if v < least {
@@ -124,12 +135,34 @@ impl Limits {
         if self.route_call_ms == 0 {
             p.push("limits.route_call_ms must be at least 1".into());
         }
-        if self.body_bytes + (1 << 20) > self.grpc_message_bytes {
+        let largest = self.largest_route();
+        if largest > self.grpc_message_bytes {
             p.push(format!(
-                "limits.grpc_message_bytes ({}) must exceed limits.body_bytes ({}) by 1 MiB: a Route message carries the body",
-                self.grpc_message_bytes, self.body_bytes
+                "limits.grpc_message_bytes ({}) is below the largest Route request the other limits allow ({largest} bytes: the body, token ids, headers, tags, names and subset at their bounds)",
+                self.grpc_message_bytes
             ));
         }
         p
+    }
+
+    /// The encoded size of the largest Route request within the field bounds (protobuf's
+    /// tags and lengths counted at their widest).
+    pub fn largest_route(&self) -> usize {
+        let field = |n: usize, bytes: usize| n.saturating_mul(bytes.saturating_add(6));
+        [
+            field(1, self.body_bytes),
+            // A token id is a varint of at most 5 bytes, packed.
+            field(1, self.token_ids.saturating_mul(5)),
+            // A map entry: its own tag and length, then key and value each with theirs.
+            field(self.headers, self.header_bytes.saturating_add(6)),
+            field(self.tags, self.tag_bytes),
+            field(self.endpoint_subset, self.name_bytes),
+            // request id, tenant, model, cache salt
+            field(4, self.name_bytes),
+            // the numbers and flags
+            64,
+        ]
+        .into_iter()
+        .fold(0usize, usize::saturating_add)
     }
 }

@@ -16,6 +16,47 @@ pub struct OverLimit {
 }
 
 impl Limits {
+    /// The first bound a usage report is over, if any: its request id, and its ticket's
+    /// charges (how many, and their names).
+    pub fn check_report(&self, report: &kvplane_proto::v1::UsageReport) -> Result<(), OverLimit> {
+        let over = |name, what: String, found: usize, limit: usize| {
+            (found > limit).then_some(OverLimit {
+                name,
+                what,
+                found,
+                limit,
+            })
+        };
+        let charges = report.ticket.iter().flat_map(|t| &t.charges);
+        let first = over(
+            "name_bytes",
+            "the request_id's length in bytes".into(),
+            report.request_id.len(),
+            self.name_bytes,
+        )
+        .or_else(|| {
+            over(
+                "ticket_charges",
+                "the number of the ticket's charges".into(),
+                charges.clone().count(),
+                self.ticket_charges,
+            )
+        })
+        .or_else(|| {
+            charges
+                .flat_map(|c| [&c.tenant, &c.model, &c.provider])
+                .find_map(|n| {
+                    over(
+                        "name_bytes",
+                        "a charge's name's length in bytes".into(),
+                        n.len(),
+                        self.name_bytes,
+                    )
+                })
+        });
+        first.map_or(Ok(()), Err)
+    }
+
     /// The first bound `req` is over, if any. Cheap: lengths only, nothing is parsed.
     pub fn check_route(&self, req: &RouteRequest) -> Result<(), OverLimit> {
         let over = |name, what: String, found, limit| {

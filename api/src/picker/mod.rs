@@ -177,6 +177,9 @@ async fn converse(
             Err(e) => {
                 // The proxy's side broke (or sent what cannot be read): say so rather than
                 // end as if all was answered.
+                if crate::limits::is_too_large(&e) {
+                    exchange.router.metrics.limit_hit("grpc_message_bytes");
+                }
                 let _ = tx.send(Err(e)).await;
                 break;
             }

@@ -227,7 +227,7 @@ async fn start_kvplane(
     extra_config: &str,
 ) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let exe = process::kvplane_binary();
-    let nats_url = start_nats(procs, dir).await?;
+    let nats_url = start_nats(procs, dir, None).await?;
     let policies = dir.join("policies");
     std::fs::create_dir_all(&policies)?;
     std::fs::write(
@@ -274,17 +274,23 @@ async fn start_kvplane(
         )?;
     }
     for n in &nodes {
-        wait_status(n, "seeing every engine up", Duration::from_secs(60), |s| {
-            s.policy_objects.get("InferenceWorkerSet") == Some(&1)
-                && s.workers
-                    .iter()
-                    .filter(|w| w.up && !w.address.is_empty())
-                    .count()
-                    >= engines.len()
-        })
+        wait_status(
+            &kvplane_tls::Dialer::plain(),
+            n,
+            "seeing every engine up",
+            Duration::from_secs(60),
+            |s| {
+                s.policy_objects.get("InferenceWorkerSet") == Some(&1)
+                    && s.workers
+                        .iter()
+                        .filter(|w| w.up && !w.address.is_empty())
+                        .count()
+                        >= engines.len()
+            },
+        )
         .await?;
     }
-    let urls = start_gateways(procs, &nodes[..gateways.min(nodes.len())])?;
+    let urls = start_gateways(procs, &nodes[..gateways.min(nodes.len())], &[], false)?;
     Ok((urls, http))
 }
 
@@ -307,7 +313,7 @@ async fn run_once(
     let urls: Vec<String> = match strategy {
         "round-robin" => {
             let list: Vec<String> = engines.iter().map(|e| e.openai.clone()).collect();
-            vec![start_round_robin(&mut procs, &list)?]
+            vec![start_round_robin(&mut procs, &list, &[], false)?]
         }
         "dynamo-kv" => vec![dynamo::start_kv_router(&mut procs, dir, setup).await?],
         "kvplane" | "kvplane-one-gateway" => {
@@ -338,7 +344,15 @@ async fn run_once(
             prediction::read(&members).await
         })
     };
-    let outcomes = run_phase(strategy, &urls, dynamo::MODEL, items, a.speedup).await;
+    let outcomes = run_phase(
+        &reqwest::Client::new(),
+        strategy,
+        &urls,
+        dynamo::MODEL,
+        items,
+        a.speedup,
+    )
+    .await;
     let prediction = if members.is_empty() {
         None
     } else {

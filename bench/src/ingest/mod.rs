@@ -132,7 +132,8 @@ fn start_nodes(
 
 /// Every node's Status (`None` for one that does not answer).
 async fn statuses(nodes: &[Node]) -> Vec<Option<StatusResponse>> {
-    futures::future::join_all(nodes.iter().map(|n| status(&n.grpc))).await
+    let plain = kvplane_tls::Dialer::plain();
+    futures::future::join_all(nodes.iter().map(|n| status(&plain, &n.grpc))).await
 }
 
 fn applied_seq(s: &StatusResponse) -> u64 {
@@ -236,7 +237,7 @@ pub async fn run(a: IngestBenchArgs) -> anyhow::Result<()> {
         }
     };
     let mut procs = Procs::new(&dir);
-    let nats_url = start_nats(&mut procs, &dir).await?;
+    let nats_url = start_nats(&mut procs, &dir, None).await?;
     let nodes = start_nodes(&mut procs, &dir, &nats_url, a.nodes)?;
     wait_leader(&nodes, None, Duration::from_secs(30)).await?;
     eprintln!(
@@ -277,6 +278,7 @@ pub async fn run(a: IngestBenchArgs) -> anyhow::Result<()> {
     let workers = a.engines + 1;
     for n in &nodes {
         crate::procs::wait_status(
+            &kvplane_tls::Dialer::plain(),
             &n.grpc,
             &format!("seeing {workers} workers"),
             Duration::from_secs(120),

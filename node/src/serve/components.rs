@@ -76,7 +76,7 @@ pub(super) fn config_sources(p: &mut Parts, tasks: &mut Tasks) -> Option<watch::
         let every = Duration::from_millis(p.cfg.policy_poll_ms);
         let bounds = kvplane_policy::FileBounds {
             file_bytes: p.cfg.limits.policy_file_bytes,
-            document_nodes: p.cfg.limits.policy_document_nodes,
+            file_nodes: p.cfg.limits.policy_file_nodes,
         };
         let (s, m) = (source.clone(), p.metrics.directory.clone());
         tasks.spawn("policy directory", |stop| {
