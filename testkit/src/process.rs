@@ -245,9 +245,15 @@ pub fn kvplane_binary() -> PathBuf {
             return PathBuf::from(p);
         }
     }
-    exe.parent()
-        .and_then(Path::parent)
-        .map(|d| d.join(format!("kvplane{}", std::env::consts::EXE_SUFFIX)))
+    let name = format!("kvplane{}", std::env::consts::EXE_SUFFIX);
+    // A binary beside it (`target/debug/kvplane-chaos`), else one level up (a test binary in
+    // `target/debug/deps`).
+    let dir = exe.parent();
+    if let Some(beside) = dir.map(|d| d.join(&name)).filter(|p| p.is_file()) {
+        return beside;
+    }
+    dir.and_then(Path::parent)
+        .map(|d| d.join(&name))
         .unwrap_or_else(|| PathBuf::from("kvplane"))
 }
 

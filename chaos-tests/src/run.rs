@@ -1,0 +1,137 @@
+//! One seeded run: start the fleet and the workload, inject the schedule's faults one after
+//! another (each held, healed, then the fleet healthy for a while), stop, check, report.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::check::{Verdict, check};
+use crate::fleet::Fleet;
+use crate::history::{History, RouteOutcome, record, shared};
+use crate::schedule::{Fault, schedule};
+
+/// What one run did and found.
+pub struct Report {
+    pub seed: u64,
+    pub ran: Duration,
+    /// Per fault kind: how long each took from heal to every member ready.
+    pub recoveries: BTreeMap<Fault, Vec<Duration>>,
+    pub history: History,
+    pub verdicts: Vec<Verdict>,
+}
+
+impl Report {
+    pub fn held(&self) -> bool {
+        self.verdicts.iter().all(|v| v.held)
+    }
+}
+
+/// Runs `seed`'s schedule for about `duration` (the fault in force when it ends is healed).
+pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
+    let mut fleet = Fleet::start().await?;
+    let history = shared();
+    let (stop_tx, stop) = watch::channel(false);
+    let endpoints: Vec<String> = fleet.cluster.nodes.iter().map(|n| n.endpoint()).collect();
+    let mut workload = crate::workload::start(&endpoints, &fleet.js, &history, &stop);
+    let started = Instant::now();
+    let mut healthy = Vec::new();
+    let mut recoveries: BTreeMap<Fault, Vec<Duration>> = BTreeMap::new();
+    let mut healthy_since = Instant::now();
+    for step in schedule(seed, 10_000) {
+        if started.elapsed() >= duration {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
+        healthy.push((healthy_since, Instant::now()));
+        let injected = fleet.inject(&step).await?;
+        eprintln!(
+            "  seed {seed} {:>5.1} s: {}{}",
+            started.elapsed().as_secs_f64(),
+            step.fault.label(),
+            injected
+                .member()
+                .map(|m| format!(" (member {m})"))
+                .unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(step.hold_ms)).await;
+        fleet.heal(injected).await;
+        let took = fleet
+            .wait_healthy(Duration::from_secs(60), |_| true)
+            .await?;
+        recoveries.entry(step.fault).or_default().push(took);
+        healthy_since = Instant::now();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    healthy.push((healthy_since, Instant::now()));
+    let _ = stop_tx.send(true);
+    while workload.join_next().await.is_some() {}
+    let ran = started.elapsed();
+    let history = record(&history, std::mem::take);
+    let verdicts = check(&fleet, &history, &healthy).await;
+    Ok(Report {
+        seed,
+        ran,
+        recoveries,
+        history,
+        verdicts,
+    })
+}
+
+fn millis(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+/// The run's table: faults by kind with recovery times, operations by outcome, invariants.
+pub fn table(r: &Report) -> String {
+    let mut t = String::new();
+    let _ = writeln!(t, "seed {} ({:.0} s)", r.seed, r.ran.as_secs_f64());
+    let _ = writeln!(
+        t,
+        "  {:<22} {:>5} {:>14} {:>14}",
+        "fault", "times", "recovery p50", "recovery max"
+    );
+    for (fault, times) in &r.recoveries {
+        let mut sorted = times.clone();
+        sorted.sort();
+        let _ = writeln!(
+            t,
+            "  {:<22} {:>5} {:>14} {:>14}",
+            fault.label(),
+            times.len(),
+            millis(sorted[sorted.len() / 2]),
+            millis(*sorted.last().unwrap_or(&Duration::ZERO)),
+        );
+    }
+    let h = &r.history;
+    let mut by_outcome: BTreeMap<RouteOutcome, u64> = BTreeMap::new();
+    for ((_, o), n) in &h.routes {
+        *by_outcome.entry(*o).or_default() += n;
+    }
+    let routes = by_outcome
+        .iter()
+        .map(|(o, n)| format!("{n} {}", o.label()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let _ = writeln!(t, "  Route: {routes}");
+    let _ = writeln!(
+        t,
+        "  ReportUsage: {} acknowledged, {} failed; config writes: {} acknowledged, {} failed; KV batches: {} acknowledged",
+        h.reports_acked,
+        h.reports_failed,
+        h.config_acked.len(),
+        h.config_failed,
+        h.published.len()
+    );
+    for v in &r.verdicts {
+        let _ = writeln!(
+            t,
+            "  {} {}: {}",
+            if v.held { "ok  " } else { "FAIL" },
+            v.name,
+            v.detail
+        );
+    }
+    t
+}
