@@ -36,9 +36,10 @@ pub(crate) enum Start {
     },
 }
 
-/// A bounded table of requests in flight. Entries older than `ttl` are dropped when the table
-/// is full, so an unreported request cannot pin memory; still full, the oldest is forgotten.
-/// Both in constant time per request, whatever the table holds.
+/// A bounded table of requests in flight. Entries older than `ttl` are dropped as new ones
+/// come (a request unreported that long is forgotten: its report finds nothing), and when the
+/// table is full the oldest is forgotten too; both in amortized constant time per request,
+/// whatever the table holds.
 #[derive(Debug)]
 pub(crate) struct UsageBook {
     inner: Mutex<Book>,

@@ -1,10 +1,12 @@
-//! The invariants, checked after the last fault healed and the workload stopped, against the
-//! clients' own records.
+//! The invariants, checked after the last fault healed and the workload stopped: the clients'
+//! records against each other and against what every member answers.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::fleet::{Fleet, TENANTS, status};
-use crate::history::History;
+use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS, status};
+use crate::history::{Admission, History, Miss, RouteOutcome};
+use crate::workload::BLOCKS;
 
 /// One invariant's result.
 #[derive(Debug)]
@@ -14,117 +16,206 @@ pub struct Verdict {
     pub detail: String,
 }
 
-fn verdict(name: &'static str, held: bool, detail: String) -> Verdict {
-    Verdict { name, held, detail }
+fn verdict(name: &'static str, problems: Vec<String>, fine: String) -> Verdict {
+    Verdict {
+        name,
+        held: problems.is_empty(),
+        detail: if problems.is_empty() {
+            fine
+        } else {
+            problems.join("; ")
+        },
+    }
 }
 
-/// Every invariant, in a fixed order.
-pub async fn check(fleet: &Fleet, h: &History, healthy: &[(Instant, Instant)]) -> Vec<Verdict> {
-    let last = h.published.iter().copied().max().unwrap_or(0);
-    let mut out = vec![agreement(fleet, last).await];
+/// Every invariant, in a fixed order. `faults` is how many were injected; `healthy` the
+/// stretches during which every member was up and ready.
+pub async fn check(
+    fleet: &Fleet,
+    h: &History,
+    faults: usize,
+    healthy: &[(Instant, Instant)],
+) -> Vec<Verdict> {
+    let mut out = vec![exercised(h, faults)];
+    let last = h.published.iter().map(|(seq, _)| *seq).max().unwrap_or(0);
+    out.push(agreement(fleet, last).await);
     let statuses = statuses(fleet).await;
-    let short = statuses
-        .iter()
-        .filter(|s| s.indexed_blocks != h.blocks)
-        .map(|s| format!("{} holds {} blocks", s.node_id, s.indexed_blocks))
-        .collect::<Vec<_>>();
-    out.push(verdict(
-        "every acknowledged batch indexed",
-        short.is_empty() && statuses.len() == fleet.cluster.nodes.len(),
-        if short.is_empty() {
-            format!(
-                "{} batches, {} blocks on every member",
-                h.published.len(),
-                h.blocks
-            )
-        } else {
-            format!("{} blocks published; {}", h.blocks, short.join(", "))
-        },
-    ));
-    let mut missing = Vec::new();
+    let members = fleet.cluster.nodes.len();
+    let mut problems = Vec::new();
+    if statuses.len() < members {
+        problems.push(format!("{} of {members} members answered", statuses.len()));
+    }
+    // Per worker: the blocks of the batches the stream acknowledged for it.
+    let mut want = [0u64; WORKERS];
+    for (_, w) in &h.published {
+        want[*w] += BLOCKS;
+    }
     for s in &statuses {
-        for name in &h.config_acked {
-            if !s
-                .config_objects
+        for (w, blocks) in want.iter().enumerate() {
+            let held = s
+                .workers
                 .iter()
-                .any(|o| o.kind == "pool" && o.name == *name)
-            {
-                missing.push(format!("{} lacks {name}", s.node_id));
+                .find(|x| x.worker_id == format!("w{w}"))
+                .map_or(0, |x| x.indexed_blocks);
+            if held != *blocks {
+                problems.push(format!(
+                    "{} holds {held} blocks of w{w}, not {blocks}",
+                    s.node_id
+                ));
             }
         }
     }
     out.push(verdict(
+        "every acknowledged batch indexed, on its worker",
+        problems,
+        format!(
+            "{} batches, {:?} blocks per worker on every member",
+            h.published.len(),
+            want
+        ),
+    ));
+    let mut problems = Vec::new();
+    if statuses.len() < members {
+        problems.push(format!("{} of {members} members answered", statuses.len()));
+    }
+    for s in &statuses {
+        let missing = h
+            .config_acked
+            .iter()
+            .filter(|name| {
+                !s.config_objects
+                    .iter()
+                    .any(|o| o.kind == "pool" && o.name == **name)
+            })
+            .count();
+        if missing > 0 {
+            problems.push(format!("{} lacks {missing} acknowledged writes", s.node_id));
+        }
+    }
+    out.push(verdict(
         "every acknowledged config write present",
-        missing.is_empty(),
-        if missing.is_empty() {
-            format!("{} writes on every member", h.config_acked.len())
-        } else {
-            missing.join(", ")
-        },
+        problems,
+        format!("{} writes on every member", h.config_acked.len()),
     ));
-    let over = over_limit(&h.admitted);
-    let fullest = TENANTS
-        .iter()
-        .map(|(t, budget)| {
-            let most = h
-                .admitted
-                .iter()
-                .filter(|((tenant, _), _)| tenant == t)
-                .map(|(_, v)| *v)
-                .max()
-                .unwrap_or(0);
-            format!("{t} at most {most} of {budget}")
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
+    let (over, fullest) = over_limit(&h.admissions);
     out.push(verdict(
-        "tokens admitted per tenant and window within the limit",
-        over.is_empty(),
-        if over.is_empty() {
-            format!("{} windows; {fullest}", h.admitted.len())
-        } else {
-            over.join(", ")
-        },
+        "tokens admitted per tenant and window within the limit (clients' clocks)",
+        over,
+        fullest,
     ));
-    let failed = failed_while_healthy(&h.route_failures, healthy);
     out.push(verdict(
-        "no Route failure while the fleet was healthy",
-        failed.is_empty(),
-        if failed.is_empty() {
-            format!("{} failures, all during faults", h.route_failures.len())
-        } else {
-            failed.join("; ")
-        },
+        "each answer's window is one its call overlapped",
+        misfiled(&h.admissions),
+        "every charge named a window between the call's send and answer".into(),
+    ));
+    let missed = missed_while_healthy(&h.misses, healthy);
+    out.push(verdict(
+        "every Route made while the fleet was healthy routed or met the limit",
+        missed,
+        format!(
+            "{} calls failed or refused, all sent during faults",
+            h.misses.len()
+        ),
     ));
     out
 }
 
-/// The windows in which a tenant was admitted more tokens than its budget.
-fn over_limit(admitted: &std::collections::BTreeMap<(String, u64), u64>) -> Vec<String> {
-    admitted
+/// The run did what it is for: faults injected, and every member routed for every tenant,
+/// took writes and indexed batches.
+fn exercised(h: &History, faults: usize) -> Verdict {
+    let mut problems = Vec::new();
+    if faults == 0 {
+        problems.push("no fault was injected".to_owned());
+    }
+    for m in 0..MEMBERS {
+        for (tenant, _) in TENANTS {
+            if h.routes
+                .get(&(m, tenant, RouteOutcome::Routed))
+                .is_none_or(|n| *n == 0)
+            {
+                problems.push(format!("member {m} routed nothing for {tenant}"));
+            }
+        }
+    }
+    if h.config_acked.is_empty() {
+        problems.push("no config write was acknowledged".into());
+    }
+    if h.published.is_empty() {
+        problems.push("no KV batch was acknowledged".into());
+    }
+    verdict(
+        "the run exercised the fleet",
+        problems,
+        format!("{faults} faults; every member routed for every tenant"),
+    )
+}
+
+/// Per tenant and window, the tokens of admissions whose whole call (sent to answered, by the
+/// client's clock) fell in the window: a lower bound of what the window admitted, which must
+/// not pass the budget. Also says how full the fullest window was.
+fn over_limit(admissions: &[Admission]) -> (Vec<String>, String) {
+    let mut by: BTreeMap<(&str, u64), u64> = BTreeMap::new();
+    for a in admissions {
+        let w = a.sent_ms / WINDOW_MS * WINDOW_MS;
+        if a.done_ms < w + WINDOW_MS {
+            *by.entry((a.tenant, w)).or_default() += a.tokens;
+        }
+    }
+    let budget = |t: &str| TENANTS.iter().find(|(n, _)| *n == t).map_or(0, |(_, b)| *b);
+    let over = by
         .iter()
-        .filter_map(|((tenant, window), tokens)| {
-            let budget = TENANTS.iter().find(|(t, _)| t == tenant)?.1;
-            (*tokens > budget).then(|| format!("{tenant} window {window}: {tokens} > {budget}"))
+        .filter(|((t, _), tokens)| **tokens > budget(t))
+        .map(|((t, w), tokens)| format!("{t} window {w}: {tokens} > {}", budget(t)))
+        .collect();
+    let fullest = TENANTS
+        .iter()
+        .map(|(t, b)| {
+            let most = by
+                .iter()
+                .filter(|((x, _), _)| x == t)
+                .map(|(_, v)| *v)
+                .max()
+                .unwrap_or(0);
+            format!("{t} at most {most} of {b}")
         })
+        .collect::<Vec<_>>()
+        .join(", ");
+    (over, format!("{} windows; {fullest}", by.len()))
+}
+
+/// Admissions whose charge named a window the call did not overlap (a slack of one second
+/// either side for the clocks of client and member).
+fn misfiled(admissions: &[Admission]) -> Vec<String> {
+    let slack = 1_000;
+    admissions
+        .iter()
+        .filter_map(|a| {
+            let w = a.charged_window_ms?;
+            let overlaps = w + WINDOW_MS + slack > a.sent_ms && w < a.done_ms + slack;
+            (!overlaps).then(|| {
+                format!(
+                    "{}: window {w} for a call from {} to {}",
+                    a.tenant, a.sent_ms, a.done_ms
+                )
+            })
+        })
+        .take(5)
         .collect()
 }
 
-/// The calls that failed while every member was up and healthy (past a half-second grace
-/// after the heal that began the healthy stretch).
-fn failed_while_healthy(
-    failures: &[(Instant, usize, String)],
-    healthy: &[(Instant, Instant)],
-) -> Vec<String> {
-    let grace = Duration::from_millis(500);
-    failures
+/// The calls sent while every member was up and healthy (past a grace after the stretch
+/// began, answered before it ended) that failed or were refused.
+fn missed_while_healthy(misses: &[Miss], healthy: &[(Instant, Instant)]) -> Vec<String> {
+    let grace = Duration::from_millis(200);
+    misses
         .iter()
-        .filter(|(at, _, _)| {
+        .filter(|m| {
             healthy
                 .iter()
-                .any(|(from, to)| *at > *from + grace && at < to)
+                .any(|(from, to)| m.sent >= *from + grace && m.done <= *to)
         })
-        .map(|(_, node, why)| format!("member {node}: {why}"))
+        .map(|m| format!("member {}: {}", m.member, m.why))
+        .take(10)
         .collect()
 }
 
@@ -138,9 +229,11 @@ async fn statuses(fleet: &Fleet) -> Vec<kvplane_proto::v1::StatusResponse> {
     out
 }
 
-/// Every member applied the stream up to `last`, and all report the same applied index and
-/// digest in one round (waited for: quota entries may still be landing).
+/// Every member applied the stream up to the last acknowledged batch `last`, and all report
+/// the same applied index and digest in one round (waited for up to a minute: quota entries may
+/// still be landing).
 async fn agreement(fleet: &Fleet, last: u64) -> Verdict {
+    let name = "members agree (same index, same digest, every acknowledged batch applied)";
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = String::new();
     while Instant::now() < deadline {
@@ -169,54 +262,80 @@ async fn agreement(fleet: &Fleet, last: u64) -> Verdict {
                 w[0].applied_index == w[1].applied_index && w[0].state_digest == w[1].state_digest
             })
         {
-            return verdict(
-                "members agree (same index, same digest, the whole stream applied)",
-                true,
-                format!(
-                    "index {}, stream {last}",
-                    all.first().map_or(0, |s| s.applied_index)
-                ),
-            );
+            let index = all.first().map_or(0, |s| s.applied_index);
+            return verdict(name, Vec::new(), format!("index {index}, stream {last}"));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    verdict(
-        "members agree (same index, same digest, the whole stream applied)",
-        false,
-        seen,
-    )
+    verdict(name, vec![seen], String::new())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_window_over_its_budget_is_named_and_one_at_it_is_not() {
-        let admitted = [
-            (("acme".to_owned(), 0), 20_000),
-            (("beta".to_owned(), 0), 10_200),
-            (("beta".to_owned(), 2_000), 10_000),
-        ]
-        .into_iter()
-        .collect();
-        assert_eq!(over_limit(&admitted), vec!["beta window 0: 10200 > 10000"]);
+    fn admission(tenant: &'static str, sent_ms: u64, done_ms: u64, window: u64) -> Admission {
+        Admission {
+            tenant,
+            tokens: 200,
+            sent_ms,
+            done_ms,
+            charged_window_ms: Some(window),
+        }
     }
 
     #[test]
-    fn only_failures_inside_a_healthy_stretch_past_its_grace_count() {
+    fn a_window_over_its_budget_by_the_clients_clocks_is_named() {
+        // 51 calls of 200 tokens inside beta's window 2000..4000: 10,200 > 10,000. One more
+        // that straddles the window's end is not counted against it.
+        let mut a: Vec<Admission> = (0..51)
+            .map(|i| admission("beta", 2_000 + i, 2_010 + i, 2_000))
+            .collect();
+        a.push(admission("beta", 3_990, 4_010, 2_000));
+        let (over, _) = over_limit(&a);
+        assert_eq!(over, vec!["beta window 2000: 10200 > 10000"]);
+        a.truncate(50);
+        assert!(over_limit(&a).0.is_empty());
+    }
+
+    #[test]
+    fn a_charge_for_a_window_the_call_did_not_overlap_is_named() {
+        let a = [
+            admission("acme", 2_100, 2_200, 2_000),
+            admission("acme", 2_100, 2_200, 8_000),
+        ];
+        assert_eq!(misfiled(&a).len(), 1);
+    }
+
+    #[test]
+    fn only_calls_sent_and_answered_inside_a_healthy_stretch_count() {
         let t0 = Instant::now();
         let at = |ms| t0 + Duration::from_millis(ms);
+        let miss = |sent, done, why: &str| Miss {
+            sent: at(sent),
+            done: at(done),
+            member: 1,
+            why: why.into(),
+        };
         let healthy = [(at(0), at(2_000)), (at(5_000), at(6_000))];
-        let failures = [
-            (at(100), 0, "just healed".to_owned()),
-            (at(1_000), 1, "while healthy".to_owned()),
-            (at(3_000), 2, "during a fault".to_owned()),
-            (at(5_600), 0, "healthy again".to_owned()),
+        let misses = [
+            miss(100, 150, "just healed"),
+            miss(1_000, 1_100, "while healthy"),
+            miss(1_900, 2_500, "ran into a fault"),
+            miss(3_000, 5_300, "sent during a fault"),
+            miss(5_600, 5_700, "healthy again"),
         ];
         assert_eq!(
-            failed_while_healthy(&failures, &healthy),
-            vec!["member 1: while healthy", "member 0: healthy again"]
+            missed_while_healthy(&misses, &healthy),
+            vec!["member 1: while healthy", "member 1: healthy again"]
         );
+    }
+
+    #[test]
+    fn a_run_that_routed_nothing_for_a_tenant_or_injected_nothing_fails() {
+        let h = History::default();
+        let v = exercised(&h, 0);
+        assert!(!v.held);
+        assert!(v.detail.contains("no fault was injected"), "{}", v.detail);
     }
 }

@@ -1,5 +1,5 @@
-//! What the clients sent and what they were told, with times: the checker's only source for
-//! what was acknowledged and admitted (never the nodes' own counts).
+//! What the clients sent and what they were told, with the times of each call: the checker's
+//! source for what was acknowledged and admitted.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -10,7 +10,7 @@ use std::time::Instant;
 pub enum RouteOutcome {
     Routed,
     RateLimited,
-    /// Refused for another reason (no capacity while workers were unknown, ...).
+    /// Refused for another reason (no capacity, unknown model, ...).
     Refused,
     /// The call failed (connection refused, deadline, unavailable).
     Failed,
@@ -27,25 +27,43 @@ impl RouteOutcome {
     }
 }
 
+/// A call that did not route (failed, or refused for anything but the tenant's limit), from
+/// when it was sent to when its client gave up or heard back.
+#[derive(Debug, Clone)]
+pub struct Miss {
+    pub sent: Instant,
+    pub done: Instant,
+    pub member: usize,
+    pub why: String,
+}
+
+/// One admission: the tokens the client asked for (prompt plus maximum output), the wall-clock
+/// times it sent the call and heard back, and the window the answer's charge named.
+#[derive(Debug, Clone)]
+pub struct Admission {
+    pub tenant: &'static str,
+    pub tokens: u64,
+    pub sent_ms: u64,
+    pub done_ms: u64,
+    pub charged_window_ms: Option<u64>,
+}
+
 /// Everything recorded during one run.
 #[derive(Debug, Default)]
 pub struct History {
-    /// Route outcomes by (node, outcome), with the time of each failure.
-    pub routes: BTreeMap<(usize, RouteOutcome), u64>,
-    pub route_failures: Vec<(Instant, usize, String)>,
-    /// Tokens each tenant was admitted, by the window its answer named: the client's own
-    /// count (what it asked for, prompt plus maximum output).
-    pub admitted: BTreeMap<(String, u64), u64>,
-    /// Usage reports acknowledged and failed.
+    /// Route outcomes by (member, tenant, outcome).
+    pub routes: BTreeMap<(usize, &'static str, RouteOutcome), u64>,
+    pub misses: Vec<Miss>,
+    /// Answers that refused for the limit because no grant came ("fails closed").
+    pub failed_closed: u64,
+    pub admissions: Vec<Admission>,
     pub reports_acked: u64,
     pub reports_failed: u64,
     /// Config objects whose write was acknowledged (pool names), and writes that failed.
     pub config_acked: Vec<String>,
     pub config_failed: u64,
-    /// KV batches acknowledged by the stream (its sequence), and the distinct blocks they
-    /// stored.
-    pub published: Vec<u64>,
-    pub blocks: u64,
+    /// KV batches the stream acknowledged: (stream sequence, worker index).
+    pub published: Vec<(u64, usize)>,
 }
 
 /// The history shared by the workload's tasks.

@@ -1,6 +1,8 @@
 //! `kvplane-chaos`: seeded random faults over a real kvplane fleet (nats-server, three Raft
 //! members), a workload whose clients record what they were told, and invariants checked
-//! against those records. A failing run prints its seed; `--seed N` replays its schedule.
+//! against those records. A failing run prints its seed; `--seed N` runs the same sequence of
+//! faults again (not the same execution: which member leads, and the workload's interleaving,
+//! are the run's own).
 
 mod check;
 mod fleet;
@@ -42,10 +44,22 @@ fn main() -> anyhow::Result<()> {
     let mut failed = Vec::new();
     for seed in seeds {
         eprintln!("seed {seed}: starting the fleet");
-        let report = rt.block_on(run::run(seed, duration))?;
-        println!("{}", run::table(&report));
-        if !report.held() {
-            failed.push(seed);
+        // A panic in the run (a member that does not start again) fails this seed, not all.
+        match rt.block_on(async { tokio::spawn(run::run(seed, duration)).await }) {
+            Ok(Ok(report)) => {
+                println!("{}", run::table(&report));
+                if !report.held() {
+                    failed.push(seed);
+                }
+            }
+            Ok(Err(e)) => {
+                println!("seed {seed}: the run failed: {e:#}");
+                failed.push(seed);
+            }
+            Err(e) => {
+                println!("seed {seed}: the run panicked: {e}");
+                failed.push(seed);
+            }
         }
     }
     if failed.is_empty() {
@@ -54,7 +68,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         let d = duration.as_secs();
         for s in &failed {
-            println!("replay: cargo run -p kvplane-chaos -- --seed {s} --duration {d}");
+            println!("replay: scripts/chaos --seed {s} --duration {d}");
         }
         anyhow::bail!("invariants broken under seeds {failed:?}")
     }

@@ -16,10 +16,12 @@ use crate::schedule::{Fault, schedule};
 pub struct Report {
     pub seed: u64,
     pub ran: Duration,
-    /// Per fault kind: how long each took from heal to every member ready.
+    /// Per fault kind: how long each took from the heal's start to every member ready.
     pub recoveries: BTreeMap<Fault, Vec<Duration>>,
     pub history: History,
     pub verdicts: Vec<Verdict>,
+    /// Where the members' logs are, kept when an invariant broke.
+    pub kept: Option<std::path::PathBuf>,
 }
 
 impl Report {
@@ -29,8 +31,27 @@ impl Report {
 }
 
 /// Runs `seed`'s schedule for about `duration` (the fault in force when it ends is healed).
+/// An error (the fleet did not recover) says where the members' logs were kept.
 pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
     let mut fleet = Fleet::start().await?;
+    // Kept unless the run ends well: a panic or an error leaves the logs to read.
+    fleet.cluster.root.disable_cleanup(true);
+    let root = fleet.cluster.root.path().to_owned();
+    eprintln!("seed {seed}: members' directories in {}", root.display());
+    match drive(&mut fleet, seed, duration).await {
+        Ok(mut report) => {
+            if report.held() {
+                fleet.cluster.root.disable_cleanup(false);
+            } else {
+                report.kept = Some(root);
+            }
+            Ok(report)
+        }
+        Err(e) => Err(e.context(format!("members' logs kept in {}", root.display()))),
+    }
+}
+
+async fn drive(fleet: &mut Fleet, seed: u64, duration: Duration) -> anyhow::Result<Report> {
     let history = shared();
     let (stop_tx, stop) = watch::channel(false);
     let endpoints: Vec<String> = fleet.cluster.nodes.iter().map(|n| n.endpoint()).collect();
@@ -39,6 +60,7 @@ pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
     let mut healthy = Vec::new();
     let mut recoveries: BTreeMap<Fault, Vec<Duration>> = BTreeMap::new();
     let mut healthy_since = Instant::now();
+    let mut faults = 0;
     for step in schedule(seed, 10_000) {
         if started.elapsed() >= duration {
             break;
@@ -46,6 +68,7 @@ pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
         healthy.push((healthy_since, Instant::now()));
         let injected = fleet.inject(&step).await?;
+        faults += 1;
         eprintln!(
             "  seed {seed} {:>5.1} s: {}{}",
             started.elapsed().as_secs_f64(),
@@ -56,26 +79,33 @@ pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
                 .unwrap_or_default()
         );
         tokio::time::sleep(Duration::from_millis(step.hold_ms)).await;
+        let healing = Instant::now();
         fleet.heal(injected).await;
-        let took = fleet
+        fleet
             .wait_healthy(Duration::from_secs(60), |_| true)
             .await?;
-        recoveries.entry(step.fault).or_default().push(took);
+        recoveries
+            .entry(step.fault)
+            .or_default()
+            .push(healing.elapsed());
         healthy_since = Instant::now();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     healthy.push((healthy_since, Instant::now()));
     let _ = stop_tx.send(true);
-    while workload.join_next().await.is_some() {}
+    while let Some(ended) = workload.join_next().await {
+        ended.map_err(|e| anyhow::anyhow!("a workload task failed: {e}"))?;
+    }
     let ran = started.elapsed();
     let history = record(&history, std::mem::take);
-    let verdicts = check(&fleet, &history, &healthy).await;
+    let verdicts = check(fleet, &history, faults, &healthy).await;
     Ok(Report {
         seed,
         ran,
         recoveries,
         history,
         verdicts,
+        kept: None,
     })
 }
 
@@ -100,13 +130,13 @@ pub fn table(r: &Report) -> String {
             "  {:<22} {:>5} {:>14} {:>14}",
             fault.label(),
             times.len(),
-            millis(sorted[sorted.len() / 2]),
+            millis(sorted[(sorted.len() - 1) / 2]),
             millis(*sorted.last().unwrap_or(&Duration::ZERO)),
         );
     }
     let h = &r.history;
     let mut by_outcome: BTreeMap<RouteOutcome, u64> = BTreeMap::new();
-    for ((_, o), n) in &h.routes {
+    for ((_, _, o), n) in &h.routes {
         *by_outcome.entry(*o).or_default() += n;
     }
     let routes = by_outcome
@@ -114,7 +144,11 @@ pub fn table(r: &Report) -> String {
         .map(|(o, n)| format!("{n} {}", o.label()))
         .collect::<Vec<_>>()
         .join(", ");
-    let _ = writeln!(t, "  Route: {routes}");
+    let _ = writeln!(
+        t,
+        "  Route: {routes} ({} refused as failing closed)",
+        h.failed_closed
+    );
     let _ = writeln!(
         t,
         "  ReportUsage: {} acknowledged, {} failed; config writes: {} acknowledged, {} failed; KV batches: {} acknowledged",
@@ -132,6 +166,9 @@ pub fn table(r: &Report) -> String {
             v.name,
             v.detail
         );
+    }
+    if let Some(k) = &r.kept {
+        let _ = writeln!(t, "  members' logs kept in {}", k.display());
     }
     t
 }

@@ -1,5 +1,6 @@
 //! A seeded schedule of faults: the same seed gives the same faults, held as long, with the
-//! same healthy gaps between them, so a failing run replays with its seed.
+//! same healthy gaps between them, so a failing run's seed runs the same sequence of faults
+//! again (which member leads, and how many steps fit the duration, are the run's own).
 
 /// One kind of fault the runner injects into the fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -13,8 +13,8 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
-use crate::fleet::{TENANTS, WINDOW_MS, WORKERS};
-use crate::history::{RouteOutcome, Shared, record};
+use crate::fleet::{TENANTS, WORKERS};
+use crate::history::{Admission, Miss, RouteOutcome, Shared, record};
 
 /// Prompt and maximum output tokens of every request: what a client counts as admitted.
 const PROMPT: u32 = 100;
@@ -50,7 +50,7 @@ pub fn start(
     tasks
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -77,13 +77,10 @@ async fn router_client(
     let mut n = 0u64;
     while !*stop.borrow() {
         let Some(c) = client.as_mut() else {
+            let sent = Instant::now();
             client = connect(&endpoint).await.map(RouterClient::new);
             if client.is_none() {
-                record(&history, |h| {
-                    *h.routes.entry((node, RouteOutcome::Failed)).or_default() += 1;
-                    h.route_failures
-                        .push((Instant::now(), node, "cannot connect".into()));
-                });
+                miss(&history, node, tenant, sent, "cannot connect".into());
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             continue;
@@ -100,38 +97,59 @@ async fn router_client(
             max_output_tokens: MAX_OUTPUT,
             ..Default::default()
         };
+        let (sent, sent_ms) = (Instant::now(), now_ms());
         let answer = match tokio::time::timeout(CALL, c.route(req)).await {
             Ok(Ok(r)) => r.into_inner(),
             Ok(Err(status)) => {
-                fail(&history, node, status.to_string());
+                miss(&history, node, tenant, sent, status.to_string());
                 client = None;
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
             Err(_) => {
-                fail(&history, node, "no answer within 2 s".into());
+                miss(&history, node, tenant, sent, "no answer within 2 s".into());
                 client = None;
                 continue;
             }
         };
+        let done_ms = now_ms();
         let outcome = match &answer.decision {
-            Some(Decision::Endpoint(_)) => RouteOutcome::Routed,
+            Some(Decision::Endpoint(e)) if e.address.starts_with("http://w") => {
+                RouteOutcome::Routed
+            }
             Some(Decision::Rejection(j)) if j.code == i32::from(RejectCode::RateLimited) => {
+                if j.reason.contains("fails closed") {
+                    record(&history, |h| h.failed_closed += 1);
+                }
                 RouteOutcome::RateLimited
             }
-            _ => RouteOutcome::Refused,
+            other => {
+                let why = format!("refused: {other:?}");
+                record(&history, |h| {
+                    h.misses.push(Miss {
+                        sent,
+                        done: Instant::now(),
+                        member: node,
+                        why,
+                    });
+                });
+                RouteOutcome::Refused
+            }
         };
         record(&history, |h| {
-            *h.routes.entry((node, outcome)).or_default() += 1;
+            *h.routes.entry((node, tenant, outcome)).or_default() += 1;
             if outcome == RouteOutcome::Routed {
-                let tokens = u64::from(PROMPT + MAX_OUTPUT);
-                // The window the answer's charge names; without one, the client's own.
-                let window = answer
-                    .charges
-                    .iter()
-                    .find(|c| c.tenant == tenant)
-                    .map_or(now_ms() / WINDOW_MS * WINDOW_MS, |c| c.window_start_ms);
-                *h.admitted.entry((tenant.to_owned(), window)).or_default() += tokens;
+                h.admissions.push(Admission {
+                    tenant,
+                    tokens: u64::from(PROMPT + MAX_OUTPUT),
+                    sent_ms,
+                    done_ms,
+                    charged_window_ms: answer
+                        .charges
+                        .iter()
+                        .find(|c| c.tenant == tenant)
+                        .map(|c| c.window_start_ms),
+                });
             }
         });
         if outcome != RouteOutcome::Routed {
@@ -161,10 +179,17 @@ async fn router_client(
     }
 }
 
-fn fail(history: &Shared, node: usize, why: String) {
+fn miss(history: &Shared, member: usize, tenant: &'static str, sent: Instant, why: String) {
     record(history, |h| {
-        *h.routes.entry((node, RouteOutcome::Failed)).or_default() += 1;
-        h.route_failures.push((Instant::now(), node, why));
+        *h.routes
+            .entry((member, tenant, RouteOutcome::Failed))
+            .or_default() += 1;
+        h.misses.push(Miss {
+            sent,
+            done: Instant::now(),
+            member,
+            why,
+        });
     });
 }
 
@@ -211,7 +236,8 @@ async fn kv_publisher(
     let mut i = 0u64;
     while !*stop.borrow() {
         i += 1;
-        let worker = format!("w{}", i % WORKERS as u64);
+        let w = usize::try_from(i).unwrap_or(0) % WORKERS;
+        let worker = format!("w{w}");
         let subject = kvplane_ingest::kv_subject("gpu", &worker);
         let payload = chain(i);
         loop {
@@ -219,8 +245,11 @@ async fn kv_publisher(
                 return;
             }
             let acked = async {
+                // One id per batch: a retry of a batch the stream holds is not stored twice.
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", format!("chaos-{i}").as_str());
                 let ack = js
-                    .publish(subject.clone(), payload.clone().into())
+                    .publish_with_headers(subject.clone(), headers, payload.clone().into())
                     .await
                     .ok()?;
                 tokio::time::timeout(Duration::from_secs(2), ack)
@@ -229,10 +258,7 @@ async fn kv_publisher(
                     .ok()
             };
             if let Some(ack) = acked.await {
-                record(&history, |h| {
-                    h.published.push(ack.sequence);
-                    h.blocks += BLOCKS;
-                });
+                record(&history, |h| h.published.push((ack.sequence, w)));
                 break;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -242,7 +268,7 @@ async fn kv_publisher(
 }
 
 /// Blocks in each published chain.
-const BLOCKS: u64 = 3;
+pub(crate) const BLOCKS: u64 = 3;
 
 /// A vLLM batch storing a chain of [`BLOCKS`] blocks whose hashes no other batch uses.
 fn chain(i: u64) -> Vec<u8> {

@@ -321,7 +321,7 @@ async fn a_policy_file_over_its_bounds_is_a_counted_problem_and_the_catalog_stay
         ),
         (
             "big.yaml",
-            format!("# {}\n", "x".repeat(5000)),
+            format!("# {}\n", "é".repeat(2_500)),
             "over the limit of 4096 bytes (a node's limits.policy_file_bytes)",
         ),
     ] {

@@ -121,19 +121,30 @@ impl Documents {
         }
         let mut docs = Documents::bounded(bounds);
         for f in all {
-            // One byte past the bound is enough to know the file is over it.
+            // One byte past the bound is enough to know the file is over it (read as bytes:
+            // the cut may fall inside a character).
             let cap = u64::try_from(bounds.file_bytes).unwrap_or(u64::MAX);
-            let mut text = String::new();
+            let mut bytes = Vec::new();
             std::fs::File::open(&f)
                 .and_then(|file| {
-                    std::io::Read::read_to_string(
-                        &mut std::io::Read::take(file, cap + 1),
-                        &mut text,
+                    std::io::Read::read_to_end(
+                        &mut std::io::Read::take(file, cap.saturating_add(1)),
+                        &mut bytes,
                     )
                 })
                 .map_err(|e| {
                     std::io::Error::new(e.kind(), format!("cannot read {}: {e}", f.display()))
                 })?;
+            if bytes.len() > bounds.file_bytes {
+                docs.too_large(&f.display().to_string());
+                continue;
+            }
+            let text = String::from_utf8(bytes).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("cannot read {}: {e}", f.display()),
+                )
+            })?;
             docs.add_file(&f.display().to_string(), &text);
         }
         Ok(docs)
