@@ -28,6 +28,8 @@ pub enum Injected {
     Killed(usize),
     Paused(usize),
     Isolated(usize),
+    /// Every member isolated.
+    Split,
     Nats,
 }
 
@@ -36,7 +38,7 @@ impl Injected {
     pub fn member(self) -> Option<usize> {
         match self {
             Injected::Killed(i) | Injected::Paused(i) | Injected::Isolated(i) => Some(i),
-            Injected::Nats => None,
+            Injected::Split | Injected::Nats => None,
         }
     }
 }
@@ -129,6 +131,20 @@ impl Fleet {
                 self.cluster.isolate(on).await;
                 Injected::Isolated(on)
             }
+            Fault::MuteLeader => {
+                let others: Vec<u64> = followers
+                    .iter()
+                    .filter_map(|f| self.cluster.nodes[*f].raft_id)
+                    .collect();
+                self.cluster.nodes[leader].block(others).await;
+                Injected::Isolated(leader)
+            }
+            Fault::SplitAll => {
+                for i in 0..MEMBERS {
+                    self.cluster.isolate(i).await;
+                }
+                Injected::Split
+            }
             Fault::RestartNats => {
                 self.cluster.nats.kill();
                 Injected::Nats
@@ -141,7 +157,7 @@ impl Fleet {
         match injected {
             Injected::Killed(i) => self.cluster.nodes[i].restart(),
             Injected::Paused(i) => self.cluster.nodes[i].resume(),
-            Injected::Isolated(_) => self.cluster.heal().await,
+            Injected::Isolated(_) | Injected::Split => self.cluster.heal().await,
             Injected::Nats => self.cluster.nats.restart(),
         }
     }

@@ -14,18 +14,24 @@ pub enum Fault {
     /// Cut the leader's Raft traffic with the other members both ways (a minority partition).
     IsolateLeader,
     IsolateFollower,
+    /// The leader's Raft traffic to the others cut, theirs to it not (a one-way partition).
+    MuteLeader,
+    /// Every member cut from every other: no quorum anywhere.
+    SplitAll,
     /// SIGKILL nats-server, then start it again on its store.
     RestartNats,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 9] = [
         Fault::KillLeader,
         Fault::KillFollower,
         Fault::PauseLeader,
         Fault::PauseFollower,
         Fault::IsolateLeader,
         Fault::IsolateFollower,
+        Fault::MuteLeader,
+        Fault::SplitAll,
         Fault::RestartNats,
     ];
 
@@ -37,6 +43,8 @@ impl Fault {
             Fault::PauseFollower => "pause follower",
             Fault::IsolateLeader => "isolate leader",
             Fault::IsolateFollower => "isolate follower",
+            Fault::MuteLeader => "leader's sends cut",
+            Fault::SplitAll => "every member isolated",
             Fault::RestartNats => "kill -9 nats-server",
         }
     }
