@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS, status};
-use crate::history::{Admission, History, Miss, RouteOutcome};
+use crate::history::{Admission, History, Miss, Read, RouteOutcome};
 use crate::workload::BLOCKS;
 
 /// One invariant's result.
@@ -108,6 +108,19 @@ pub async fn check(
         misfiled(&h.admissions),
         "every charge named a window between the call's send and answer".into(),
     ));
+    out.push(verdict(
+        "every read at least as new as promised",
+        stale(&h.reads),
+        reads_seen(&h.reads),
+    ));
+    out.push(verdict(
+        "no usage report settled twice",
+        h.settled_twice.iter().take(5).cloned().collect(),
+        format!(
+            "{} reports sent twice to two members, each settled once",
+            h.reports_retried
+        ),
+    ));
     let missed = missed_while_healthy(&h.misses, healthy);
     out.push(verdict(
         "every Route made while the fleet was healthy routed or met the limit",
@@ -118,6 +131,40 @@ pub async fn check(
         ),
     ));
     out
+}
+
+/// Reads answered from a state older than they promised.
+fn stale(reads: &[Read]) -> Vec<String> {
+    reads
+        .iter()
+        .filter(|r| r.answered.is_some_and(|at| at < r.promised))
+        .map(|r| {
+            format!(
+                "{} read promised index {} answered at {}",
+                r.kind,
+                r.promised,
+                r.answered.unwrap_or(0)
+            )
+        })
+        .take(5)
+        .collect()
+}
+
+/// How many reads of each kind were answered and refused.
+fn reads_seen(reads: &[Read]) -> String {
+    let mut by: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for r in reads {
+        let e = by.entry(r.kind).or_default();
+        if r.answered.is_some() {
+            e.0 += 1;
+        } else {
+            e.1 += 1;
+        }
+    }
+    by.iter()
+        .map(|(k, (a, f))| format!("{k}: {a} answered, {f} refused"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The run did what it is for: faults injected, and every member routed for every tenant,
@@ -142,6 +189,15 @@ fn exercised(h: &History, faults: usize) -> Verdict {
     }
     if h.published.is_empty() {
         problems.push("no KV batch was acknowledged".into());
+    }
+    for kind in ["min_applied_index", "linearizable"] {
+        if !h
+            .reads
+            .iter()
+            .any(|r| r.kind == kind && r.answered.is_some())
+        {
+            problems.push(format!("no {kind} read was answered"));
+        }
     }
     verdict(
         "the run exercised the fleet",
@@ -233,7 +289,7 @@ async fn statuses(fleet: &Fleet) -> Vec<kvplane_proto::v1::StatusResponse> {
 /// the same applied index and digest in one round (waited for up to a minute: quota entries may
 /// still be landing).
 async fn agreement(fleet: &Fleet, last: u64) -> Verdict {
-    let name = "members agree (same index, same digest, every acknowledged batch applied)";
+    let name = "members agree, a fresh one too (same index, same digest, every batch applied)";
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = String::new();
     while Instant::now() < deadline {
@@ -329,6 +385,26 @@ mod tests {
             missed_while_healthy(&misses, &healthy),
             vec!["member 1: while healthy", "member 1: healthy again"]
         );
+    }
+
+    #[test]
+    fn a_read_answered_below_its_promise_is_named_and_a_refusal_is_not() {
+        let read = |promised, answered| Read {
+            kind: "linearizable",
+            promised,
+            answered,
+        };
+        let reads = [
+            read(10, Some(10)),
+            read(10, Some(12)),
+            read(10, None),
+            read(10, Some(9)),
+        ];
+        assert_eq!(
+            stale(&reads),
+            vec!["linearizable read promised index 10 answered at 9"]
+        );
+        assert_eq!(reads_seen(&reads), "linearizable: 3 answered, 1 refused");
     }
 
     #[test]

@@ -1,15 +1,25 @@
 //! The fleet under test: nats-server and three Raft members holding a worker set and two
 //! tenants' limits (two-second windows), with the faults of [`crate::schedule`] applied to it.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kvplane_testkit::{Cluster, NodeOptions, publish};
+use kvplane_proto::v1::{RemoveMemberRequest, StatusRequest, admin_client::AdminClient};
+use kvplane_testkit::{Cluster, NodeOptions, RaftOptions, free_port, publish};
 
 use crate::schedule::{Fault, Step};
 
-/// Members in the cluster.
+/// Members in the cluster (between faults: scaling out adds two for a while).
 pub const MEMBERS: usize = 3;
+/// Snapshot every this many entries and keep this many after it: members that join or come
+/// back late catch up through snapshots, not only the log.
+const COMPACTION: (u64, u64) = (500, 100);
+/// Where Debian's libfaketime is, by architecture.
+const FAKETIME: [&str; 2] = [
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+];
 /// The tenants and their budgets per window (tokens).
 pub const TENANTS: [(&str, u64); 2] = [("acme", 20_000), ("beta", 10_000)];
 pub const WINDOW_MS: u64 = 2_000;
@@ -19,6 +29,10 @@ pub const WORKERS: usize = 3;
 pub struct Fleet {
     pub cluster: Cluster,
     pub js: async_nats::jetstream::Context,
+    /// What every member runs with (a new one adds its own id, address and `join`).
+    options: NodeOptions,
+    /// The Raft id the next new member gets.
+    next_id: u64,
     _policies: tempfile::TempDir,
 }
 
@@ -31,14 +45,26 @@ pub enum Injected {
     /// Every member isolated.
     Split,
     Nats,
+    /// Every member restarted in turn (nothing left to heal).
+    Rolled,
+    /// The member at this index is a new incarnation, joining.
+    Replaced(usize),
+    /// This many members were added at the end of the list.
+    Scaled(usize),
+    /// The member at this index runs with a skewed clock.
+    Skewed(usize),
 }
 
 impl Injected {
-    /// The member the fault is on (none for NATS).
+    /// The member the fault is on (none for NATS and faults on every member).
     pub fn member(self) -> Option<usize> {
         match self {
-            Injected::Killed(i) | Injected::Paused(i) | Injected::Isolated(i) => Some(i),
-            Injected::Split | Injected::Nats => None,
+            Injected::Killed(i)
+            | Injected::Paused(i)
+            | Injected::Isolated(i)
+            | Injected::Replaced(i)
+            | Injected::Skewed(i) => Some(i),
+            Injected::Split | Injected::Nats | Injected::Rolled | Injected::Scaled(_) => None,
         }
     }
 }
@@ -64,13 +90,15 @@ impl Fleet {
                 "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: gpu}}\nspec: {{model: m, blockSize: 16}}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: tenants}}\nspec:\n  limits:\n{limits}"
             ),
         )?;
-        let cluster = Cluster::start_raft(
-            MEMBERS,
-            &NodeOptions {
-                policy_dir: Some(policies.path().to_owned()),
+        let options = NodeOptions {
+            policy_dir: Some(policies.path().to_owned()),
+            raft: Some(RaftOptions {
+                compaction: Some(COMPACTION),
                 ..Default::default()
-            },
-        );
+            }),
+            ..Default::default()
+        };
+        let cluster = Cluster::start_raft(MEMBERS, &options);
         let js = cluster.nats.jetstream().await;
         kvplane_ingest::ensure_stream(&js, "KVPLANE").await?;
         for w in 0..WORKERS {
@@ -84,6 +112,8 @@ impl Fleet {
         let fleet = Fleet {
             cluster,
             js,
+            options,
+            next_id: MEMBERS as u64 + 1,
             _policies: policies,
         };
         fleet
@@ -98,8 +128,86 @@ impl Fleet {
 
     /// The member that says it leads, if exactly one of the running ones does.
     pub async fn leader(&self) -> Option<usize> {
-        let all: Vec<usize> = (0..MEMBERS).collect();
+        let all: Vec<usize> = (0..self.cluster.nodes.len()).collect();
         self.cluster.leader(&all).await
+    }
+
+    /// Starts a new, empty member named `name` at `addr` (a fresh port when `None`) under a
+    /// new id, asking the running members to let it join; returns its index.
+    pub fn join_new(&mut self, name: &str, addr: Option<String>) -> usize {
+        let id = self.next_id;
+        self.next_id += 1;
+        let addr = addr.unwrap_or_else(|| format!("127.0.0.1:{}", free_port()));
+        let join: Vec<String> = self
+            .cluster
+            .nodes
+            .iter_mut()
+            .filter_map(|n| n.is_running().then(|| n.grpc.to_string()))
+            .collect();
+        let o = NodeOptions {
+            grpc_listen: addr.clone(),
+            raft: Some(RaftOptions {
+                id,
+                peers: vec![(id, addr)],
+                join,
+                compaction: Some(COMPACTION),
+                ..Default::default()
+            }),
+            ..self.options.clone()
+        };
+        self.cluster.add_node(&format!("{name}-id{id}"), &o);
+        self.cluster.nodes.len() - 1
+    }
+
+    /// Waits until the leader's membership is exactly the fleet's members, all voters.
+    pub async fn wait_membership(&self, within: Duration) -> anyhow::Result<()> {
+        let want: BTreeSet<u64> = self
+            .cluster
+            .nodes
+            .iter()
+            .filter_map(|n| n.raft_id)
+            .collect();
+        let started = Instant::now();
+        let mut seen = String::new();
+        while started.elapsed() < within {
+            if let Some(l) = self.leader().await
+                && let Ok(mut c) = AdminClient::connect(self.cluster.nodes[l].endpoint()).await
+                && let Ok(s) = c.cluster_status(StatusRequest::default()).await
+            {
+                let s = s.into_inner();
+                let voters: BTreeSet<u64> =
+                    s.members.iter().filter(|m| m.voter).map(|m| m.id).collect();
+                if voters == want && s.members.len() == want.len() {
+                    return Ok(());
+                }
+                seen = format!("{:?}", s.members);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        bail!("membership not {want:?} within {within:?}: {seen}")
+    }
+
+    /// Removes member `id` through whichever member leads.
+    async fn remove(&self, id: u64, within: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        loop {
+            let mut last = String::from("no leader");
+            if let Some(l) = self.leader().await {
+                match self.cluster.nodes[l]
+                    .admin()
+                    .await
+                    .remove_member(RemoveMemberRequest { id })
+                    .await
+                {
+                    Ok(_) => return Ok(()),
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            if started.elapsed() > within {
+                bail!("member {id} not removed within {within:?}: {last}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Applies `step`'s fault; returns what to heal.
@@ -108,7 +216,9 @@ impl Fleet {
             Some(l) => l,
             None => bail!("no leader to inject {} on", step.fault.label()),
         };
-        let followers: Vec<usize> = (0..MEMBERS).filter(|i| *i != leader).collect();
+        let followers: Vec<usize> = (0..self.cluster.nodes.len())
+            .filter(|i| *i != leader)
+            .collect();
         let follower = followers[(step.pick % followers.len() as u64) as usize];
         let on = if matches!(
             step.fault,
@@ -140,7 +250,7 @@ impl Fleet {
                 Injected::Isolated(leader)
             }
             Fault::SplitAll => {
-                for i in 0..MEMBERS {
+                for i in 0..self.cluster.nodes.len() {
                     self.cluster.isolate(i).await;
                 }
                 Injected::Split
@@ -149,17 +259,84 @@ impl Fleet {
                 self.cluster.nats.kill();
                 Injected::Nats
             }
+            Fault::RollingRestart => {
+                for i in followers.iter().copied().chain([leader]) {
+                    let exit = self.cluster.nodes[i].terminate();
+                    if !exit.success() {
+                        bail!("member {i} exited with {exit} on SIGTERM");
+                    }
+                    self.cluster.nodes[i].restart();
+                    self.wait_healthy(Duration::from_secs(60), |_| true)
+                        .await
+                        .with_context(|| format!("after member {i} restarted"))?;
+                }
+                Injected::Rolled
+            }
+            Fault::WipeFollower => {
+                let addr = self.cluster.nodes[on].grpc.to_string();
+                self.cluster.nodes[on].kill();
+                std::fs::remove_dir_all(self.cluster.nodes[on].dir.join("data"))?;
+                let name = format!("kvplane-{on}");
+                let new = self.join_new(&name, Some(addr));
+                // The new incarnation takes the old one's place in the list.
+                self.cluster.nodes.swap(on, new);
+                self.cluster.nodes.pop();
+                Injected::Replaced(on)
+            }
+            Fault::ScaleOut => {
+                for k in 0..2 {
+                    self.join_new(&format!("kvplane-extra{k}"), None);
+                }
+                self.wait_membership(Duration::from_secs(60)).await?;
+                Injected::Scaled(2)
+            }
+            Fault::SkewFollower => {
+                let lib = FAKETIME
+                    .iter()
+                    .find(|p| std::path::Path::new(p).exists())
+                    .context("libfaketime is not installed (scripts/install-deps installs it)")?;
+                let node = &mut self.cluster.nodes[on];
+                node.kill();
+                node.env.extend([
+                    ("LD_PRELOAD".to_owned(), (*lib).to_owned()),
+                    ("FAKETIME".to_owned(), "+1.5".to_owned()),
+                    ("FAKETIME_DONT_FAKE_MONOTONIC".to_owned(), "1".to_owned()),
+                ]);
+                node.restart();
+                Injected::Skewed(on)
+            }
         })
     }
 
     /// Undoes `injected`.
-    pub async fn heal(&mut self, injected: Injected) {
+    pub async fn heal(&mut self, injected: Injected) -> anyhow::Result<()> {
         match injected {
             Injected::Killed(i) => self.cluster.nodes[i].restart(),
             Injected::Paused(i) => self.cluster.nodes[i].resume(),
             Injected::Isolated(_) | Injected::Split => self.cluster.heal().await,
             Injected::Nats => self.cluster.nats.restart(),
+            Injected::Rolled => {}
+            Injected::Replaced(_) => self.wait_membership(Duration::from_secs(60)).await?,
+            Injected::Scaled(n) => {
+                let from = self.cluster.nodes.len() - n;
+                for i in from..self.cluster.nodes.len() {
+                    let id = self.cluster.nodes[i]
+                        .raft_id
+                        .context("a member without an id")?;
+                    self.remove(id, Duration::from_secs(60)).await?;
+                }
+                self.cluster.nodes.truncate(from);
+                self.wait_membership(Duration::from_secs(60)).await?;
+            }
+            Injected::Skewed(i) => {
+                let node = &mut self.cluster.nodes[i];
+                node.kill();
+                node.env
+                    .retain(|(k, _)| !k.starts_with("FAKETIME") && k != "LD_PRELOAD");
+                node.restart();
+            }
         }
+        Ok(())
     }
 
     /// Waits until every member answers ready (`/readyz`) and `also` holds of its status;

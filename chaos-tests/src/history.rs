@@ -48,6 +48,15 @@ pub struct Admission {
     pub charged_window_ms: Option<u64>,
 }
 
+/// A read that promised a state no older than `promised`: the index it answered at, or
+/// `None` when it was refused or failed.
+#[derive(Debug, Clone)]
+pub struct Read {
+    pub kind: &'static str,
+    pub promised: u64,
+    pub answered: Option<u64>,
+}
+
 /// Everything recorded during one run.
 #[derive(Debug, Default)]
 pub struct History {
@@ -59,6 +68,14 @@ pub struct History {
     pub admissions: Vec<Admission>,
     pub reports_acked: u64,
     pub reports_failed: u64,
+    /// Reports sent a second time to another member (after a failure, or although the first
+    /// was acknowledged).
+    pub reports_retried: u64,
+    /// Requests more than one acknowledgement said it settled, with who said so.
+    pub settled_twice: Vec<String>,
+    /// The highest log index a config write was acknowledged at.
+    pub acked_index: u64,
+    pub reads: Vec<Read>,
     /// Config objects whose write was acknowledged (pool names), and writes that failed.
     pub config_acked: Vec<String>,
     pub config_failed: u64,

@@ -13,6 +13,7 @@ mod workload;
 
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -27,10 +28,36 @@ struct Args {
     /// CI's mode: two seeds of 30 seconds each.
     #[arg(long)]
     short: bool,
+    /// Draw only these faults (default: every kind).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    faults: Vec<schedule::Fault>,
+    /// Draw only a named scenario's faults (`--list-scenarios` names them).
+    #[arg(long, conflicts_with = "faults")]
+    scenario: Option<String>,
+    /// Print the named scenarios and their faults, and exit.
+    #[arg(long)]
+    list_scenarios: bool,
+    /// Report every tenth request's usage a second time, to another member, although the
+    /// first report was acknowledged (gateways retry only failed reports).
+    #[arg(long)]
+    duplicate_reports: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.list_scenarios {
+        for (name, faults, what) in schedule::SCENARIOS {
+            let kinds: Vec<&str> = faults.iter().map(|f| f.label()).collect();
+            println!("{name:<18} {what}: {}", kinds.join(", "));
+        }
+        return Ok(());
+    }
+    let faults = match &args.scenario {
+        Some(name) => schedule::scenario(name)
+            .with_context(|| format!("no scenario {name:?} (--list-scenarios names them)"))?
+            .to_vec(),
+        None => args.faults.clone(),
+    };
     let seeds = if args.seed.is_empty() {
         if args.short { vec![1, 2] } else { vec![1] }
     } else {
@@ -45,7 +72,15 @@ fn main() -> anyhow::Result<()> {
     for seed in seeds {
         eprintln!("seed {seed}: starting the fleet");
         // A panic in the run (a member that does not start again) fails this seed, not all.
-        match rt.block_on(async { tokio::spawn(run::run(seed, duration)).await }) {
+        match rt.block_on(async {
+            tokio::spawn(run::run(run::Plan {
+                seed,
+                duration,
+                faults: faults.clone(),
+                duplicate_reports: args.duplicate_reports,
+            }))
+            .await
+        }) {
             Ok(Ok(report)) => {
                 println!("{}", run::table(&report));
                 if !report.held() {
@@ -67,8 +102,25 @@ fn main() -> anyhow::Result<()> {
         Ok(())
     } else {
         let d = duration.as_secs();
+        let only = match (&args.scenario, faults.is_empty()) {
+            (Some(name), _) => format!(" --scenario {name}"),
+            (None, false) => {
+                let names: Vec<String> = faults
+                    .iter()
+                    .filter_map(clap::ValueEnum::to_possible_value)
+                    .map(|v| v.get_name().to_owned())
+                    .collect();
+                format!(" --faults {}", names.join(","))
+            }
+            (None, true) => String::new(),
+        };
+        let only = if args.duplicate_reports {
+            format!("{only} --duplicate-reports")
+        } else {
+            only
+        };
         for s in &failed {
-            println!("replay: scripts/chaos --seed {s} --duration {d}");
+            println!("replay: scripts/chaos --seed {s} --duration {d}{only}");
         }
         anyhow::bail!("invariants broken under seeds {failed:?}")
     }

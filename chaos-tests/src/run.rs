@@ -30,15 +30,26 @@ impl Report {
     }
 }
 
-/// Runs `seed`'s schedule for about `duration` (the fault in force when it ends is healed).
-/// An error (the fleet did not recover) says where the members' logs were kept.
-pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
+/// What to run: a seed's schedule for about `duration`, drawing from `faults` (every kind when
+/// empty), with usage reported twice now and then when `duplicate_reports`.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub seed: u64,
+    pub duration: Duration,
+    pub faults: Vec<Fault>,
+    pub duplicate_reports: bool,
+}
+
+/// Runs `plan` (the fault in force when it ends is healed). An error (the fleet did not
+/// recover) says where the members' logs were kept.
+pub async fn run(plan: Plan) -> anyhow::Result<Report> {
+    let seed = plan.seed;
     let mut fleet = Fleet::start().await?;
     // Kept unless the run ends well: a panic or an error leaves the logs to read.
     fleet.cluster.root.disable_cleanup(true);
     let root = fleet.cluster.root.path().to_owned();
     eprintln!("seed {seed}: members' directories in {}", root.display());
-    match drive(&mut fleet, seed, duration).await {
+    match drive(&mut fleet, &plan).await {
         Ok(mut report) => {
             if report.held() {
                 fleet.cluster.root.disable_cleanup(false);
@@ -51,24 +62,31 @@ pub async fn run(seed: u64, duration: Duration) -> anyhow::Result<Report> {
     }
 }
 
-async fn drive(fleet: &mut Fleet, seed: u64, duration: Duration) -> anyhow::Result<Report> {
+async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
+    let (seed, duration) = (plan.seed, plan.duration);
     let history = shared();
     let (stop_tx, stop) = watch::channel(false);
     let endpoints: Vec<String> = fleet.cluster.nodes.iter().map(|n| n.endpoint()).collect();
-    let mut workload = crate::workload::start(&endpoints, &fleet.js, &history, &stop);
+    let mut workload = crate::workload::start(
+        &endpoints,
+        &fleet.js,
+        &history,
+        &stop,
+        plan.duplicate_reports,
+    );
     let started = Instant::now();
     let mut healthy = Vec::new();
     let mut recoveries: BTreeMap<Fault, Vec<Duration>> = BTreeMap::new();
     let mut healthy_since = Instant::now();
-    let mut faults = 0;
-    for step in schedule(seed, 10_000) {
+    let mut injected_count = 0;
+    for step in schedule(seed, 10_000, &plan.faults) {
         if started.elapsed() >= duration {
             break;
         }
         tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
         healthy.push((healthy_since, Instant::now()));
         let injected = fleet.inject(&step).await?;
-        faults += 1;
+        injected_count += 1;
         eprintln!(
             "  seed {seed} {:>5.1} s: {}{}",
             started.elapsed().as_secs_f64(),
@@ -80,7 +98,7 @@ async fn drive(fleet: &mut Fleet, seed: u64, duration: Duration) -> anyhow::Resu
         );
         tokio::time::sleep(Duration::from_millis(step.hold_ms)).await;
         let healing = Instant::now();
-        fleet.heal(injected).await;
+        fleet.heal(injected).await?;
         fleet
             .wait_healthy(Duration::from_secs(60), |_| true)
             .await?;
@@ -97,8 +115,12 @@ async fn drive(fleet: &mut Fleet, seed: u64, duration: Duration) -> anyhow::Resu
         ended.map_err(|e| anyhow::anyhow!("a workload task failed: {e}"))?;
     }
     let ran = started.elapsed();
+    // A member that never saw the run: it catches up from snapshots and the log, and the
+    // agreement check then holds it to the same index and digest as the others.
+    fleet.join_new("kvplane-fresh", None);
+    fleet.wait_membership(Duration::from_secs(60)).await?;
     let history = record(&history, std::mem::take);
-    let verdicts = check(fleet, &history, faults, &healthy).await;
+    let verdicts = check(fleet, &history, injected_count, &healthy).await;
     Ok(Report {
         seed,
         ran,
@@ -151,9 +173,10 @@ pub fn table(r: &Report) -> String {
     );
     let _ = writeln!(
         t,
-        "  ReportUsage: {} acknowledged, {} failed; config writes: {} acknowledged, {} failed; KV batches: {} acknowledged",
+        "  ReportUsage: {} acknowledged, {} failed, {} sent twice; config writes: {} acknowledged, {} failed; KV batches: {} acknowledged",
         h.reports_acked,
         h.reports_failed,
+        h.reports_retried,
         h.config_acked.len(),
         h.config_failed,
         h.published.len()

@@ -3,7 +3,7 @@
 //! again (which member leads, and how many steps fit the duration, are the run's own).
 
 /// One kind of fault the runner injects into the fleet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Fault {
     /// SIGKILL the leader, then start it again on its data directory.
     KillLeader,
@@ -20,10 +20,21 @@ pub enum Fault {
     SplitAll,
     /// SIGKILL nats-server, then start it again on its store.
     RestartNats,
+    /// Every member stopped (SIGTERM) and started again in turn, the leader last, each once
+    /// the fleet is healthy again.
+    RollingRestart,
+    /// A follower killed and its volume lost: it comes back empty at the same address under a
+    /// new id, joins, and its old id leaves the membership.
+    WipeFollower,
+    /// Two new members join (3 -> 5); at the heal they are removed again (5 -> 3).
+    ScaleOut,
+    /// A follower restarted with its wall clock 1.5 s ahead (libfaketime), then restarted
+    /// with the true time at the heal.
+    SkewFollower,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 13] = [
         Fault::KillLeader,
         Fault::KillFollower,
         Fault::PauseLeader,
@@ -33,6 +44,10 @@ impl Fault {
         Fault::MuteLeader,
         Fault::SplitAll,
         Fault::RestartNats,
+        Fault::RollingRestart,
+        Fault::WipeFollower,
+        Fault::ScaleOut,
+        Fault::SkewFollower,
     ];
 
     pub fn label(self) -> &'static str {
@@ -46,6 +61,10 @@ impl Fault {
             Fault::MuteLeader => "leader's sends cut",
             Fault::SplitAll => "every member isolated",
             Fault::RestartNats => "kill -9 nats-server",
+            Fault::RollingRestart => "rolling restart",
+            Fault::WipeFollower => "follower wiped, new id",
+            Fault::ScaleOut => "scale 3 -> 5 -> 3",
+            Fault::SkewFollower => "follower clock +1.5 s",
         }
     }
 }
@@ -60,12 +79,70 @@ pub struct Step {
     pub pick: u64,
 }
 
-/// `steps` faults drawn from `seed`.
-pub fn schedule(seed: u64, steps: usize) -> Vec<Step> {
+/// A named set of faults: the fixed scenarios of `node/tests` that the runner replays at
+/// random, checked by its invariants instead of each test's own.
+pub const SCENARIOS: [(&str, &[Fault], &str); 6] = [
+    (
+        "quota-leader-kill",
+        &[Fault::IsolateFollower, Fault::KillLeader],
+        "tenant limits with a member cut off and the leader killed (node/tests/quota.rs)",
+    ),
+    (
+        "frozen-members",
+        &[Fault::PauseLeader, Fault::PauseFollower],
+        "a frozen leader replaced, a resumed follower not unseating it (node/tests/cluster_faults.rs)",
+    ),
+    (
+        "partitions",
+        &[
+            Fault::IsolateLeader,
+            Fault::IsolateFollower,
+            Fault::MuteLeader,
+            Fault::SplitAll,
+        ],
+        "minority, one-way and total partitions",
+    ),
+    (
+        "membership",
+        &[
+            Fault::RollingRestart,
+            Fault::WipeFollower,
+            Fault::ScaleOut,
+            Fault::KillFollower,
+        ],
+        "members restarted, replaced under new ids, added and removed, catching up through snapshots (node/tests/cluster.rs, cluster_faults.rs)",
+    ),
+    (
+        "nats-restart",
+        &[Fault::RestartNats],
+        "nats-server killed and restarted on its store (node/tests/fleet_faults.rs)",
+    ),
+    (
+        "clock-skew",
+        &[Fault::SkewFollower],
+        "a follower's wall clock ahead: quota windows",
+    ),
+];
+
+/// The faults of scenario `name`.
+pub fn scenario(name: &str) -> Option<&'static [Fault]> {
+    SCENARIOS
+        .iter()
+        .find(|(n, ..)| *n == name)
+        .map(|(_, f, _)| *f)
+}
+
+/// `steps` faults drawn from `seed`, of the kinds in `kinds` (every kind when empty).
+pub fn schedule(seed: u64, steps: usize, kinds: &[Fault]) -> Vec<Step> {
+    let kinds = if kinds.is_empty() {
+        &Fault::ALL[..]
+    } else {
+        kinds
+    };
     let mut rng = SplitMix(seed);
     (0..steps)
         .map(|_| Step {
-            fault: Fault::ALL[(rng.next() % Fault::ALL.len() as u64) as usize],
+            fault: kinds[(rng.next() % kinds.len() as u64) as usize],
             hold_ms: 500 + rng.next() % 2_500,
             healthy_ms: 1_000 + rng.next() % 2_000,
             pick: rng.next(),
@@ -92,13 +169,26 @@ mod tests {
 
     #[test]
     fn a_seed_replays_the_same_schedule_and_seeds_differ() {
-        assert_eq!(schedule(7, 20), schedule(7, 20));
-        assert_ne!(schedule(7, 20), schedule(8, 20));
+        assert_eq!(schedule(7, 20, &[]), schedule(7, 20, &[]));
+        assert_ne!(schedule(7, 20, &[]), schedule(8, 20, &[]));
+    }
+
+    #[test]
+    fn a_scenario_draws_only_its_faults_and_every_scenario_is_found() {
+        for (name, faults, _) in SCENARIOS {
+            assert_eq!(scenario(name), Some(faults));
+            assert!(
+                schedule(3, 50, faults)
+                    .iter()
+                    .all(|s| faults.contains(&s.fault))
+            );
+        }
+        assert_eq!(scenario("no-such"), None);
     }
 
     #[test]
     fn every_fault_kind_is_drawn_and_bounds_hold() {
-        let s = schedule(1, 200);
+        let s = schedule(1, 200, &[]);
         for f in Fault::ALL {
             assert!(s.iter().any(|st| st.fault == f), "{f:?} never drawn");
         }

@@ -5,16 +5,16 @@ use std::time::{Duration, Instant};
 
 use kvplane_proto::v1::router_client::RouterClient;
 use kvplane_proto::v1::{
-    PutConfigRequest, RejectCode, RouteRequest, UsageReport, admin_client::AdminClient,
-    route_response::Decision,
+    PutConfigRequest, RejectCode, RouteRequest, RouteResponse, UsageReport,
+    admin_client::AdminClient, route_response::Decision,
 };
 use kvplane_state::{KvBatch, KvEvent, Tier};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
-use crate::fleet::{TENANTS, WORKERS};
-use crate::history::{Admission, Miss, RouteOutcome, Shared, record};
+use crate::fleet::{TENANTS, WINDOW_MS, WORKERS};
+use crate::history::{Admission, Miss, Read, RouteOutcome, Shared, record};
 
 /// Prompt and maximum output tokens of every request: what a client counts as admitted.
 const PROMPT: u32 = 100;
@@ -23,29 +23,36 @@ const MAX_OUTPUT: u32 = 100;
 const CALL: Duration = Duration::from_secs(2);
 
 /// Starts every workload task on the members at `endpoints`; they stop when `stop` turns true.
+/// With `duplicates`, some usage is reported twice (see [`report`]).
 pub fn start(
     endpoints: &[String],
     js: &async_nats::jetstream::Context,
     history: &Shared,
     stop: &watch::Receiver<bool>,
+    duplicates: bool,
 ) -> JoinSet<()> {
     let mut tasks = JoinSet::new();
-    for (node, endpoint) in endpoints.iter().enumerate() {
+    let members = Members::new(endpoints, duplicates);
+    for node in 0..endpoints.len() {
         for (tenant, _) in TENANTS {
             tasks.spawn(router_client(
                 node,
-                endpoint.clone(),
+                members.clone(),
                 tenant,
                 history.clone(),
                 stop.clone(),
             ));
         }
     }
-    tasks.spawn(config_writer(
-        endpoints.to_vec(),
-        history.clone(),
-        stop.clone(),
-    ));
+    for (tenant, _) in TENANTS {
+        tasks.spawn(burst_client(
+            members.clone(),
+            tenant,
+            history.clone(),
+            stop.clone(),
+        ));
+    }
+    tasks.spawn(config_writer(members, history.clone(), stop.clone()));
     tasks.spawn(kv_publisher(js.clone(), history.clone(), stop.clone()));
     tasks
 }
@@ -64,15 +71,222 @@ async fn connect(endpoint: &str) -> Option<Channel> {
         .ok()
 }
 
+/// A channel to every member that connects when first used and again after a failure: for
+/// the calls that go to another member than the client's own (reports retried elsewhere,
+/// bursts, reads).
+#[derive(Clone)]
+struct Members {
+    endpoints: Vec<String>,
+    channels: Vec<Channel>,
+    /// Report some usage twice although the first report was acknowledged.
+    duplicates: bool,
+}
+
+impl Members {
+    fn new(endpoints: &[String], duplicates: bool) -> Members {
+        Members {
+            duplicates,
+            endpoints: endpoints.to_vec(),
+            channels: endpoints
+                .iter()
+                .filter_map(|e| Channel::from_shared(e.clone()).ok())
+                .map(|e| e.connect_timeout(Duration::from_secs(1)).connect_lazy())
+                .collect(),
+        }
+    }
+
+    fn router(&self, i: usize) -> RouterClient<Channel> {
+        RouterClient::new(self.channels[i % self.channels.len()].clone())
+    }
+
+    fn len(&self) -> usize {
+        self.channels.len()
+    }
+}
+
+/// A call carrying its client's deadline (`grpc-timeout`), so a member that was paused past
+/// it knows the client gave up.
+fn with_deadline<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.set_timeout(CALL);
+    r
+}
+
+/// Request `n` of `tenant`: prompts repeat every 50 requests, so some hit the cache.
+fn request(tenant: &str, request_id: String, n: u64) -> RouteRequest {
+    RouteRequest {
+        request_id,
+        tenant: tenant.into(),
+        model: "m".into(),
+        token_ids: (0..PROMPT)
+            .map(|t| t + 7 * u32::try_from(n % 50).unwrap_or(0))
+            .collect(),
+        max_output_tokens: MAX_OUTPUT,
+        ..Default::default()
+    }
+}
+
+/// What one Route call came to.
+enum Called {
+    Routed(Box<RouteResponse>),
+    /// Answered, not routed (the limit, or another refusal): recorded.
+    NotRouted,
+    /// The call failed: recorded as a miss; the client should reconnect.
+    Failed,
+}
+
+/// Sends `req` through `c` (member `node`) and records what it was told.
+async fn route(
+    c: &mut RouterClient<Channel>,
+    node: usize,
+    tenant: &'static str,
+    req: RouteRequest,
+    history: &Shared,
+) -> Called {
+    let used = u64::from(PROMPT + used_output(&req.request_id));
+    let (sent, sent_ms) = (Instant::now(), now_ms());
+    let answer = match tokio::time::timeout(CALL, c.route(with_deadline(req))).await {
+        Ok(Ok(r)) => r.into_inner(),
+        Ok(Err(status)) => {
+            miss(history, node, tenant, sent, status.to_string());
+            return Called::Failed;
+        }
+        Err(_) => {
+            miss(history, node, tenant, sent, "no answer within 2 s".into());
+            return Called::Failed;
+        }
+    };
+    let done_ms = now_ms();
+    let outcome = match &answer.decision {
+        Some(Decision::Endpoint(e)) if e.address.starts_with("http://w") => RouteOutcome::Routed,
+        Some(Decision::Rejection(j)) if j.code == i32::from(RejectCode::RateLimited) => {
+            if j.reason.contains("fails closed") {
+                record(history, |h| h.failed_closed += 1);
+            }
+            RouteOutcome::RateLimited
+        }
+        other => {
+            let why = format!("refused: {other:?}");
+            record(history, |h| {
+                h.misses.push(Miss {
+                    sent,
+                    done: Instant::now(),
+                    member: node,
+                    why,
+                });
+            });
+            RouteOutcome::Refused
+        }
+    };
+    record(history, |h| {
+        *h.routes.entry((node, tenant, outcome)).or_default() += 1;
+    });
+    if outcome != RouteOutcome::Routed {
+        return Called::NotRouted;
+    }
+    record(history, |h| {
+        h.admissions.push(Admission {
+            tenant,
+            tokens: used,
+            sent_ms,
+            done_ms,
+            charged_window_ms: answer
+                .charges
+                .iter()
+                .find(|c| c.tenant == tenant)
+                .map(|c| c.window_start_ms),
+        });
+    });
+    Called::Routed(Box::new(answer))
+}
+
+/// The output tokens request `id` used: between none and all of [`MAX_OUTPUT`], so reports
+/// give back what was reserved and not used (a lower bound of what the limit is charged).
+fn used_output(id: &str) -> u32 {
+    let h = id
+        .bytes()
+        .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    h % (MAX_OUTPUT + 1)
+}
+
+/// Reports a routed request's usage to `node`; when that fails, again to the next member (a
+/// gateway's retry). With `members.duplicates`, every tenth request is reported a second time
+/// to another member although the first was acknowledged (a retry whose first try landed).
+/// Records whether more than one acknowledgement said it settled the request.
+async fn report(
+    c: &mut RouterClient<Channel>,
+    members: &Members,
+    node: usize,
+    request_id: String,
+    answer: Box<RouteResponse>,
+    n: u64,
+    history: &Shared,
+) {
+    let report = UsageReport {
+        request_id: request_id.clone(),
+        prompt_tokens: PROMPT,
+        completion_tokens: used_output(&request_id),
+        outcome: kvplane_proto::v1::Outcome::Success.into(),
+        ticket: answer.ticket,
+        routed_by: answer.routed_by,
+        ..Default::default()
+    };
+    let send = |mut c: RouterClient<Channel>, r: UsageReport| async move {
+        match tokio::time::timeout(CALL, c.report_usage(with_deadline(r))).await {
+            Ok(Ok(ack)) => Some(ack.into_inner()),
+            _ => None,
+        }
+    };
+    let mut acks = Vec::new();
+    let first = send(c.clone(), report.clone()).await;
+    let retry = first.is_none() || (members.duplicates && n.is_multiple_of(10));
+    acks.extend(first.map(|a| (node, a)));
+    if retry {
+        let other = (node + 1) % members.len();
+        acks.extend(
+            send(members.router(other), report)
+                .await
+                .map(|a| (other, a)),
+        );
+    }
+    let settled: Vec<String> = acks
+        .iter()
+        .filter(|(_, a)| a.known || a.settled_by_ledger)
+        .map(|(m, a)| {
+            let how = if a.known {
+                "settled"
+            } else {
+                "settled by the ledger"
+            };
+            format!("member {m} {how}")
+        })
+        .collect();
+    record(history, |h| {
+        if acks.is_empty() {
+            h.reports_failed += 1;
+        } else {
+            h.reports_acked += 1;
+        }
+        if retry {
+            h.reports_retried += 1;
+        }
+        if settled.len() > 1 {
+            h.settled_twice
+                .push(format!("{request_id}: {}", settled.join(", ")));
+        }
+    });
+}
+
 /// Routes `tenant`'s requests through member `node` as fast as they are answered, reporting
-/// each routed one's usage (all it reserved: nothing is given back).
+/// each routed one's usage.
 async fn router_client(
     node: usize,
-    endpoint: String,
+    members: Members,
     tenant: &'static str,
     history: Shared,
     stop: watch::Receiver<bool>,
 ) {
+    let endpoint = members.endpoints[node].clone();
     let mut client: Option<RouterClient<Channel>> = None;
     let mut n = 0u64;
     while !*stop.borrow() {
@@ -86,96 +300,58 @@ async fn router_client(
             continue;
         };
         n += 1;
-        let request_id = format!("{tenant}-{node}-{n}");
-        let req = RouteRequest {
-            request_id: request_id.clone(),
-            tenant: tenant.into(),
-            model: "m".into(),
-            token_ids: (0..PROMPT)
-                .map(|t| t + 7 * u32::try_from(n % 50).unwrap_or(0))
-                .collect(),
-            max_output_tokens: MAX_OUTPUT,
-            ..Default::default()
-        };
-        let (sent, sent_ms) = (Instant::now(), now_ms());
-        let answer = match tokio::time::timeout(CALL, c.route(req)).await {
-            Ok(Ok(r)) => r.into_inner(),
-            Ok(Err(status)) => {
-                miss(&history, node, tenant, sent, status.to_string());
+        let id = format!("{tenant}-{node}-{n}");
+        match route(c, node, tenant, request(tenant, id.clone(), n), &history).await {
+            Called::Routed(answer) => report(c, &members, node, id, answer, n, &history).await,
+            // Pacing: refused clients leave the members some CPU.
+            Called::NotRouted => tokio::time::sleep(Duration::from_millis(10)).await,
+            Called::Failed => {
                 client = None;
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
             }
-            Err(_) => {
-                miss(&history, node, tenant, sent, "no answer within 2 s".into());
-                client = None;
-                continue;
-            }
-        };
-        let done_ms = now_ms();
-        let outcome = match &answer.decision {
-            Some(Decision::Endpoint(e)) if e.address.starts_with("http://w") => {
-                RouteOutcome::Routed
-            }
-            Some(Decision::Rejection(j)) if j.code == i32::from(RejectCode::RateLimited) => {
-                if j.reason.contains("fails closed") {
-                    record(&history, |h| h.failed_closed += 1);
-                }
-                RouteOutcome::RateLimited
-            }
-            other => {
-                let why = format!("refused: {other:?}");
-                record(&history, |h| {
-                    h.misses.push(Miss {
-                        sent,
-                        done: Instant::now(),
-                        member: node,
-                        why,
-                    });
-                });
-                RouteOutcome::Refused
-            }
-        };
-        record(&history, |h| {
-            *h.routes.entry((node, tenant, outcome)).or_default() += 1;
-            if outcome == RouteOutcome::Routed {
-                h.admissions.push(Admission {
-                    tenant,
-                    tokens: u64::from(PROMPT + MAX_OUTPUT),
-                    sent_ms,
-                    done_ms,
-                    charged_window_ms: answer
-                        .charges
-                        .iter()
-                        .find(|c| c.tenant == tenant)
-                        .map(|c| c.window_start_ms),
-                });
-            }
-        });
-        if outcome != RouteOutcome::Routed {
-            // Pacing: refused clients leave the members some CPU.
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
         }
-        let report = UsageReport {
-            request_id,
-            prompt_tokens: PROMPT,
-            completion_tokens: MAX_OUTPUT,
-            outcome: kvplane_proto::v1::Outcome::Success.into(),
-            ticket: answer.ticket,
-            ..Default::default()
-        };
-        let acked = matches!(
-            tokio::time::timeout(CALL, c.report_usage(report)).await,
-            Ok(Ok(_))
-        );
-        record(&history, |h| {
-            if acked {
-                h.reports_acked += 1;
-            } else {
-                h.reports_failed += 1;
-            }
-        });
+    }
+}
+
+/// Requests in one burst.
+const BURST: u64 = 24;
+
+/// Idle, then a burst: every few windows, [`BURST`] requests of `tenant` at once over every
+/// member, timed against a window boundary (just before, at, or just after it), where a
+/// replica's grants renew and escrow is released.
+async fn burst_client(
+    members: Members,
+    tenant: &'static str,
+    history: Shared,
+    stop: watch::Receiver<bool>,
+) {
+    // Offsets from the boundary, in ms: bursts that straddle it and bursts right after it.
+    const OFFSETS: [i64; 5] = [-150, -20, 0, 15, 120];
+    let mut round = 0u64;
+    while !*stop.borrow() {
+        round += 1;
+        // One to three windows idle, then to the chosen point around the next boundary.
+        let offset = OFFSETS[usize::try_from(round).unwrap_or(0) % OFFSETS.len()];
+        let idle = WINDOW_MS * (1 + round % 3);
+        let now = now_ms();
+        let boundary = (now + idle) / WINDOW_MS * WINDOW_MS;
+        let at = boundary.saturating_add_signed(offset).max(now);
+        tokio::time::sleep(Duration::from_millis(at - now)).await;
+        let mut burst = JoinSet::new();
+        for k in 0..BURST {
+            let node = usize::try_from(k).unwrap_or(0) % members.len();
+            let (members, history) = (members.clone(), history.clone());
+            let n = round * BURST + k;
+            burst.spawn(async move {
+                let mut c = members.router(node);
+                let id = format!("{tenant}-burst-{n}");
+                let req = request(tenant, id.clone(), n);
+                if let Called::Routed(answer) = route(&mut c, node, tenant, req, &history).await {
+                    report(&mut c, &members, node, id, answer, n, &history).await;
+                }
+            });
+        }
+        while burst.join_next().await.is_some() {}
     }
 }
 
@@ -193,37 +369,88 @@ fn miss(history: &Shared, member: usize, tenant: &'static str, sent: Instant, wh
     });
 }
 
-/// Writes a new pool object every 250 ms, through the members in turn.
-async fn config_writer(endpoints: Vec<String>, history: Shared, stop: watch::Receiver<bool>) {
+/// The tenant the read probes route for (no limit: probes spend no one's budget).
+const READER: &str = "reader";
+
+/// Writes a new pool object every 250 ms, through the members in turn. After each
+/// acknowledged write, two reads at other members: one asking for that write's index
+/// (`min_applied_index`), one linearizable, which must see every write acknowledged before
+/// it was sent.
+async fn config_writer(members: Members, history: Shared, stop: watch::Receiver<bool>) {
     let mut n = 0usize;
     while !*stop.borrow() {
         n += 1;
         let name = format!("chaos-{n}");
         let write = async {
-            let channel = connect(&endpoints[n % endpoints.len()]).await?;
-            AdminClient::new(channel)
-                .put_config(PutConfigRequest {
+            let mut admin = AdminClient::new(members.channels[n % members.len()].clone());
+            admin
+                .put_config(with_deadline(PutConfigRequest {
                     kind: "pool".into(),
                     name: name.clone(),
                     value: br#"{"block_size":16,"models":["chaos"]}"#.to_vec(),
-                })
+                }))
                 .await
                 .ok()
+                .map(|r| r.into_inner().index)
         };
         let acked = tokio::time::timeout(Duration::from_secs(5), write)
             .await
             .ok()
-            .flatten()
-            .is_some();
+            .flatten();
         record(&history, |h| {
-            if acked {
+            if let Some(index) = acked {
                 h.config_acked.push(name);
+                h.acked_index = h.acked_index.max(index);
             } else {
                 h.config_failed += 1;
             }
         });
+        if let Some(index) = acked {
+            read(&members, n + 1, index, false, &history).await;
+        }
+        let promised = record(&history, |h| h.acked_index);
+        read(&members, n + 2, promised, true, &history).await;
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// A Route at member `node` that must decide from a state at `promised` or later: asking
+/// for it (`min_applied_index`), or as a linearizable read sent after a write at `promised`
+/// was acknowledged. Records whether the answer kept the promise.
+async fn read(members: &Members, node: usize, promised: u64, linearizable: bool, h: &Shared) {
+    let mut c = members.router(node);
+    let req = RouteRequest {
+        request_id: format!("read-{node}-{promised}-{linearizable}"),
+        tenant: READER.into(),
+        model: "m".into(),
+        token_ids: vec![1; 32],
+        max_output_tokens: 1,
+        min_applied_index: if linearizable { 0 } else { promised },
+        linearizable,
+        ..Default::default()
+    };
+    let kind = if linearizable {
+        "linearizable"
+    } else {
+        "min_applied_index"
+    };
+    let answer = tokio::time::timeout(CALL, c.route(with_deadline(req))).await;
+    record(h, |h| match answer {
+        Ok(Ok(r)) => {
+            let at = r.into_inner().applied_index;
+            h.reads.push(Read {
+                kind,
+                promised,
+                answered: Some(at),
+            });
+        }
+        // Refusing is allowed (a follower behind, no quorum): answering from before is not.
+        _ => h.reads.push(Read {
+            kind,
+            promised,
+            answered: None,
+        }),
+    });
 }
 
 /// Publishes a KV batch every 100 ms, each storing a chain of three new blocks on one of the

@@ -201,7 +201,8 @@ pub struct Node {
     /// The Raft id, for cluster members.
     pub raft_id: Option<u64>,
     config: PathBuf,
-    env: Vec<(String, String)>,
+    /// Extra environment of the process, read at each (re)start.
+    pub env: Vec<(String, String)>,
     starts: u32,
     /// How the test's clients reach it.
     pub dialer: kvplane_tls::Dialer,
