@@ -50,4 +50,15 @@ pub async fn run_refiller(
             Err(_) => tracing::warn!(tokens, "escrow release timed out at shutdown"),
         }
     }
+    // This process settled every report it acknowledged: a retried report of its requests
+    // must not settle again through the ledger.
+    let close = Command::QuotaClose {
+        replica: escrow.config().replica,
+        incarnation: escrow.config().incarnation,
+    };
+    match tokio::time::timeout(Duration::from_secs(2), log.write(close)).await {
+        Ok(Ok(index)) => tracing::info!(index, "escrow closed at shutdown"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "escrow not closed at shutdown"),
+        Err(_) => tracing::warn!("escrow close timed out at shutdown"),
+    }
 }

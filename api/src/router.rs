@@ -434,7 +434,16 @@ impl RouterService {
     fn settle_by_ledger(&self, report: &UsageReport) -> Option<UsageAck> {
         let escrow = self.escrow.as_ref()?;
         let settles = crate::usage_forward::ledger_settles(report);
-        if settles.is_empty() {
+        let view = self.state.load();
+        // A process that stopped in order settled what it acknowledged: this may be a retry of
+        // a report it settled, which the ledger would give back a second time.
+        if settles.is_empty()
+            || settles.iter().any(|s| {
+                view.quota
+                    .closed
+                    .contains(&(s.ticket.replica, s.ticket.incarnation))
+            })
+        {
             return None;
         }
         escrow.settle_elsewhere(settles);

@@ -459,15 +459,104 @@ async fn route_acme(node: &harness::Node, request_id: &str) -> kvplane_proto::v1
         .into_inner()
 }
 
+async fn report_to(
+    node: &harness::Node,
+    report: &kvplane_proto::v1::UsageReport,
+) -> kvplane_proto::v1::UsageAck {
+    let mut c = node.router().await;
+    c.report_usage(report.clone()).await.unwrap().into_inner()
+}
+
 /// The tenant's book in `node`'s ledger (read from its exported state).
 async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
+    acme_ledger(node).await.0
+}
+
+/// The tenant's book and the processes the ledger knows stopped in order, in `node`'s state.
+async fn acme_ledger(node: &harness::Node) -> (kvplane_state::Book, Vec<(u64, u64)>) {
     let sm = harness::exported_state(node).await;
     let key = kvplane_policy::LimitKey {
         tenant: "acme".into(),
         model: String::new(),
         provider: String::new(),
     };
-    sm.handle().load().quota.books[&key].clone()
+    let q = sm.handle().load().quota.clone();
+    (q.books[&key].clone(), q.closed.iter().copied().collect())
+}
+
+/// A report the routing replica settled itself, retried by a gateway after that replica
+/// stopped in order (SIGTERM): the retry settles nothing, neither forwarded to the stopped
+/// replica nor at its next process, and the tenant's window keeps what the request used.
+/// (Found by the chaos runner: the ledger gave the unused tokens back a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_settled_before_its_replica_stopped_is_not_settled_again_through_the_ledger() {
+    let (mut cluster, _dir) = harness::started_with_limits_and(
+        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}\n",
+        Vec::new(),
+        "[quota]\nidle_release_ms = 3600000\n".into(),
+    )
+    .await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    let (router, reporter) = (followers[0], followers[1]);
+    let routed = route_acme(&cluster.nodes[router], "stops-1").await;
+    let ticket = routed.ticket.clone().unwrap();
+    let report = kvplane_proto::v1::UsageReport {
+        request_id: "stops-1".into(),
+        prompt_tokens: 40,
+        completion_tokens: 10,
+        ticket: Some(ticket.clone()),
+        ..Default::default()
+    };
+    let first = cluster.nodes[router]
+        .router()
+        .await
+        .report_usage(report.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(first.known && !first.settled_by_ledger, "{first:?}");
+
+    assert!(cluster.nodes[router].terminate().success());
+    let process = (ticket.routed_by, ticket.incarnation);
+    // Where the retry lands, the ledger knows the process stopped.
+    let (stopped, _) = eventually(
+        "the stopped process closed in the ledger",
+        Duration::from_secs(20),
+        || async {
+            let l = acme_ledger(&cluster.nodes[reporter]).await;
+            l.1.contains(&process).then_some(l)
+        },
+    )
+    .await;
+    let ack = report_to(&cluster.nodes[reporter], &report).await;
+    assert!(!ack.known && !ack.settled_by_ledger, "{ack:?}");
+
+    cluster.nodes[router].restart();
+    eventually(
+        "the replica's next process heard",
+        Duration::from_secs(30),
+        || async {
+            let (b, _) = acme_ledger(&cluster.nodes[router]).await;
+            b.left_behind.contains_key(&process).then_some(())
+        },
+    )
+    .await;
+    let ack = report_to(&cluster.nodes[router], &report).await;
+    assert!(!ack.known && !ack.settled_by_ledger, "{ack:?}");
+    // Nothing given back: the window keeps what it granted once the stopped process released
+    // what it did not spend, and no ticket waits.
+    let (after, _) = acme_ledger(&cluster.nodes[leader]).await;
+    assert_eq!(after.granted, stopped.granted, "{after:?}");
+    assert!(
+        after.pending.is_empty() && after.settled.is_empty(),
+        "{after:?}"
+    );
+    let m = cluster.nodes[reporter].metrics().await;
+    assert!(
+        m.contains(r#"kvplane_usage_reports_total{outcome="ledger"} 0"#),
+        "{m}"
+    );
 }
 
 /// A gateway that fails over between Route and ReportUsage while the replica that routed the

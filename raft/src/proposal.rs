@@ -61,6 +61,10 @@ impl fmt::Display for Proposal {
                 u.pool,
                 u.endpoints.len()
             ),
+            Command::QuotaClose {
+                replica,
+                incarnation,
+            } => format!("quota closed by replica {replica} (process {incarnation})"),
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

@@ -52,6 +52,10 @@ pub enum Command {
     /// Every endpoint Kubernetes reports now for a worker set that finds its engines there
     /// (its selector's pods, or its `InferencePool`'s). Proposed by the leader.
     Endpoints(crate::EndpointsUpdate),
+    /// A replica's process stops in order, having settled what it acknowledged and released
+    /// what it did not spend: its tickets settle nothing through the ledger any more
+    /// ([`crate::Ledger::close`]).
+    QuotaClose { replica: u64, incarnation: u64 },
 }
 
 impl Command {
@@ -91,6 +95,7 @@ impl Command {
             Self::Quota(_) => "quota",
             Self::ExpireLeases { .. } => "expire_leases",
             Self::Endpoints(_) => "endpoints",
+            Self::QuotaClose { .. } => "quota_close",
         }
     }
 }

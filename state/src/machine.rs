@@ -363,6 +363,13 @@ impl StateMachine {
                     Some(Arc::make_mut(&mut self.quota).apply(batch, at.timestamp_ms, &catalog));
                 self.parts.quota = quota_part(&self.quota);
             }
+            Command::QuotaClose {
+                replica,
+                incarnation,
+            } => {
+                Arc::make_mut(&mut self.quota).close(*replica, *incarnation);
+                self.parts.quota = quota_part(&self.quota);
+            }
             Command::ExpireLeases { lease_ms } => self.expire_leases(at, *lease_ms, &mut out),
             Command::Endpoints(update) => out.rejected = self.apply_endpoints(update).err(),
         }

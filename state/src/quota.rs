@@ -108,6 +108,11 @@ pub struct Ledger {
     pub books: BTreeMap<LimitKey, Book>,
     /// Per replica: (incarnation, last applied seq).
     pub replicas: BTreeMap<u64, (u64, u64)>,
+    /// Processes (replica, incarnation) that stopped in order ([`Ledger::close`]): they settled
+    /// every report they acknowledged themselves, so their tickets settle nothing here. Kept
+    /// while what they left behind is in a book, or until their replica starts again.
+    #[serde(default)]
+    pub closed: BTreeSet<(u64, u64)>,
 }
 
 /// What one batch did.
@@ -148,9 +153,11 @@ impl Ledger {
                     {
                         book.left_behind.insert((b.replica, inc), held.tokens);
                     }
-                    out.released.tokens += book.release_pending(b.replica, b.incarnation);
+                    out.released.tokens +=
+                        book.release_pending(b.replica, b.incarnation, &self.closed);
                 }
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));
+                self.prune_closed();
             }
             _ => {
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));
@@ -231,6 +238,31 @@ impl Ledger {
         out
     }
 
+    /// Process `incarnation` of `replica` stops in order: it settled the reports it
+    /// acknowledged, and gave back what it did not spend. A report of its requests that reaches
+    /// the ledger later (a gateway's retry, or a report after it stopped) gives nothing back:
+    /// the ledger cannot tell it from one the process settled itself, and giving back twice
+    /// would let the window admit more than its budget.
+    pub fn close(&mut self, replica: u64, incarnation: u64) {
+        self.closed.insert((replica, incarnation));
+        self.prune_closed();
+    }
+
+    /// Forgets closed processes nothing can settle against any more: their replica started
+    /// again and no book holds what they left behind.
+    fn prune_closed(&mut self) {
+        if self.closed.is_empty() {
+            return;
+        }
+        let (books, replicas) = (&self.books, &self.replicas);
+        self.closed.retain(|&(r, inc)| {
+            replicas.get(&r).is_some_and(|&(current, _)| current == inc)
+                || books
+                    .values()
+                    .any(|b| b.left_behind.contains_key(&(r, inc)))
+        });
+    }
+
     pub(crate) fn hash(&self, h: &mut Hasher) {
         h.u64(self.books.len() as u64);
         for (k, b) in &self.books {
@@ -257,6 +289,13 @@ impl Ledger {
         h.u64(self.replicas.len() as u64);
         for (r, (inc, seq)) in &self.replicas {
             h.u64(*r).u64(*inc).u64(*seq);
+        }
+        // Hashed only when present: ledgers without closed processes keep their digest.
+        if !self.closed.is_empty() {
+            h.str("closed").u64(self.closed.len() as u64);
+            for (r, inc) in &self.closed {
+                h.u64(*r).u64(*inc);
+            }
         }
     }
 }

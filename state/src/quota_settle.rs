@@ -12,6 +12,8 @@
 //! speaks to the ledger. A ticket is a window's: one for a window that ended gives nothing
 //! back (the budget renewed anyway).
 
+use std::collections::BTreeSet;
+
 use serde::{Deserialize, Serialize};
 
 use crate::digest::Hasher;
@@ -54,8 +56,14 @@ impl Book {
     }
 
     /// Gives back the pending tickets of `replica`'s processes before `incarnation` (a newer
-    /// one speaks now); what it gave back.
-    pub(crate) fn release_pending(&mut self, replica: u64, incarnation: u64) -> u64 {
+    /// one speaks now), except a `closed` process's (it may have settled them itself); what it
+    /// gave back.
+    pub(crate) fn release_pending(
+        &mut self,
+        replica: u64,
+        incarnation: u64,
+        closed: &BTreeSet<(u64, u64)>,
+    ) -> u64 {
         let gone: Vec<Ticket> = self
             .pending
             .keys()
@@ -64,7 +72,9 @@ impl Book {
             .collect();
         let mut out = 0;
         for t in gone {
-            if let Some(tokens) = self.pending.remove(&t) {
+            if let Some(tokens) = self.pending.remove(&t)
+                && !closed.contains(&(t.replica, t.incarnation))
+            {
                 out += self.give_back(t.replica, t.incarnation, tokens);
             }
         }
@@ -95,6 +105,12 @@ impl Ledger {
     /// Applies one settle; the tokens it gave back now.
     pub(crate) fn settle(&mut self, s: &QuotaSettle) -> u64 {
         let current = self.replicas.get(&s.ticket.replica).map(|&(inc, _)| inc);
+        if self
+            .closed
+            .contains(&(s.ticket.replica, s.ticket.incarnation))
+        {
+            return 0;
+        }
         let Some(book) = self.books.get_mut(&s.key) else {
             return 0;
         };
@@ -215,6 +231,54 @@ mod tests {
         );
         l.apply(&settle(3, 3, (2, 1, "c"), 0, 400), 20, &c);
         assert_eq!(granted(&l), 600);
+    }
+
+    /// Replica 1's process spent 600 of its 1,000 on a request, settled it itself when its
+    /// usage came (100 used: 500 back to its own escrow), released its unspent 900 at shutdown
+    /// and closed. The 100 it keeps are what the request used: a retry of that report, settled
+    /// through the ledger, must not give 500 back again.
+    #[test]
+    fn a_closed_processes_tickets_give_nothing_back_and_it_is_forgotten_with_its_window() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        let release = QuotaBatch {
+            releases: vec![crate::QuotaRelease {
+                key: key(),
+                window_start_ms: 0,
+                tokens: 900,
+                requests: 0,
+            }],
+            ..batch(1, 1, 2)
+        };
+        l.apply(&release, 5, &c);
+        l.close(1, 1);
+        assert_eq!(granted(&l), 100);
+        // A retry reaches replica 2 before and after replica 1 starts again.
+        l.apply(&settle(2, 1, (1, 1, "r1"), 0, 500), 10, &c);
+        assert!(l.books[&key()].pending.is_empty(), "nothing waits");
+        l.apply(&batch(1, 2, 1), 20, &c);
+        l.apply(&settle(2, 2, (1, 1, "r1"), 0, 500), 30, &c);
+        assert_eq!(granted(&l), 100, "the 100 used stay spent");
+        assert!(
+            l.closed.contains(&(1, 1)),
+            "its 100 are still in the window"
+        );
+        // The next window: nothing of process 1 is left anywhere, nor is its closing.
+        l.apply(&ask(2, 1, 3, 1_000), 60_000, &c);
+        l.apply(&batch(1, 3, 1), 60_010, &c);
+        assert!(l.closed.is_empty(), "{:?}", l.closed);
+    }
+
+    /// Without the close (a process killed), the ticket is the only record: it gives back.
+    #[test]
+    fn a_killed_processes_ticket_still_gives_back() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&batch(1, 2, 1), 10, &c);
+        l.apply(&settle(2, 1, (1, 1, "r1"), 0, 500), 20, &c);
+        assert_eq!(granted(&l), 500);
     }
 
     #[test]
