@@ -255,6 +255,17 @@ impl Escrow {
         &self.cfg
     }
 
+    /// Whether the ledger has applied a batch of this process (before that it holds nothing
+    /// and has issued no ticket).
+    pub(crate) fn known_to_ledger(&self) -> bool {
+        self.state
+            .load()
+            .quota
+            .replicas
+            .get(&self.cfg.replica)
+            .is_some_and(|&(inc, _)| inc == self.cfg.incarnation)
+    }
+
     pub fn metrics(&self) -> &QuotaMetrics {
         &self.metrics
     }

@@ -51,7 +51,11 @@ pub async fn run_refiller(
         }
     }
     // This process settled every report it acknowledged: a retried report of its requests
-    // must not settle again through the ledger.
+    // must not settle again through the ledger. (One the ledger never heard from issued no
+    // ticket: nothing to close.)
+    if !escrow.known_to_ledger() {
+        return;
+    }
     let close = Command::QuotaClose {
         replica: escrow.config().replica,
         incarnation: escrow.config().incarnation,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS, status};
 use crate::history::{Admission, History, Miss, Read, RouteOutcome};
-use crate::workload::BLOCKS;
+use crate::workload::blocks_after;
 
 /// One invariant's result.
 #[derive(Debug)]
@@ -45,10 +45,16 @@ pub async fn check(
     if statuses.len() < members {
         problems.push(format!("{} of {members} members answered", statuses.len()));
     }
-    // Per worker: the blocks of the batches the stream acknowledged for it.
-    let mut want = [0u64; WORKERS];
+    // Per worker: the blocks its acknowledged batches leave, each applied once and in order.
+    let mut batches = [0u64; WORKERS];
     for (_, w) in &h.published {
-        want[*w] += BLOCKS;
+        batches[*w] += 1;
+    }
+    let want = batches.map(blocks_after);
+    if let Some(i) = h.kv_unsure {
+        problems.push(format!(
+            "batch {i} was never acknowledged, the stream may hold it or not"
+        ));
     }
     for s in &statuses {
         for (w, blocks) in want.iter().enumerate() {
@@ -66,7 +72,7 @@ pub async fn check(
         }
     }
     out.push(verdict(
-        "every acknowledged batch indexed, on its worker",
+        "every acknowledged batch applied once, in order, on its worker",
         problems,
         format!(
             "{} batches, {:?} blocks per worker on every member",
@@ -103,6 +109,12 @@ pub async fn check(
         over,
         fullest,
     ));
+    let (over, fullest) = over_charged(&h.admissions);
+    out.push(verdict(
+        "tokens used per tenant within the limit of the window each answer was charged to",
+        over,
+        fullest,
+    ));
     out.push(verdict(
         "each answer's window is one its call overlapped",
         misfiled(&h.admissions),
@@ -114,11 +126,12 @@ pub async fn check(
         reads_seen(&h.reads),
     ));
     out.push(verdict(
-        "no usage report settled twice",
-        h.settled_twice.iter().take(5).cloned().collect(),
+        "no usage report settled by its routing member, then through the ledger",
+        settled_twice(&h.known_then_ledger, &h.stops),
         format!(
-            "{} reports sent twice to two members, each settled once",
-            h.reports_retried
+            "{} reports sent twice to two members; {} settled through the ledger after their routing member settled them, each while that member was stopped",
+            h.reports_retried,
+            h.known_then_ledger.len()
         ),
     ));
     let missed = missed_while_healthy(&h.misses, healthy);
@@ -146,6 +159,26 @@ fn stale(reads: &[Read]) -> Vec<String> {
                 r.answered.unwrap_or(0)
             )
         })
+        .take(5)
+        .collect()
+}
+
+/// Requests settled by their routing member and then through the ledger, while that member
+/// was not stopped in between: the ledger takes a ticket only from a process that is gone.
+/// (A process stopped in order closes, after which the ledger refuses its tickets, but a
+/// member may ask the ledger before it applied the close; a process killed never closes.)
+fn settled_twice(
+    pairs: &[(String, usize, Instant, Instant)],
+    stops: &[(Option<usize>, Instant, Instant)],
+) -> Vec<String> {
+    pairs
+        .iter()
+        .filter(|(_, member, first, second)| {
+            !stops.iter().any(|(m, from, to)| {
+                m.is_none_or(|m| m == *member) && *from <= *second && *to >= *first
+            })
+        })
+        .map(|(id, member, ..)| format!("{id} (member {member} was not stopped)"))
         .take(5)
         .collect()
 }
@@ -217,6 +250,25 @@ fn over_limit(admissions: &[Admission]) -> (Vec<String>, String) {
             *by.entry((a.tenant, w)).or_default() += a.tokens;
         }
     }
+    budget_check(&by)
+}
+
+/// Per tenant and the window each admission's answer was charged to (checked against the
+/// call's own times by [`misfiled`]), the tokens the requests used: every admission, however
+/// long its call took. What a window gives back never exceeds what its requests did not use,
+/// so this too is a lower bound of what the window admitted.
+fn over_charged(admissions: &[Admission]) -> (Vec<String>, String) {
+    let mut by: BTreeMap<(&str, u64), u64> = BTreeMap::new();
+    for a in admissions {
+        if let Some(w) = a.charged_window_ms {
+            *by.entry((a.tenant, w)).or_default() += a.tokens;
+        }
+    }
+    budget_check(&by)
+}
+
+/// The windows of `by` over their tenant's budget, and how full the fullest was.
+fn budget_check(by: &BTreeMap<(&str, u64), u64>) -> (Vec<String>, String) {
     let budget = |t: &str| TENANTS.iter().find(|(n, _)| *n == t).map_or(0, |(_, b)| *b);
     let over = by
         .iter()
@@ -355,6 +407,20 @@ mod tests {
     }
 
     #[test]
+    fn the_charged_windows_count_every_admission_however_long_its_call() {
+        // 50 calls of 200 tokens charged to beta's window 2000, one of them answered only at
+        // 4,500 (the clients' windows would not count it), and one more charged there: 10,200.
+        let mut a: Vec<Admission> = (0..50)
+            .map(|i| admission("beta", 2_000 + i, 2_010 + i, 2_000))
+            .collect();
+        a.push(admission("beta", 3_000, 4_500, 2_000));
+        assert_eq!(over_charged(&a).0, vec!["beta window 2000: 10200 > 10000"]);
+        assert!(over_limit(&a).0.is_empty());
+        a.pop();
+        assert!(over_charged(&a).0.is_empty());
+    }
+
+    #[test]
     fn a_charge_for_a_window_the_call_did_not_overlap_is_named() {
         let a = [
             admission("acme", 2_100, 2_200, 2_000),
@@ -405,6 +471,22 @@ mod tests {
             vec!["linearizable read promised index 10 answered at 9"]
         );
         assert_eq!(reads_seen(&reads), "linearizable: 3 answered, 1 refused");
+    }
+
+    #[test]
+    fn a_second_settle_counts_only_when_the_routing_member_was_not_stopped_between() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let pairs = [
+            ("a".to_owned(), 1, at(100), at(200)),
+            ("b".to_owned(), 1, at(1_000), at(1_100)),
+            ("c".to_owned(), 2, at(2_000), at(2_100)),
+        ];
+        let stops = [(Some(1), at(150), at(900)), (None, at(2_050), at(3_000))];
+        assert_eq!(
+            settled_twice(&pairs, &stops),
+            vec!["b (member 1 was not stopped)"]
+        );
     }
 
     #[test]

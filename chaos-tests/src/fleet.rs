@@ -45,8 +45,9 @@ pub enum Injected {
     /// Every member isolated.
     Split,
     Nats,
-    /// Every member restarted in turn (nothing left to heal).
-    Rolled,
+    /// Every member restarted in turn (nothing left to heal), and how long the slowest took
+    /// from its start to the fleet ready.
+    Rolled(Duration),
     /// The member at this index is a new incarnation, joining.
     Replaced(usize),
     /// This many members were added at the end of the list.
@@ -64,7 +65,7 @@ impl Injected {
             | Injected::Isolated(i)
             | Injected::Replaced(i)
             | Injected::Skewed(i) => Some(i),
-            Injected::Split | Injected::Nats | Injected::Rolled | Injected::Scaled(_) => None,
+            Injected::Split | Injected::Nats | Injected::Rolled(_) | Injected::Scaled(_) => None,
         }
     }
 }
@@ -187,6 +188,18 @@ impl Fleet {
         bail!("membership not {want:?} within {within:?}: {seen}")
     }
 
+    /// SIGTERM to member `i`, waiting up to 30 s for its clean exit (a blocking wait, off the
+    /// runtime's threads).
+    fn stop_in_order(&mut self, i: usize) -> anyhow::Result<()> {
+        let node = &mut self.cluster.nodes[i];
+        let exit = tokio::task::block_in_place(|| node.terminate_within(Duration::from_secs(30)));
+        match exit {
+            Some(exit) if exit.success() => Ok(()),
+            Some(exit) => bail!("member {i} exited with {exit} on SIGTERM"),
+            None => bail!("member {i} did not exit within 30 s of SIGTERM (killed)"),
+        }
+    }
+
     /// Removes member `id` through whichever member leads.
     async fn remove(&self, id: u64, within: Duration) -> anyhow::Result<()> {
         let started = Instant::now();
@@ -260,17 +273,17 @@ impl Fleet {
                 Injected::Nats
             }
             Fault::RollingRestart => {
+                let mut slowest = Duration::ZERO;
                 for i in followers.iter().copied().chain([leader]) {
-                    let exit = self.cluster.nodes[i].terminate();
-                    if !exit.success() {
-                        bail!("member {i} exited with {exit} on SIGTERM");
-                    }
+                    self.stop_in_order(i)?;
+                    let started = Instant::now();
                     self.cluster.nodes[i].restart();
                     self.wait_healthy(Duration::from_secs(60), |_| true)
                         .await
                         .with_context(|| format!("after member {i} restarted"))?;
+                    slowest = slowest.max(started.elapsed());
                 }
-                Injected::Rolled
+                Injected::Rolled(slowest)
             }
             Fault::WipeFollower => {
                 let addr = self.cluster.nodes[on].grpc.to_string();
@@ -295,8 +308,8 @@ impl Fleet {
                     .iter()
                     .find(|p| std::path::Path::new(p).exists())
                     .context("libfaketime is not installed (scripts/install-deps installs it)")?;
+                self.stop_in_order(on)?;
                 let node = &mut self.cluster.nodes[on];
-                node.kill();
                 node.env.extend([
                     ("LD_PRELOAD".to_owned(), (*lib).to_owned()),
                     ("FAKETIME".to_owned(), "+1.5".to_owned()),
@@ -315,7 +328,7 @@ impl Fleet {
             Injected::Paused(i) => self.cluster.nodes[i].resume(),
             Injected::Isolated(_) | Injected::Split => self.cluster.heal().await,
             Injected::Nats => self.cluster.nats.restart(),
-            Injected::Rolled => {}
+            Injected::Rolled(_) => {}
             Injected::Replaced(_) => self.wait_membership(Duration::from_secs(60)).await?,
             Injected::Scaled(n) => {
                 let from = self.cluster.nodes.len() - n;
@@ -329,8 +342,8 @@ impl Fleet {
                 self.wait_membership(Duration::from_secs(60)).await?;
             }
             Injected::Skewed(i) => {
+                self.stop_in_order(i)?;
                 let node = &mut self.cluster.nodes[i];
-                node.kill();
                 node.env
                     .retain(|(k, _)| !k.starts_with("FAKETIME") && k != "LD_PRELOAD");
                 node.restart();

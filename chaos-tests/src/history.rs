@@ -71,8 +71,6 @@ pub struct History {
     /// Reports sent a second time to another member (after a failure, or although the first
     /// was acknowledged).
     pub reports_retried: u64,
-    /// Requests more than one acknowledgement said it settled, with who said so.
-    pub settled_twice: Vec<String>,
     /// The highest log index a config write was acknowledged at.
     pub acked_index: u64,
     pub reads: Vec<Read>,
@@ -81,6 +79,15 @@ pub struct History {
     pub config_failed: u64,
     /// KV batches the stream acknowledged: (stream sequence, worker index).
     pub published: Vec<(u64, usize)>,
+    /// A batch tried and never acknowledged, which the stream may hold or not.
+    pub kv_unsure: Option<u64>,
+    /// Requests a replica acknowledged as settled by its routing process (`known`), then
+    /// another as settled through the ledger: (request id, the routing member, when the first
+    /// and the second acknowledgement came).
+    pub known_then_ledger: Vec<(String, usize, Instant, Instant)>,
+    /// When members were stopped (kill -9, SIGTERM, a volume lost): the member (`None`: every
+    /// member, in turn) and the stretch the fault took, from before it to its heal.
+    pub stops: Vec<(Option<usize>, Instant, Instant)>,
 }
 
 /// The history shared by the workload's tasks.

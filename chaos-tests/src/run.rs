@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::check::{Verdict, check};
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, Injected};
 use crate::history::{History, RouteOutcome, record, shared};
 use crate::schedule::{Fault, schedule};
 
@@ -85,6 +85,7 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         }
         tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
         healthy.push((healthy_since, Instant::now()));
+        let fault_from = Instant::now();
         let injected = fleet.inject(&step).await?;
         injected_count += 1;
         eprintln!(
@@ -102,10 +103,23 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         fleet
             .wait_healthy(Duration::from_secs(60), |_| true)
             .await?;
-        recoveries
-            .entry(step.fault)
-            .or_default()
-            .push(healing.elapsed());
+        // A rolling restart healed as it went: its slowest member's recovery.
+        let recovery = match injected {
+            Injected::Rolled(slowest) => slowest,
+            _ => healing.elapsed(),
+        };
+        recoveries.entry(step.fault).or_default().push(recovery);
+        // Members stopped by the fault, and when (its settles through the ledger are its).
+        let stopped = match injected {
+            Injected::Killed(i) | Injected::Replaced(i) | Injected::Skewed(i) => Some(Some(i)),
+            Injected::Rolled(_) => Some(None),
+            _ => None,
+        };
+        if let Some(member) = stopped {
+            record(&history, |h| {
+                h.stops.push((member, fault_from, Instant::now()))
+            });
+        }
         healthy_since = Instant::now();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -79,8 +79,9 @@ pub struct Step {
     pub pick: u64,
 }
 
-/// A named set of faults: the fixed scenarios of `node/tests` that the runner replays at
-/// random, checked by its invariants instead of each test's own.
+/// A named set of faults, several named after the fixed scenarios of `node/tests` that inject
+/// them: the runner draws them at random and checks its own invariants (those tests keep
+/// their own assertions).
 pub const SCENARIOS: [(&str, &[Fault], &str); 6] = [
     (
         "quota-leader-kill",

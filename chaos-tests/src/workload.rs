@@ -212,7 +212,7 @@ fn used_output(id: &str) -> u32 {
 /// Reports a routed request's usage to `node`; when that fails, again to the next member (a
 /// gateway's retry). With `members.duplicates`, every tenth request is reported a second time
 /// to another member although the first was acknowledged (a retry whose first try landed).
-/// Records whether more than one acknowledgement said it settled the request.
+/// Records a request the routing process settled and another member then asked the ledger to.
 async fn report(
     c: &mut RouterClient<Channel>,
     members: &Members,
@@ -233,36 +233,19 @@ async fn report(
     };
     let send = |mut c: RouterClient<Channel>, r: UsageReport| async move {
         match tokio::time::timeout(CALL, c.report_usage(with_deadline(r))).await {
-            Ok(Ok(ack)) => Some(ack.into_inner()),
+            Ok(Ok(ack)) => Some((ack.into_inner(), Instant::now())),
             _ => None,
         }
     };
-    let mut acks = Vec::new();
     let first = send(c.clone(), report.clone()).await;
     let retry = first.is_none() || (members.duplicates && n.is_multiple_of(10));
-    acks.extend(first.map(|a| (node, a)));
-    if retry {
-        let other = (node + 1) % members.len();
-        acks.extend(
-            send(members.router(other), report)
-                .await
-                .map(|a| (other, a)),
-        );
-    }
-    let settled: Vec<String> = acks
-        .iter()
-        .filter(|(_, a)| a.known || a.settled_by_ledger)
-        .map(|(m, a)| {
-            let how = if a.known {
-                "settled"
-            } else {
-                "settled by the ledger"
-            };
-            format!("member {m} {how}")
-        })
-        .collect();
+    let second = if retry {
+        send(members.router(node + 1), report).await
+    } else {
+        None
+    };
     record(history, |h| {
-        if acks.is_empty() {
+        if first.is_none() && second.is_none() {
             h.reports_failed += 1;
         } else {
             h.reports_acked += 1;
@@ -270,9 +253,13 @@ async fn report(
         if retry {
             h.reports_retried += 1;
         }
-        if settled.len() > 1 {
-            h.settled_twice
-                .push(format!("{request_id}: {}", settled.join(", ")));
+        // The routing process settled it, then the ledger was asked to: the second gives
+        // back what the first already did, unless that process stopped in between.
+        if let (Some((a, at)), Some((b, bt))) = (&first, &second)
+            && a.known
+            && b.settled_by_ledger
+        {
+            h.known_then_ledger.push((request_id, node, *at, *bt));
         }
     });
 }
@@ -467,8 +454,19 @@ async fn kv_publisher(
         let worker = format!("w{w}");
         let subject = kvplane_ingest::kv_subject("gpu", &worker);
         let payload = chain(i);
+        // A batch tried once may be in the stream unacknowledged: it is tried until the
+        // stream acknowledges it, after the stop too (the same id is not stored twice), and
+        // counted unsure when that does not happen within 30 s of the stop.
+        let mut stopping: Option<Instant> = None;
         loop {
-            if *stop.borrow() {
+            if *stop.borrow()
+                && stopping
+                    .get_or_insert_with(Instant::now)
+                    .elapsed()
+                    .as_secs()
+                    >= 30
+            {
+                record(&history, |h| h.kv_unsure = Some(i));
                 return;
             }
             let acked = async {
@@ -495,26 +493,95 @@ async fn kv_publisher(
 }
 
 /// Blocks in each published chain.
-pub(crate) const BLOCKS: u64 = 3;
+const BLOCKS: u64 = 3;
 
-/// A vLLM batch storing a chain of [`BLOCKS`] blocks whose hashes no other batch uses.
-fn chain(i: u64) -> Vec<u8> {
+/// Batch `i`'s events: a chain of [`BLOCKS`] blocks whose hashes no other batch uses, and the
+/// removal of the last block its worker's previous batch (`i - WORKERS`) stored. Applied once
+/// each and in order, a worker's `n` batches leave [`blocks_after`]`(n)` blocks; a batch applied
+/// twice after the next one brings its removed block back, a lost or reordered one leaves a
+/// different count.
+pub(crate) fn events(i: u64) -> Vec<KvEvent> {
     let tokens: Vec<u32> = (0..16 * BLOCKS as u32)
         .map(|t| u32::try_from(i % 1_000_000).unwrap_or(0) * 64 + t)
         .collect();
+    let mut events = vec![KvEvent::Stored {
+        block_hashes: (0..BLOCKS).map(|b| i * 1_000 + b).collect(),
+        parent_hash: None,
+        token_ids: tokens,
+        block_size: 16,
+        lora_name: None,
+        cache_salt: None,
+        tier: Tier::Gpu,
+    }];
+    let workers = WORKERS as u64;
+    if i > workers {
+        events.push(KvEvent::Removed {
+            block_hashes: vec![(i - workers) * 1_000 + BLOCKS - 1],
+            tier: Tier::Gpu,
+        });
+    }
+    events
+}
+
+/// The blocks a worker holds after `n` of its batches, each applied once, in order.
+pub(crate) fn blocks_after(n: u64) -> u64 {
+    BLOCKS * n - n.saturating_sub(1)
+}
+
+/// Batch `i` as vLLM publishes it.
+fn chain(i: u64) -> Vec<u8> {
     kvplane_ingest::vllm::encode_batch(
         0.0,
         &KvBatch {
             dp_rank: 0,
-            events: vec![KvEvent::Stored {
-                block_hashes: (0..BLOCKS).map(|b| i * 1_000 + b).collect(),
-                parent_hash: None,
-                token_ids: tokens,
-                block_size: 16,
-                lora_name: None,
-                cache_salt: None,
-                tier: Tier::Gpu,
-            }],
+            events: events(i),
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    /// A reference model (a set of block hashes per worker) applying each batch's events.
+    fn model(order: &[u64]) -> [usize; WORKERS] {
+        let mut held: [BTreeSet<u64>; WORKERS] = Default::default();
+        for &i in order {
+            let w = usize::try_from(i).unwrap_or(0) % WORKERS;
+            for e in events(i) {
+                match e {
+                    KvEvent::Stored { block_hashes, .. } => held[w].extend(block_hashes),
+                    KvEvent::Removed { block_hashes, .. } => {
+                        for h in block_hashes {
+                            held[w].remove(&h);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        held.map(|h| h.len())
+    }
+
+    #[test]
+    fn batches_applied_once_in_order_leave_blocks_after_and_a_replay_or_a_loss_does_not() {
+        let once: Vec<u64> = (1..=30).collect();
+        let per_worker = (30 / WORKERS) as u64;
+        assert_eq!(
+            model(&once),
+            [usize::try_from(blocks_after(per_worker)).unwrap_or(0); WORKERS]
+        );
+        // Batch 4 (worker 1) delivered again after batch 7 removed one of its blocks.
+        let mut replayed = once.clone();
+        replayed.insert(9, 4);
+        assert_ne!(model(&replayed), model(&once));
+        // Batch 10 lost; batches 13 and 16 swapped.
+        let lost: Vec<u64> = once.iter().copied().filter(|i| *i != 10).collect();
+        assert_ne!(model(&lost), model(&once));
+        let mut swapped = once.clone();
+        swapped.swap(12, 15);
+        assert_ne!(model(&swapped), model(&once));
+    }
 }

@@ -459,6 +459,28 @@ async fn route_acme(node: &harness::Node, request_id: &str) -> kvplane_proto::v1
         .into_inner()
 }
 
+/// A three-member cluster where acme has an hour's window and escrow is never released for
+/// idleness: what the ledger holds moves only with what the test does.
+async fn hour_window() -> (Cluster, tempfile::TempDir) {
+    harness::started_with_limits_and(
+        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}\n",
+        Vec::new(),
+        "[quota]\nidle_release_ms = 3600000\n".into(),
+    )
+    .await
+}
+
+/// The final report of `request_id` (50 tokens used) with its ticket.
+fn used_50(request_id: &str, ticket: &kvplane_proto::v1::Ticket) -> kvplane_proto::v1::UsageReport {
+    kvplane_proto::v1::UsageReport {
+        request_id: request_id.into(),
+        prompt_tokens: 40,
+        completion_tokens: 10,
+        ticket: Some(ticket.clone()),
+        ..Default::default()
+    }
+}
+
 async fn report_to(
     node: &harness::Node,
     report: &kvplane_proto::v1::UsageReport,
@@ -490,31 +512,14 @@ async fn acme_ledger(node: &harness::Node) -> (kvplane_state::Book, Vec<(u64, u6
 /// (Found by the chaos runner: the ledger gave the unused tokens back a second time.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_settled_before_its_replica_stopped_is_not_settled_again_through_the_ledger() {
-    let (mut cluster, _dir) = harness::started_with_limits_and(
-        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}\n",
-        Vec::new(),
-        "[quota]\nidle_release_ms = 3600000\n".into(),
-    )
-    .await;
+    let (mut cluster, _dir) = hour_window().await;
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
     let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
     let (router, reporter) = (followers[0], followers[1]);
     let routed = route_acme(&cluster.nodes[router], "stops-1").await;
     let ticket = routed.ticket.clone().unwrap();
-    let report = kvplane_proto::v1::UsageReport {
-        request_id: "stops-1".into(),
-        prompt_tokens: 40,
-        completion_tokens: 10,
-        ticket: Some(ticket.clone()),
-        ..Default::default()
-    };
-    let first = cluster.nodes[router]
-        .router()
-        .await
-        .report_usage(report.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let report = used_50("stops-1", &ticket);
+    let first = report_to(&cluster.nodes[router], &report).await;
     assert!(first.known && !first.settled_by_ledger, "{first:?}");
 
     assert!(cluster.nodes[router].terminate().success());
@@ -565,14 +570,7 @@ async fn a_report_settled_before_its_replica_stopped_is_not_settled_again_throug
 /// next process speaks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
-    // An hour's window, and escrow never released for idleness: what the ledger holds moves
-    // only with what the test does.
-    let (mut cluster, _dir) = harness::started_with_limits_and(
-        "    - {tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}\n",
-        Vec::new(),
-        "[quota]\nidle_release_ms = 3600000\n".into(),
-    )
-    .await;
+    let (mut cluster, _dir) = hour_window().await;
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
     let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
     let (router, reporter) = (followers[0], followers[1]);
@@ -585,20 +583,8 @@ async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
     assert!(before.holders.contains_key(&ticket.routed_by));
 
     cluster.nodes[router].kill();
-    let report = kvplane_proto::v1::UsageReport {
-        request_id: "dies-1".into(),
-        prompt_tokens: 40,
-        completion_tokens: 10,
-        ticket: Some(ticket.clone()),
-        ..Default::default()
-    };
-    let ack = cluster.nodes[reporter]
-        .router()
-        .await
-        .report_usage(report.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let report = used_50("dies-1", &ticket);
+    let ack = report_to(&cluster.nodes[reporter], &report).await;
     assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
     // Its process may be alive behind a partition: the ticket waits, nothing comes back yet.
     let waiting = eventually(
@@ -628,13 +614,7 @@ async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
 
     // Reported again, to the restarted replica itself: it knows the ticket for its earlier
     // process's (the ledger takes each ticket once: state/src/quota_settle.rs).
-    let ack = cluster.nodes[router]
-        .router()
-        .await
-        .report_usage(report)
-        .await
-        .unwrap()
-        .into_inner();
+    let ack = report_to(&cluster.nodes[router], &report).await;
     assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
     let m = cluster.nodes[reporter].metrics().await;
     assert!(

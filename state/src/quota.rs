@@ -110,8 +110,9 @@ pub struct Ledger {
     pub replicas: BTreeMap<u64, (u64, u64)>,
     /// Processes (replica, incarnation) that stopped in order ([`Ledger::close`]): they settled
     /// every report they acknowledged themselves, so their tickets settle nothing here. Kept
-    /// while what they left behind is in a book, or until their replica starts again.
-    #[serde(default)]
+    /// while what they left behind is in a book, or until their replica starts again. Left out
+    /// when empty: builds from before closes read such a state.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub closed: BTreeSet<(u64, u64)>,
 }
 
@@ -249,14 +250,15 @@ impl Ledger {
     }
 
     /// Forgets closed processes nothing can settle against any more: their replica started
-    /// again and no book holds what they left behind.
+    /// again (a later process spoke) and no book holds what they left behind. A close applied
+    /// before its process's own batches stays until a later process speaks.
     fn prune_closed(&mut self) {
         if self.closed.is_empty() {
             return;
         }
         let (books, replicas) = (&self.books, &self.replicas);
         self.closed.retain(|&(r, inc)| {
-            replicas.get(&r).is_some_and(|&(current, _)| current == inc)
+            replicas.get(&r).is_none_or(|&(current, _)| current <= inc)
                 || books
                     .values()
                     .any(|b| b.left_behind.contains_key(&(r, inc)))

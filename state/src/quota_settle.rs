@@ -270,6 +270,35 @@ mod tests {
         assert!(l.closed.is_empty(), "{:?}", l.closed);
     }
 
+    /// A close that lands before anything of its process (its batches were late) is kept, and
+    /// the process's tickets give nothing back; a snapshot holds it, one without closes is read
+    /// as before, and the digest tells the two apart.
+    #[test]
+    fn an_early_close_is_kept_through_a_snapshot_and_changes_the_digest() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        let before = l.clone();
+        l.close(1, 1);
+        assert!(l.closed.contains(&(1, 1)));
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&batch(1, 2, 1), 10, &c);
+        l.apply(&settle(2, 1, (1, 1, "r1"), 0, 500), 20, &c);
+        assert_eq!(granted(&l), 1_000);
+        let bytes = rmp_serde::to_vec(&l).unwrap();
+        let back: Ledger = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back, l);
+        let empty = rmp_serde::to_vec(&before).unwrap();
+        assert_eq!(rmp_serde::from_slice::<Ledger>(&empty).unwrap(), before);
+        let digest = |l: &Ledger| {
+            let mut h = Hasher::new();
+            l.hash(&mut h);
+            h.finish()
+        };
+        let mut unclosed = l.clone();
+        unclosed.closed.clear();
+        assert_ne!(digest(&l), digest(&unclosed));
+    }
+
     /// Without the close (a process killed), the ticket is the only record: it gives back.
     #[test]
     fn a_killed_processes_ticket_still_gives_back() {

@@ -358,6 +358,24 @@ impl Node {
         c.wait().unwrap()
     }
 
+    /// SIGTERM and wait up to `within` for its exit; past that, SIGKILL and `None`.
+    pub fn terminate_within(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        self.signal("-TERM");
+        let deadline = Instant::now() + within;
+        let mut c = self.child.take().expect("node is not running");
+        loop {
+            if let Ok(Some(exit)) = c.try_wait() {
+                return Some(exit);
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the node before restarting it");
         self.spawn();
