@@ -4,8 +4,9 @@ use std::sync::Arc;
 
 use kvplane_proto::v1::{
     self as pb, AddMemberRequest, ClusterStatusResponse, DeleteConfigRequest, ExportStateRequest,
-    IngestPosition, PutConfigRequest, RemoveMemberRequest, SetFaultsRequest, SetFaultsResponse,
-    StateChunk, StatusRequest, StatusResponse, WorkerStatus, WriteResponse,
+    IngestPosition, PutConfigRequest, RemoveMemberRequest, SetFailpointsRequest,
+    SetFailpointsResponse, SetFaultsRequest, SetFaultsResponse, StateChunk, StatusRequest,
+    StatusResponse, WorkerStatus, WriteResponse,
 };
 use kvplane_state::{Command, StateHandle};
 
@@ -292,6 +293,19 @@ impl pb::admin_server::Admin for AdminService {
         }))
     }
 
+    async fn set_failpoints(
+        &self,
+        request: Request<SetFailpointsRequest>,
+    ) -> Result<Response<SetFailpointsResponse>, Status> {
+        let spec = request.into_inner().failpoints;
+        let failpoints = self
+            .cluster()?
+            .set_failpoints(&spec)
+            .map_err(cluster_status)?;
+        tracing::warn!(?failpoints, "fault injection: failpoints set");
+        Ok(Response::new(SetFailpointsResponse { failpoints }))
+    }
+
     async fn cluster_status(
         &self,
         _request: Request<StatusRequest>,
@@ -334,6 +348,7 @@ fn cluster_status(e: ClusterError) -> Status {
         | ClusterError::AnotherCluster { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Raft(_) => Status::aborted(e.to_string()),
         ClusterError::FaultsDisabled => Status::failed_precondition(e.to_string()),
+        ClusterError::Failpoint(_) => Status::invalid_argument(e.to_string()),
     }
 }
 

@@ -1,13 +1,15 @@
-//! The fleet under test: nats-server and three Raft members holding a worker set and two
-//! tenants' limits (two-second windows), with the faults of [`crate::schedule`] applied to it.
+//! The fleet under test: nats-server, three Raft members holding a worker set and two tenants'
+//! limits (two-second windows), an engine per worker joined by its `kvplane bridge`, and a
+//! `kvplane gateway`, with the faults of [`crate::schedule`] applied to it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use kvplane_proto::v1::{RemoveMemberRequest, StatusRequest, admin_client::AdminClient};
-use kvplane_testkit::{Cluster, NodeOptions, RaftOptions, free_port, publish};
+use kvplane_testkit::{Cluster, NodeOptions, Proc, RaftOptions, free_port};
 
+use crate::engines::Engine;
 use crate::schedule::{Fault, Step};
 
 /// Members in the cluster (between faults: scaling out adds two for a while).
@@ -15,6 +17,8 @@ pub const MEMBERS: usize = 3;
 /// Snapshot every this many entries and keep this many after it: members that join or come
 /// back late catch up through snapshots, not only the log.
 const COMPACTION: (u64, u64) = (500, 100);
+/// A slow disk: each log round (a transaction, fsynced) takes 100 ms more, each snapshot 1 s.
+const SLOW_DISK: &str = "raft-log-write=sleep(100);raft-snapshot-write=sleep(1000)";
 /// Where Debian's libfaketime is, by architecture.
 const FAKETIME: [&str; 2] = [
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
@@ -23,16 +27,30 @@ const FAKETIME: [&str; 2] = [
 /// The tenants and their budgets per window (tokens).
 pub const TENANTS: [(&str, u64); 2] = [("acme", 20_000), ("beta", 10_000)];
 pub const WINDOW_MS: u64 = 2_000;
+/// The worker set, and the stream the bridges publish to.
+pub const POOL: &str = "gpu";
+pub const STREAM: &str = "KVPLANE";
 /// Workers announced in pool `gpu`.
 pub const WORKERS: usize = 3;
 
 pub struct Fleet {
     pub cluster: Cluster,
     pub js: async_nats::jetstream::Context,
+    /// One per worker, `w0`...: what the runner publishes as the engines, through bridges.
+    pub engines: Vec<Engine>,
+    /// `kvplane gateway` in front of the first members (OpenAI's HTTP API; Route and
+    /// ReportUsage to them, failing over between them).
+    pub gateway: Proc,
     /// What every member runs with (a new one adds its own id, address and `join`).
     options: NodeOptions,
     /// The Raft id the next new member gets.
     next_id: u64,
+    /// Snapshot builds the members refused under [`Fault::SnapshotsFail`], and how many times
+    /// that fault was held 20 s without one.
+    pub snapshots_refused: u64,
+    pub snapshots_never_refused: u64,
+    /// Members the last heal started again (a follower that could not write a snapshot).
+    pub restarted: Vec<usize>,
     _policies: tempfile::TempDir,
 }
 
@@ -54,6 +72,16 @@ pub enum Injected {
     Scaled(usize),
     /// The member at this index runs with a skewed clock.
     Skewed(usize),
+    /// The member at this index had its log writes fail (it should have exited).
+    DiskFailed(usize),
+    /// The member at this index has failpoints set (a slow disk, failing snapshots).
+    Failpoints(usize),
+    /// Failing snapshot writes on every member.
+    SnapshotsFailing,
+    /// Engine `w`'s bridge was killed (SIGKILL).
+    BridgeKilled(usize),
+    /// Engine `w`'s bridge is frozen (SIGSTOP).
+    BridgePaused(usize),
 }
 
 impl Injected {
@@ -64,8 +92,16 @@ impl Injected {
             | Injected::Paused(i)
             | Injected::Isolated(i)
             | Injected::Replaced(i)
-            | Injected::Skewed(i) => Some(i),
-            Injected::Split | Injected::Nats | Injected::Rolled(_) | Injected::Scaled(_) => None,
+            | Injected::Skewed(i)
+            | Injected::DiskFailed(i)
+            | Injected::Failpoints(i) => Some(i),
+            Injected::Split
+            | Injected::Nats
+            | Injected::Rolled(_)
+            | Injected::Scaled(_)
+            | Injected::SnapshotsFailing
+            | Injected::BridgeKilled(_)
+            | Injected::BridgePaused(_) => None,
         }
     }
 }
@@ -101,20 +137,26 @@ impl Fleet {
         };
         let cluster = Cluster::start_raft(MEMBERS, &options);
         let js = cluster.nats.jetstream().await;
-        kvplane_ingest::ensure_stream(&js, "KVPLANE").await?;
+        kvplane_ingest::ensure_stream(&js, STREAM).await?;
+        let mut engines = Vec::new();
         for w in 0..WORKERS {
-            publish(
-                &js,
-                kvplane_ingest::worker_subject("gpu", &format!("w{w}")),
-                format!(r#"{{"status":"up","address":"http://w{w}:8000"}}"#).into_bytes(),
-            )
-            .await;
+            let dir = cluster.root.path();
+            let url = cluster.nats.url();
+            engines.push(Engine::start(dir, POOL, &format!("w{w}"), &url).await?);
         }
+        let replicas: Vec<String> = cluster.nodes.iter().map(|n| n.endpoint()).collect();
+        let gateway =
+            kvplane_testkit::gateway(&replicas.join(","), cluster.root.path().join("gateway.log"));
         let fleet = Fleet {
             cluster,
             js,
+            engines,
+            gateway,
             options,
             next_id: MEMBERS as u64 + 1,
+            snapshots_refused: 0,
+            snapshots_never_refused: 0,
+            restarted: Vec::new(),
             _policies: policies,
         };
         fleet
@@ -235,7 +277,11 @@ impl Fleet {
         let follower = followers[(step.pick % followers.len() as u64) as usize];
         let on = if matches!(
             step.fault,
-            Fault::KillLeader | Fault::PauseLeader | Fault::IsolateLeader
+            Fault::KillLeader
+                | Fault::PauseLeader
+                | Fault::IsolateLeader
+                | Fault::DiskFailsLeader
+                | Fault::SlowDiskLeader
         ) {
             leader
         } else {
@@ -318,7 +364,84 @@ impl Fleet {
                 node.restart();
                 Injected::Skewed(on)
             }
+            Fault::DiskFailsLeader | Fault::DiskFailsFollower => {
+                failpoints(&self.cluster.nodes[on], "raft-log-write=return").await?;
+                Injected::DiskFailed(on)
+            }
+            Fault::SlowDiskLeader => {
+                failpoints(&self.cluster.nodes[on], SLOW_DISK).await?;
+                Injected::Failpoints(on)
+            }
+            Fault::SnapshotsFail => {
+                let before = self.snapshot_failures().await;
+                for n in &self.cluster.nodes {
+                    failpoints(n, "raft-snapshot-write=return").await?;
+                }
+                // Held until a build was refused (a snapshot comes every few hundred
+                // entries), at most 20 s: what is checked is what follows one.
+                let started = Instant::now();
+                let refused = loop {
+                    let refused: u64 = self
+                        .snapshot_failures()
+                        .await
+                        .iter()
+                        .map(|(url, n)| n.saturating_sub(before.get(url).copied().unwrap_or(0)))
+                        .sum();
+                    if refused > 0 || started.elapsed() > Duration::from_secs(20) {
+                        break refused;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                };
+                self.snapshots_refused += refused;
+                if refused == 0 {
+                    self.snapshots_never_refused += 1;
+                }
+                Injected::SnapshotsFailing
+            }
+            Fault::KillBridge => {
+                let w = (step.pick % self.engines.len() as u64) as usize;
+                self.engines[w].bridge.kill();
+                Injected::BridgeKilled(w)
+            }
+            Fault::PauseBridge => {
+                let w = (step.pick % self.engines.len() as u64) as usize;
+                self.engines[w].freeze_bridge(true)?;
+                Injected::BridgePaused(w)
+            }
         })
+    }
+
+    /// A node of a cluster of its own (one member) on the same stream and policies, started
+    /// after the run: it knows the fleet only from what the stream holds, from its start.
+    pub fn start_replayer(&self) -> kvplane_testkit::Node {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let o = NodeOptions {
+            grpc_listen: addr.clone(),
+            raft: Some(RaftOptions {
+                id: 1,
+                peers: vec![(1, addr)],
+                bootstrap: true,
+                ..Default::default()
+            }),
+            ..self.options.clone()
+        };
+        let dir = self.cluster.root.path().join("kvplane-replay");
+        kvplane_testkit::Node::start("kvplane-replay", &dir, &self.cluster.nats.url(), &o)
+    }
+
+    /// Snapshot builds refused so far, by the process of each member that answers (a
+    /// restarted member is another process, counting from 0, on another HTTP port).
+    async fn snapshot_failures(&self) -> BTreeMap<String, u64> {
+        let mut by = BTreeMap::new();
+        for n in &self.cluster.nodes {
+            let url = n.http_url("/metrics");
+            if let Some(text) = http_body(&url).await {
+                let v =
+                    kvplane_testkit::metric_value(&text, "kvplane_raft_snapshot_failures_total");
+                by.insert(url, v as u64);
+            }
+        }
+        by
     }
 
     /// Undoes `injected`.
@@ -348,6 +471,63 @@ impl Fleet {
                     .retain(|(k, _)| !k.starts_with("FAKETIME") && k != "LD_PRELOAD");
                 node.restart();
             }
+            Injected::DiskFailed(i) => {
+                // The next append fails; the member must then end on its own, with an error.
+                let started = Instant::now();
+                let node = &mut self.cluster.nodes[i];
+                let exit = loop {
+                    if let Some(exit) = node.exited() {
+                        break exit;
+                    }
+                    if started.elapsed() > Duration::from_secs(30) {
+                        bail!("member {i} still runs 30 s after its log writes began to fail");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                if exit.success() {
+                    bail!("member {i} exited successfully after its log writes failed");
+                }
+                node.restart();
+            }
+            Injected::Failpoints(i) => failpoints(&self.cluster.nodes[i], "").await?,
+            Injected::SnapshotsFailing => {
+                // A builder kept its last snapshot and goes on; a follower that could not
+                // write a snapshot sent by the leader stopped Raft, as after a failed log
+                // write, and exits: it is given up to 10 s to end, then started again.
+                for node in &self.cluster.nodes {
+                    let _ = failpoints(node, "").await;
+                }
+                let started = Instant::now();
+                loop {
+                    let mut stopping = false;
+                    for (i, node) in self.cluster.nodes.iter_mut().enumerate() {
+                        match node.exited() {
+                            Some(exit) if exit.success() => {
+                                bail!(
+                                    "member {i} exited successfully after a snapshot write failed"
+                                )
+                            }
+                            Some(_) => {
+                                node.restart();
+                                self.restarted.push(i);
+                            }
+                            None => {
+                                stopping |=
+                                    status(node).await.is_some_and(|s| s.role == "shutdown");
+                            }
+                        }
+                    }
+                    if !stopping {
+                        break;
+                    }
+                    if started.elapsed() > Duration::from_secs(10) {
+                        bail!("a member whose raft stopped has not exited within 10 s");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            Injected::BridgeKilled(w) => self.engines[w].bridge.restart(),
+            Injected::BridgePaused(w) => self.engines[w].freeze_bridge(false)?,
         }
         Ok(())
     }
@@ -379,11 +559,51 @@ impl Fleet {
     }
 }
 
+/// Sets `node`'s failpoints (`name=actions;...`; empty clears them).
+async fn failpoints(node: &kvplane_testkit::Node, spec: &str) -> anyhow::Result<()> {
+    let set = async {
+        AdminClient::connect(node.endpoint())
+            .await?
+            .set_failpoints(kvplane_proto::v1::SetFailpointsRequest {
+                failpoints: spec.to_owned(),
+            })
+            .await
+            .map_err(anyhow::Error::from)
+    };
+    tokio::time::timeout(Duration::from_secs(10), set)
+        .await
+        .map_err(|_| anyhow::anyhow!("{} did not answer SetFailpoints within 10 s", node.name))?
+        .with_context(|| format!("failpoints {spec:?} on {}", node.name))?;
+    Ok(())
+}
+
 /// Whether `node` answers `/readyz` with 200 (false while it does not answer at all).
 pub async fn ready(node: &kvplane_testkit::Node) -> bool {
     let url = node.http_url("/readyz");
     let r = tokio::time::timeout(Duration::from_secs(2), http_status(&url));
     matches!(r.await, Ok(Some(200)))
+}
+
+/// The body of a plaintext `GET url` answered 200, or `None`.
+async fn http_body(url: &str) -> Option<String> {
+    let url: tonic::codegen::http::Uri = url.parse().ok()?;
+    let addr = format!("{}:{}", url.host()?, url.port_u16()?);
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(format!("GET {} HTTP/1.0\r\nhost: x\r\n\r\n", url.path()).as_bytes())
+            .await
+            .ok()?;
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).await.ok()?;
+        let text = String::from_utf8(all).ok()?;
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        (head.split_whitespace().nth(1) == Some("200")).then(|| body.to_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// The status code of a plaintext `GET url`, or `None` without an answer.

@@ -27,6 +27,18 @@ impl RouteOutcome {
     }
 }
 
+/// The "member" the gateway's calls are recorded under (it asks every member in turn).
+pub const GATEWAY: usize = usize::MAX;
+
+/// Who answered a call, for a report: a member's index, or the gateway.
+pub fn who(member: usize) -> String {
+    if member == GATEWAY {
+        "the gateway".to_owned()
+    } else {
+        format!("member {member}")
+    }
+}
+
 /// A call that did not route (failed, or refused for anything but the tenant's limit), from
 /// when it was sent to when its client gave up or heard back.
 #[derive(Debug, Clone)]
@@ -77,10 +89,10 @@ pub struct History {
     /// Config objects whose write was acknowledged (pool names), and writes that failed.
     pub config_acked: Vec<String>,
     pub config_failed: u64,
-    /// KV batches the stream acknowledged: (stream sequence, worker index).
-    pub published: Vec<(u64, usize)>,
-    /// A batch tried and never acknowledged, which the stream may hold or not.
-    pub kv_unsure: Option<u64>,
+    /// Answers through the gateway that were not what the engine said.
+    pub bad_answers: Vec<String>,
+    /// KV batches the engines published, in order: the worker of each.
+    pub published: Vec<usize>,
     /// Requests a replica acknowledged as settled by its routing process (`known`), then
     /// another as settled through the ledger: (request id, the routing member, when the first
     /// and the second acknowledgement came).

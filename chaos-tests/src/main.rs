@@ -1,10 +1,11 @@
 //! `kvplane-chaos`: seeded random faults over a real kvplane fleet (nats-server, three Raft
-//! members), a workload whose clients record what they were told, and invariants checked
+//! members, engines joined by `kvplane bridge`), a workload whose clients record what they were told, and invariants checked
 //! against those records. A failing run prints its seed; `--seed N` runs the same sequence of
 //! faults again (not the same execution: which member leads, and the workload's interleaving,
 //! are the run's own).
 
 mod check;
+mod engines;
 mod fleet;
 mod history;
 mod run;

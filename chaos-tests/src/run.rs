@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::check::{Verdict, check};
-use crate::fleet::{Fleet, Injected};
-use crate::history::{History, RouteOutcome, record, shared};
+use crate::fleet::{Fleet, Injected, POOL, STREAM};
+use crate::history::{GATEWAY, History, RouteOutcome, Shared, record, shared};
 use crate::schedule::{Fault, schedule};
 
 /// What one run did and found.
@@ -22,6 +22,8 @@ pub struct Report {
     pub verdicts: Vec<Verdict>,
     /// Where the members' logs are, kept when an invariant broke.
     pub kept: Option<std::path::PathBuf>,
+    /// Snapshot builds the members refused while their snapshot writes failed.
+    pub snapshots_refused: u64,
 }
 
 impl Report {
@@ -67,9 +69,12 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
     let history = shared();
     let (stop_tx, stop) = watch::channel(false);
     let endpoints: Vec<String> = fleet.cluster.nodes.iter().map(|n| n.endpoint()).collect();
+    let engines = fleet.engines.iter().map(|e| e.publisher.clone()).collect();
+    let gateway = format!("http://{}", fleet.gateway.field("http"));
     let mut workload = crate::workload::start(
         &endpoints,
-        &fleet.js,
+        &gateway,
+        engines,
         &history,
         &stop,
         plan.duplicate_reports,
@@ -103,6 +108,13 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         fleet
             .wait_healthy(Duration::from_secs(60), |_| true)
             .await?;
+        // A bridge is back once it has forwarded what its engine published meanwhile.
+        if matches!(
+            injected,
+            Injected::BridgeKilled(_) | Injected::BridgePaused(_)
+        ) {
+            forwarded(fleet, &history).await?;
+        }
         // A rolling restart healed as it went: its slowest member's recovery.
         let recovery = match injected {
             Injected::Rolled(slowest) => slowest,
@@ -111,11 +123,17 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         recoveries.entry(step.fault).or_default().push(recovery);
         // Members stopped by the fault, and when (its settles through the ledger are its).
         let stopped = match injected {
-            Injected::Killed(i) | Injected::Replaced(i) | Injected::Skewed(i) => Some(Some(i)),
+            Injected::Killed(i)
+            | Injected::Replaced(i)
+            | Injected::Skewed(i)
+            | Injected::DiskFailed(i) => Some(Some(i)),
+            Injected::SnapshotsFailing => None,
             Injected::Rolled(_) => Some(None),
             _ => None,
         };
-        if let Some(member) = stopped {
+        // And the followers that stopped for a snapshot they could not write.
+        let restarted = std::mem::take(&mut fleet.restarted);
+        for member in stopped.into_iter().chain(restarted.into_iter().map(Some)) {
             record(&history, |h| {
                 h.stops.push((member, fault_from, Instant::now()))
             });
@@ -129,12 +147,23 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         ended.map_err(|e| anyhow::anyhow!("a workload task failed: {e}"))?;
     }
     let ran = started.elapsed();
+    // Every batch the engines published reaches the stream through their bridges (from the
+    // engines' replay after a bridge was away); the members must then apply up to there.
+    forwarded(fleet, &history).await?;
+    let last = fleet
+        .js
+        .get_stream(STREAM)
+        .await?
+        .info()
+        .await?
+        .state
+        .last_sequence;
     // A member that never saw the run: it catches up from snapshots and the log, and the
     // agreement check then holds it to the same index and digest as the others.
     fleet.join_new("kvplane-fresh", None);
     fleet.wait_membership(Duration::from_secs(60)).await?;
     let history = record(&history, std::mem::take);
-    let verdicts = check(fleet, &history, injected_count, &healthy).await;
+    let verdicts = check(fleet, &history, injected_count, &healthy, last).await;
     Ok(Report {
         seed,
         ran,
@@ -142,7 +171,24 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         history,
         verdicts,
         kept: None,
+        snapshots_refused: fleet.snapshots_refused,
     })
+}
+
+/// Waits until the bridges forwarded every batch their engines published so far.
+async fn forwarded(fleet: &Fleet, history: &Shared) -> anyhow::Result<()> {
+    let mut published = vec![0u64; fleet.engines.len()];
+    for w in record(history, |h| h.published.clone()) {
+        published[w] += 1;
+    }
+    crate::engines::wait_forwarded(
+        &fleet.engines,
+        &published,
+        &fleet.js,
+        (STREAM, POOL),
+        Duration::from_secs(60),
+    )
+    .await
 }
 
 fn millis(d: Duration) -> String {
@@ -171,23 +217,29 @@ pub fn table(r: &Report) -> String {
         );
     }
     let h = &r.history;
-    let mut by_outcome: BTreeMap<RouteOutcome, u64> = BTreeMap::new();
-    for ((_, _, o), n) in &h.routes {
-        *by_outcome.entry(*o).or_default() += n;
-    }
-    let routes = by_outcome
-        .iter()
-        .map(|(o, n)| format!("{n} {}", o.label()))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let outcomes = |gateway: bool| {
+        let mut by_outcome: BTreeMap<RouteOutcome, u64> = BTreeMap::new();
+        for ((m, _, o), n) in &h.routes {
+            if (*m == GATEWAY) == gateway {
+                *by_outcome.entry(*o).or_default() += n;
+            }
+        }
+        by_outcome
+            .iter()
+            .map(|(o, n)| format!("{n} {}", o.label()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let routes = outcomes(false);
     let _ = writeln!(
         t,
         "  Route: {routes} ({} refused as failing closed)",
         h.failed_closed
     );
+    let _ = writeln!(t, "  completions through the gateway: {}", outcomes(true));
     let _ = writeln!(
         t,
-        "  ReportUsage: {} acknowledged, {} failed, {} sent twice; config writes: {} acknowledged, {} failed; KV batches: {} acknowledged",
+        "  ReportUsage: {} acknowledged, {} failed, {} sent twice; config writes: {} acknowledged, {} failed; KV batches: {} published",
         h.reports_acked,
         h.reports_failed,
         h.reports_retried,
@@ -195,6 +247,13 @@ pub fn table(r: &Report) -> String {
         h.config_failed,
         h.published.len()
     );
+    if r.recoveries.contains_key(&Fault::SnapshotsFail) {
+        let _ = writeln!(
+            t,
+            "  snapshot builds refused while snapshot writes failed: {}",
+            r.snapshots_refused
+        );
+    }
     for v in &r.verdicts {
         let _ = writeln!(
             t,

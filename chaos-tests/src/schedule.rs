@@ -31,10 +31,24 @@ pub enum Fault {
     /// A follower restarted with its wall clock 1.5 s ahead (libfaketime), then restarted
     /// with the true time at the heal.
     SkewFollower,
+    /// The leader's log writes fail (failpoint): it must exit with an error on its own; it is
+    /// started again on its data at the heal.
+    DiskFailsLeader,
+    DiskFailsFollower,
+    /// The leader's log rounds take 100 ms more and its snapshots 1 s (failpoints).
+    SlowDiskLeader,
+    /// Every member's snapshot writes fail (failpoint): a builder keeps its last snapshot, a
+    /// follower sent one by the leader stops (and is started again at the heal).
+    SnapshotsFail,
+    /// SIGKILL an engine's bridge, then start it again: it resumes from the stream's last
+    /// batch and the engine's replay.
+    KillBridge,
+    /// SIGSTOP an engine's bridge, then SIGCONT.
+    PauseBridge,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 13] = [
+    pub const ALL: [Fault; 19] = [
         Fault::KillLeader,
         Fault::KillFollower,
         Fault::PauseLeader,
@@ -48,6 +62,12 @@ impl Fault {
         Fault::WipeFollower,
         Fault::ScaleOut,
         Fault::SkewFollower,
+        Fault::DiskFailsLeader,
+        Fault::DiskFailsFollower,
+        Fault::SlowDiskLeader,
+        Fault::SnapshotsFail,
+        Fault::KillBridge,
+        Fault::PauseBridge,
     ];
 
     pub fn label(self) -> &'static str {
@@ -65,6 +85,12 @@ impl Fault {
             Fault::WipeFollower => "follower wiped, new id",
             Fault::ScaleOut => "scale 3 -> 5 -> 3",
             Fault::SkewFollower => "follower clock +1.5 s",
+            Fault::DiskFailsLeader => "leader's disk fails",
+            Fault::DiskFailsFollower => "follower's disk fails",
+            Fault::SlowDiskLeader => "leader's disk slow",
+            Fault::SnapshotsFail => "snapshot writes fail",
+            Fault::KillBridge => "kill -9 bridge",
+            Fault::PauseBridge => "pause bridge",
         }
     }
 }
@@ -82,7 +108,7 @@ pub struct Step {
 /// A named set of faults, several named after the fixed scenarios of `node/tests` that inject
 /// them: the runner draws them at random and checks its own invariants (those tests keep
 /// their own assertions).
-pub const SCENARIOS: [(&str, &[Fault], &str); 6] = [
+pub const SCENARIOS: [(&str, &[Fault], &str); 8] = [
     (
         "quota-leader-kill",
         &[Fault::IsolateFollower, Fault::KillLeader],
@@ -122,6 +148,21 @@ pub const SCENARIOS: [(&str, &[Fault], &str); 6] = [
         "clock-skew",
         &[Fault::SkewFollower],
         "a follower's wall clock ahead: quota windows",
+    ),
+    (
+        "disks",
+        &[
+            Fault::DiskFailsLeader,
+            Fault::DiskFailsFollower,
+            Fault::SlowDiskLeader,
+            Fault::SnapshotsFail,
+        ],
+        "log and snapshot writes that fail or crawl (failpoints; node/tests/cluster_faults.rs)",
+    ),
+    (
+        "bridges",
+        &[Fault::KillBridge, Fault::PauseBridge, Fault::RestartNats],
+        "bridges killed and frozen, nats-server killed: every engine batch applied once (node/tests/fleet_faults.rs)",
     ),
 ];
 

@@ -1,5 +1,6 @@
-//! The workload: Route and ReportUsage from a client per tenant on every member, config writes,
-//! and KV batches on the stream; each recording what it sent and what it was told.
+//! The workload: Route and ReportUsage from a client per tenant on every member, completions
+//! through the gateway, config writes, and KV batches from the engines (through their
+//! bridges); each recording what it sent and what it was told.
 
 use std::time::{Duration, Instant};
 
@@ -8,13 +9,14 @@ use kvplane_proto::v1::{
     PutConfigRequest, RejectCode, RouteRequest, RouteResponse, UsageReport,
     admin_client::AdminClient, route_response::Decision,
 };
+use kvplane_sim::KvPublisher;
 use kvplane_state::{KvBatch, KvEvent, Tier};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
-use crate::fleet::{TENANTS, WINDOW_MS, WORKERS};
-use crate::history::{Admission, Miss, Read, RouteOutcome, Shared, record};
+use crate::fleet::{POOL, TENANTS, WINDOW_MS, WORKERS};
+use crate::history::{Admission, GATEWAY, Miss, Read, RouteOutcome, Shared, record};
 
 /// Prompt and maximum output tokens of every request: what a client counts as admitted.
 const PROMPT: u32 = 100;
@@ -26,7 +28,8 @@ const CALL: Duration = Duration::from_secs(2);
 /// With `duplicates`, some usage is reported twice (see [`report`]).
 pub fn start(
     endpoints: &[String],
-    js: &async_nats::jetstream::Context,
+    gateway: &str,
+    engines: Vec<KvPublisher>,
     history: &Shared,
     stop: &watch::Receiver<bool>,
     duplicates: bool,
@@ -52,8 +55,16 @@ pub fn start(
             stop.clone(),
         ));
     }
+    for (tenant, _) in TENANTS {
+        tasks.spawn(gateway_client(
+            gateway.to_owned(),
+            tenant,
+            history.clone(),
+            stop.clone(),
+        ));
+    }
     tasks.spawn(config_writer(members, history.clone(), stop.clone()));
-    tasks.spawn(kv_publisher(js.clone(), history.clone(), stop.clone()));
+    tasks.spawn(kv_publisher(engines, history.clone(), stop.clone()));
     tasks
 }
 
@@ -158,7 +169,14 @@ async fn route(
     };
     let done_ms = now_ms();
     let outcome = match &answer.decision {
-        Some(Decision::Endpoint(e)) if e.address.starts_with("http://w") => RouteOutcome::Routed,
+        // One of the engines, at the address its bridge announced.
+        Some(Decision::Endpoint(e))
+            if e.pool == POOL
+                && e.worker_id.starts_with('w')
+                && e.address.starts_with("http://127.0.0.1:") =>
+        {
+            RouteOutcome::Routed
+        }
         Some(Decision::Rejection(j)) if j.code == i32::from(RejectCode::RateLimited) => {
             if j.reason.contains("fails closed") {
                 record(history, |h| h.failed_closed += 1);
@@ -342,6 +360,83 @@ async fn burst_client(
     }
 }
 
+/// Completions through the gateway, one at a time, as an OpenAI client sends them (the prompt
+/// as token ids, so that it counts what the direct clients count): a 200 is an admission, a
+/// 429 the limit, anything else a miss.
+async fn gateway_client(
+    gateway: String,
+    tenant: &'static str,
+    history: Shared,
+    stop: watch::Receiver<bool>,
+) {
+    let client = reqwest::Client::new();
+    let url = format!("{gateway}/v1/completions");
+    let mut n = 0u64;
+    while !*stop.borrow() {
+        n += 1;
+        let body = serde_json::json!({
+            "model": "m",
+            "prompt": request(tenant, String::new(), n).token_ids,
+            "max_tokens": MAX_OUTPUT,
+        });
+        let (sent, sent_ms) = (Instant::now(), now_ms());
+        let call = client
+            .post(&url)
+            .header("x-tenant", tenant)
+            .timeout(Duration::from_secs(5))
+            .json(&body)
+            .send();
+        let outcome = match call.await {
+            Ok(r) if r.status() == 200 => {
+                // The engines answer half the output asked for: the gateway reports that
+                // usage and gives back what the request reserved and did not use. An answer
+                // that says otherwise is a miss.
+                let used = u64::from(PROMPT + MAX_OUTPUT / 2);
+                let answer: serde_json::Value = r.json().await.unwrap_or_default();
+                let usage = &answer["usage"];
+                let said = usage["prompt_tokens"]
+                    .as_u64()
+                    .zip(usage["completion_tokens"].as_u64())
+                    .map(|(p, c)| p + c);
+                if said != Some(used) {
+                    let why = format!("an answer's usage said {said:?} tokens, not {used}");
+                    record(&history, |h| h.bad_answers.push(why));
+                }
+                let done_ms = now_ms();
+                record(&history, |h| {
+                    h.admissions.push(Admission {
+                        tenant,
+                        tokens: used,
+                        sent_ms,
+                        done_ms,
+                        charged_window_ms: None,
+                    });
+                });
+                RouteOutcome::Routed
+            }
+            Ok(r) if r.status() == 429 => RouteOutcome::RateLimited,
+            Ok(r) => {
+                let status = r.status();
+                let text = r.text().await.unwrap_or_default();
+                miss(&history, GATEWAY, tenant, sent, format!("{status}: {text}"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => {
+                miss(&history, GATEWAY, tenant, sent, e.to_string());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        record(&history, |h| {
+            *h.routes.entry((GATEWAY, tenant, outcome)).or_default() += 1;
+        });
+        if outcome == RouteOutcome::RateLimited {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
 fn miss(history: &Shared, member: usize, tenant: &'static str, sent: Instant, why: String) {
     record(history, |h| {
         *h.routes
@@ -441,53 +536,21 @@ async fn read(members: &Members, node: usize, promised: u64, linearizable: bool,
 }
 
 /// Publishes a KV batch every 100 ms, each storing a chain of three new blocks on one of the
-/// workers; a batch counts once the stream acknowledged it (retried until then, or the end).
-async fn kv_publisher(
-    js: async_nats::jetstream::Context,
-    history: Shared,
-    stop: watch::Receiver<bool>,
-) {
+/// engines (`engines[w]` is worker `w`), in turn. What an engine publishes is out: its bridge
+/// must deliver it, from the engine's replay when it was away.
+async fn kv_publisher(engines: Vec<KvPublisher>, history: Shared, stop: watch::Receiver<bool>) {
     let mut i = 0u64;
     while !*stop.borrow() {
         i += 1;
         let w = usize::try_from(i).unwrap_or(0) % WORKERS;
-        let worker = format!("w{w}");
-        let subject = kvplane_ingest::kv_subject("gpu", &worker);
-        let payload = chain(i);
-        // A batch tried once may be in the stream unacknowledged: it is tried until the
-        // stream acknowledges it, after the stop too (the same id is not stored twice), and
-        // counted unsure when that does not happen within 30 s of the stop.
-        let mut stopping: Option<Instant> = None;
-        loop {
-            if *stop.borrow()
-                && stopping
-                    .get_or_insert_with(Instant::now)
-                    .elapsed()
-                    .as_secs()
-                    >= 30
-            {
-                record(&history, |h| h.kv_unsure = Some(i));
-                return;
-            }
-            let acked = async {
-                // One id per batch: a retry of a batch the stream holds is not stored twice.
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Nats-Msg-Id", format!("chaos-{i}").as_str());
-                let ack = js
-                    .publish_with_headers(subject.clone(), headers, payload.clone().into())
-                    .await
-                    .ok()?;
-                tokio::time::timeout(Duration::from_secs(2), ack)
-                    .await
-                    .ok()?
-                    .ok()
-            };
-            if let Some(ack) = acked.await {
-                record(&history, |h| h.published.push((ack.sequence, w)));
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        engines[w].publish(
+            0.0,
+            KvBatch {
+                dp_rank: 0,
+                events: events(i),
+            },
+        );
+        record(&history, |h| h.published.push(w));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -526,17 +589,6 @@ pub(crate) fn events(i: u64) -> Vec<KvEvent> {
 /// The blocks a worker holds after `n` of its batches, each applied once, in order.
 pub(crate) fn blocks_after(n: u64) -> u64 {
     BLOCKS * n - n.saturating_sub(1)
-}
-
-/// Batch `i` as vLLM publishes it.
-fn chain(i: u64) -> Vec<u8> {
-    kvplane_ingest::vllm::encode_batch(
-        0.0,
-        &KvBatch {
-            dp_rank: 0,
-            events: events(i),
-        },
-    )
 }
 
 #[cfg(test)]

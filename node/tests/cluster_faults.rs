@@ -1,6 +1,7 @@
 //! Faults a Raft cluster of real `kvplane serve` processes must survive: a follower cut off by
-//! the network, a frozen (SIGSTOP) leader, a member away while the log was compacted, and
-//! members that join an existing cluster on their own.
+//! the network, a frozen (SIGSTOP) leader, a member away while the log was compacted, disks
+//! that refuse log or snapshot writes (failpoints), and members that join an existing cluster
+//! on their own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,6 +15,18 @@ use kvplane_ingest::ensure_stream;
 use kvplane_proto::v1::{
     PutConfigRequest, ReadConsistency, RouteRequest, StatusRequest, route_response::Decision,
 };
+
+/// One entry per stream message, a snapshot every 20 entries, the log purged up to it.
+fn snapshot_every_20_entries() -> NodeOptions {
+    NodeOptions {
+        max_batch_messages: 1,
+        raft: Some(RaftOptions {
+            compaction: Some((20, 0)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
 
 fn pool_object(block_size: u32, model: &str) -> Vec<u8> {
     format!(r#"{{"block_size":{block_size},"models":["{model}"]}}"#).into_bytes()
@@ -204,15 +217,7 @@ async fn a_frozen_leader_is_replaced_and_follows_after_it_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot() {
-    let o = NodeOptions {
-        max_batch_messages: 1,
-        raft: Some(RaftOptions {
-            compaction: Some((20, 0)),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    let (mut cluster, js) = started(&o).await;
+    let (mut cluster, js) = started(&snapshot_every_20_entries()).await;
     let last = publish_chains(&js, 0, 5).await;
     cluster.all_agree(&[0, 1, 2], last).await;
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
@@ -248,6 +253,117 @@ async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot
         "the member caught up from before purged index {purged}:\n{}",
         cluster.nodes[away].log()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_log_writes_fail_exits_with_an_error_and_rejoins_on_what_its_disk_holds() {
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let last = publish_chains(&js, 0, 5).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let failing = (0..3).find(|i| *i != leader).unwrap();
+    cluster.nodes[failing]
+        .failpoints("raft-log-write=return")
+        .await;
+
+    // Its next append fails: the process ends on its own, with an error, while the other
+    // two go on.
+    let last = publish_chains(&js, 5, 15).await;
+    let exit = harness::eventually_sync(
+        "the member whose disk failed to exit",
+        Duration::from_secs(30),
+        || cluster.nodes[failing].exited(),
+    )
+    .await;
+    assert!(!exit.success(), "exit {exit}");
+    let log = cluster.nodes[failing].log();
+    assert!(
+        log.contains("injected write failure") && log.contains("the raft component stopped"),
+        "{log}"
+    );
+    let rest: Vec<usize> = (0..3).filter(|i| *i != failing).collect();
+    cluster.all_agree(&rest, last).await;
+
+    // Started again (its failpoints are gone with the process), it catches up.
+    cluster.nodes[failing].restart();
+    let last = publish_chains(&js, 15, 20).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_whose_snapshot_writes_fail_keep_serving_and_their_log_until_one_succeeds() {
+    let (mut cluster, js) = started(&snapshot_every_20_entries()).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let purged = |i: usize| {
+        let node = &cluster.nodes[i];
+        async move {
+            let mut admin = node.admin().await;
+            admin
+                .cluster_status(StatusRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .purged_index
+        }
+    };
+    let failing = |spec: &'static str| {
+        let nodes = &cluster.nodes;
+        async move {
+            for n in nodes {
+                n.failpoints(spec).await;
+            }
+        }
+    };
+
+    // No snapshot yet, and none can be written: well past two thresholds, every member
+    // serves, keeps its whole log, and counts the refused builds.
+    failing("raft-snapshot-write=return").await;
+    let last = publish_chains(&js, 0, 60).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    for i in 0..3 {
+        assert_eq!(purged(i).await, 0, "member {i} purged without a snapshot");
+        let refused = harness::metric_value(
+            &cluster.nodes[i].metrics().await,
+            "kvplane_raft_snapshot_failures_total",
+        );
+        assert!(refused >= 1.0, "member {i} refused {refused} builds");
+    }
+    assert_eq!(cluster.leader(&[0, 1, 2]).await, Some(leader));
+
+    // Healed, the next build is written and the log purged past it.
+    failing("").await;
+    let last = publish_chains(&js, 60, 90).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let first = eventually("a first snapshot", Duration::from_secs(20), || async {
+        let p = purged(leader).await;
+        (p > 0).then_some(p)
+    })
+    .await;
+
+    // Failing again: the snapshot there is kept, nothing more purged (past a threshold, so
+    // that a build begun before the failpoint was set has ended).
+    failing("raft-snapshot-write=return").await;
+    let last = publish_chains(&js, 90, 120).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let kept = purged(leader).await;
+    assert!(kept >= first, "purged back from {first} to {kept}");
+    let last = publish_chains(&js, 120, 180).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    assert_eq!(
+        purged(leader).await,
+        kept,
+        "nothing purged without a snapshot"
+    );
+    failing("").await;
+    let last = publish_chains(&js, 180, 210).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    eventually("the log purged again", Duration::from_secs(20), || async {
+        (purged(leader).await > kept).then_some(())
+    })
+    .await;
+    for n in &mut cluster.nodes {
+        assert!(n.is_running(), "{} stopped", n.name);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

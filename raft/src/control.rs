@@ -52,6 +52,8 @@ pub enum ClusterError {
     ),
     #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
     FaultsDisabled,
+    #[error(transparent)]
+    Failpoint(#[from] crate::failpoints::FailpointError),
 }
 
 /// Raft membership, as the Admin service drives it.
@@ -61,6 +63,9 @@ pub trait ClusterControl: Send + Sync {
     fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
     /// Test-only fault layer: the peers this node stops sending Raft traffic to.
     fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
+    /// Test-only disk faults: the failpoints set (`name=actions;...`, empty clears them);
+    /// returns those now set.
+    fn set_failpoints(&self, spec: &str) -> Result<Vec<String>, ClusterError>;
     /// How this node reaches the other members' gRPC ports.
     fn dialer(&self) -> kvplane_tls::Dialer;
 }

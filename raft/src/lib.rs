@@ -17,6 +17,7 @@
 //! - [`Replica`]: writes and linearizable reads from any member (a follower forwards to the
 //!   leader, then waits until it applied the result).
 //! - [`Faults`]: a switchable fault layer in the transport, for partition tests.
+//! - [`failpoints`]: failing or slow log and snapshot writes (the `fail` crate), for disk faults.
 //!
 //! - [`RaftMember`]: one member assembled (log, state, network, bootstrap, join, the id kept on
 //!   a StatefulSet volume, readiness and gauges, following a StatefulSet's scale-downs), seen by
@@ -24,6 +25,7 @@
 
 mod control;
 pub mod durable;
+pub mod failpoints;
 mod faults;
 mod forward;
 mod health;

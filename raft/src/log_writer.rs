@@ -454,6 +454,14 @@ fn fail(
 /// (the ops are still answered).
 fn round(cx: &Context<'_>, ops: &[Op], overdue: bool) -> Result<bool, (io::ErrorKind, String)> {
     let durable = overdue || ops.iter().any(Op::needs_fsync);
+    // A disk that refuses the round (`return`) or takes long over it (`sleep(ms)`).
+    fail::fail_point!(crate::failpoints::LOG_WRITE, |_| Err((
+        io::ErrorKind::Other,
+        format!(
+            "injected write failure (failpoint {})",
+            crate::failpoints::LOG_WRITE
+        )
+    )));
     #[cfg(test)]
     if cx.shared.fail.load(std::sync::atomic::Ordering::SeqCst) {
         return Err((io::ErrorKind::Other, "injected write failure".into()));

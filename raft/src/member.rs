@@ -95,6 +95,8 @@ pub struct RaftMember {
     pub failures: crate::ProposeFailures,
     /// What this member's log writer committed, for `/metrics`.
     pub log_writes: crate::WriterCounts,
+    /// Snapshot builds that failed, for `/metrics`.
+    pub snapshot_failures: prometheus_client::metrics::counter::Counter,
     /// How it reaches the other members (TLS with its certificate when it has one).
     pub dialer: kvplane_tls::Dialer,
 }
@@ -189,6 +191,7 @@ impl RaftMember {
             ),
             failures,
             log_writes,
+            snapshot_failures: state.snapshot_failures(),
             raft,
             handle,
             membership,
@@ -334,6 +337,25 @@ impl RaftMember {
         self.final_snapshot(timeout).await;
         if let Err(e) = self.raft.shutdown().await {
             tracing::warn!(error = %e, "raft did not shut down cleanly");
+        }
+    }
+
+    /// Resolves once Raft on this member has stopped without being asked to (a log or
+    /// snapshot write failed): the member can do nothing more, and its node should exit so
+    /// that it is started again on what its disk holds.
+    pub async fn stopped(&self) {
+        let mut metrics = self.raft.metrics();
+        loop {
+            let m = metrics.borrow_watched().clone();
+            if m.state == ServerState::Shutdown || m.running_state.is_err() {
+                if let Err(e) = &m.running_state {
+                    tracing::error!(error = %e, "raft stopped");
+                }
+                return;
+            }
+            if metrics.changed().await.is_err() {
+                return;
+            }
         }
     }
 
@@ -519,6 +541,13 @@ impl crate::ClusterControl for RaftMember {
             .ok_or(crate::ClusterError::FaultsDisabled)?;
         f.set_blocked(blocked);
         Ok(f.blocked())
+    }
+
+    fn set_failpoints(&self, spec: &str) -> Result<Vec<String>, crate::ClusterError> {
+        self.faults
+            .as_ref()
+            .ok_or(crate::ClusterError::FaultsDisabled)?;
+        Ok(crate::failpoints::configure(spec)?)
     }
 }
 

@@ -38,6 +38,10 @@ pub struct ReplicatedState {
     inner: Arc<Mutex<Inner>>,
     handle: StateHandle,
     on_applied: Option<OnApplied>,
+    /// Snapshot builds that failed (the current snapshot stayed), for `/metrics`.
+    snapshot_failures: prometheus_client::metrics::counter::Counter,
+    /// Set on the builder of a forced build, whose failure is an error.
+    forced: bool,
 }
 
 impl std::fmt::Debug for ReplicatedState {
@@ -108,7 +112,14 @@ impl ReplicatedState {
             })),
             handle,
             on_applied: None,
+            snapshot_failures: Default::default(),
+            forced: false,
         }
+    }
+
+    /// Counts snapshot builds that failed (shared with this state's clones).
+    pub fn snapshot_failures(&self) -> prometheus_client::metrics::counter::Counter {
+        self.snapshot_failures.clone()
     }
 
     /// The same state, telling `f` what each applied entry did.
@@ -154,12 +165,24 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| io::Error::other(format!("state machine task failed: {e}")))?
 }
 
+/// A disk that refuses a snapshot file (`return`) or takes long over it (`sleep(ms)`).
+fn snapshot_write_failpoint() -> io::Result<()> {
+    fail::fail_point!(crate::failpoints::SNAPSHOT_WRITE, |_| Err(
+        io::Error::other(format!(
+            "injected write failure (failpoint {})",
+            crate::failpoints::SNAPSHOT_WRITE
+        ))
+    ));
+    Ok(())
+}
+
 impl Inner {
     /// Makes `(meta, data)` the current snapshot, on disk first when there is a directory.
     fn keep(&mut self, meta: SnapshotMetaOf<TypeConfig>, data: Vec<u8>) -> io::Result<()> {
         if let Some(dir) = &self.dir {
             let file = SnapshotFile { meta, data };
             let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
+            snapshot_write_failpoint()?;
             durable::replace(&dir.join(SNAPSHOT_FILE), &bytes)?;
             self.current = Some((file.meta, file.data));
         } else {
@@ -172,20 +195,35 @@ impl Inner {
 impl RaftSnapshotBuilder<TypeConfig> for ReplicatedState {
     type SnapshotData = Vec<u8>;
 
-    /// A build that fails (the index cannot be dumped, the disk refuses the file) keeps the
-    /// current snapshot, logged: an error here would stop Raft on this member, and the log
-    /// it has not compacted is still there.
+    /// A build that fails (the index cannot be dumped, the disk refuses the file) is logged
+    /// and counted, and answers the current snapshot, or an empty one at no index when there
+    /// is none yet: openraft takes a built snapshot no newer than the one it has as nothing
+    /// done, where an error would stop Raft on this member. (openraft 0.10.0-alpha.37:
+    /// `Engine::on_building_snapshot_done` updates nothing, and purges nothing, when
+    /// `SnapshotHandler::update_snapshot` finds the meta no newer; the next build is tried at
+    /// the next threshold.) The log it did not compact is still there. A forced build's
+    /// failure is an error (see `try_create_snapshot_builder`).
     async fn build_snapshot(&mut self) -> Result<SnapshotOf<TypeConfig, Vec<u8>>, io::Error> {
         match self.try_build().await {
             Ok(s) => Ok(s),
             Err(e) => {
-                tracing::error!(error = %e, "snapshot not taken; the current one stays");
-                match self.inner.lock().await.current.clone() {
-                    Some((meta, snapshot)) => {
-                        Ok(SnapshotOf::<TypeConfig, Vec<u8>> { meta, snapshot })
-                    }
-                    None => Err(e),
+                self.snapshot_failures.inc();
+                if self.forced {
+                    tracing::error!(error = %e, "forced snapshot not taken");
+                    return Err(e);
                 }
+                tracing::error!(error = %e, "snapshot not taken; the current one stays");
+                let inner = self.inner.lock().await;
+                Ok(match inner.current.clone() {
+                    Some((meta, snapshot)) => SnapshotOf::<TypeConfig, Vec<u8>> { meta, snapshot },
+                    None => SnapshotOf::<TypeConfig, Vec<u8>> {
+                        meta: SnapshotMetaOf::<TypeConfig> {
+                            last_log_id: None,
+                            last_membership: inner.membership.clone(),
+                        },
+                        snapshot: Vec::new(),
+                    },
+                })
             }
         }
     }
@@ -214,6 +252,7 @@ impl ReplicatedState {
             let staged = match &dir {
                 Some(dir) => {
                     let bytes = rmp_serde::to_vec(&file).map_err(io::Error::other)?;
+                    snapshot_write_failpoint()?;
                     Some((
                         dir.clone(),
                         durable::stage(&dir.join(SNAPSHOT_FILE), &bytes, BUILD_TAG)?,
@@ -322,6 +361,14 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
 
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         self.clone()
+    }
+
+    /// A forced build (openraft's, at start, when the log was purged and no snapshot is
+    /// there) must not answer an empty snapshot for a failure: its error stops Raft instead.
+    async fn try_create_snapshot_builder(&mut self, force: bool) -> Option<Self::SnapshotBuilder> {
+        let mut builder = self.clone();
+        builder.forced = force;
+        Some(builder)
     }
 
     async fn install_snapshot(

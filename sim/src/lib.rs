@@ -15,3 +15,4 @@ pub mod workload;
 mod zmq_pub;
 
 pub use params::EngineParams;
+pub use zmq_pub::{KvPublisher, PublisherEndpoints};

@@ -376,6 +376,13 @@ impl Node {
         }
     }
 
+    /// The exit status once the process has ended on its own (it can then be restarted).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status)
+    }
+
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the node before restarting it");
         self.spawn();
@@ -405,6 +412,17 @@ impl Node {
     /// SIGCONT after `pause`.
     pub fn resume(&self) {
         self.signal("-CONT");
+    }
+
+    /// Disk faults: this node's failpoints (`name=actions;...`, empty clears them).
+    pub async fn failpoints(&self, spec: &str) {
+        self.admin()
+            .await
+            .set_failpoints(kvplane_proto::v1::SetFailpointsRequest {
+                failpoints: spec.to_owned(),
+            })
+            .await
+            .unwrap();
     }
 
     /// The fault layer: this node stops sending Raft traffic to these Raft ids.
@@ -880,8 +898,13 @@ impl Engine {
 }
 
 /// An HTTP client trusting the CA in `ca` (a PEM file), or the web's roots without one.
+///
+/// It keeps no idle connections: a node closes one idle past its `header_read_ms`, and a
+/// request that picked it from a pool just then would fail (a test's race, not the node's).
 pub fn http_client(ca: Option<&Path>) -> reqwest::Client {
-    let mut b = reqwest::Client::builder().use_rustls_tls();
+    let mut b = reqwest::Client::builder()
+        .use_rustls_tls()
+        .pool_max_idle_per_host(0);
     if let Some(ca) = ca {
         let pem = std::fs::read(ca).unwrap();
         for c in reqwest::Certificate::from_pem_bundle(&pem).unwrap() {

@@ -35,7 +35,7 @@ pub fn needs(path: &str) -> Needs {
             Needs::Right(Right::Read)
         }
         ("kvplane.v1.Admin", "PutConfig" | "DeleteConfig") => Needs::Right(Right::Config),
-        ("kvplane.v1.Admin", "AddMember" | "RemoveMember" | "SetFaults") => {
+        ("kvplane.v1.Admin", "AddMember" | "RemoveMember" | "SetFaults" | "SetFailpoints") => {
             Needs::Right(Right::Membership)
         }
         // Health checks and reflection: a proxy's health checks carry no identity.
@@ -79,6 +79,10 @@ mod tests {
             ),
             (
                 "kvplane.v1.Admin/SetFaults",
+                Needs::Right(Right::Membership),
+            ),
+            (
+                "kvplane.v1.Admin/SetFailpoints",
                 Needs::Right(Right::Membership),
             ),
         ];

@@ -30,6 +30,15 @@ pub(super) async fn member(p: &Parts, tasks: &mut Tasks, ready: Ready) {
     tasks.spawn("state gauges", |stop| state.follow(handle, stop));
     let member = p.member.clone();
     tasks.spawn("join", |stop| async move { member.join(stop).await });
+    // Raft stopping on its own (a log write failed) leaves a member that can do nothing:
+    // the node stops, and exits with an error, to be started again on what its disk holds.
+    let member = p.member.clone();
+    tasks.spawn_critical("raft", |mut stop| async move {
+        tokio::select! {
+            () = member.stopped() => {}
+            _ = stop.wait_for(|s| *s) => {}
+        }
+    });
     if let Some(k) = p
         .cfg
         .raft

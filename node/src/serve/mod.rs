@@ -101,6 +101,6 @@ pub async fn run(
     tracing::info!("stopped");
     match ended {
         None => Ok(()),
-        Some(name) => anyhow::bail!("the {name} server stopped serving, so the node stopped"),
+        Some(name) => anyhow::bail!("the {name} component stopped, so the node stopped"),
     }
 }

@@ -88,6 +88,11 @@ impl Parts {
         let access = access(&cfg, members, &member, &mut registry);
         member.failures.register(&mut registry);
         member.log_writes.register(&mut registry);
+        registry.register(
+            "kvplane_raft_snapshot_failures",
+            "Snapshot builds that failed (the state could not be captured or encoded, or the disk refused the file); the previous snapshot stays",
+            member.snapshot_failures.clone(),
+        );
         let url = cfg.nats_url.clone();
         let options = async_nats::ConnectOptions::new()
             .name(format!("kvplane-{}", cfg.node_id))

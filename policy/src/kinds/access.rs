@@ -45,7 +45,7 @@ pub enum Right {
     Read,
     /// `Admin.PutConfig` and `DeleteConfig`.
     Config,
-    /// `Admin.AddMember`, `RemoveMember` and `SetFaults`.
+    /// `Admin.AddMember`, `RemoveMember`, `SetFaults` and `SetFailpoints`.
     Membership,
 }
 
