@@ -63,6 +63,7 @@ pub enum Injected {
     /// Every member isolated.
     Split,
     Nats,
+    NatsPaused,
     /// Every member restarted in turn (nothing left to heal), and how long the slowest took
     /// from its start to the fleet ready.
     Rolled(Duration),
@@ -97,6 +98,7 @@ impl Injected {
             | Injected::Failpoints(i) => Some(i),
             Injected::Split
             | Injected::Nats
+            | Injected::NatsPaused
             | Injected::Rolled(_)
             | Injected::Scaled(_)
             | Injected::SnapshotsFailing
@@ -318,6 +320,12 @@ impl Fleet {
                 self.cluster.nats.kill();
                 Injected::Nats
             }
+            Fault::PauseNats => {
+                if !self.cluster.nats.freeze(true) {
+                    bail!("kill -STOP nats-server failed");
+                }
+                Injected::NatsPaused
+            }
             Fault::RollingRestart => {
                 let mut slowest = Duration::ZERO;
                 for i in followers.iter().copied().chain([leader]) {
@@ -451,6 +459,11 @@ impl Fleet {
             Injected::Paused(i) => self.cluster.nodes[i].resume(),
             Injected::Isolated(_) | Injected::Split => self.cluster.heal().await,
             Injected::Nats => self.cluster.nats.restart(),
+            Injected::NatsPaused => {
+                if !self.cluster.nats.freeze(false) {
+                    bail!("kill -CONT nats-server failed");
+                }
+            }
             Injected::Rolled(_) => {}
             Injected::Replaced(_) => self.wait_membership(Duration::from_secs(60)).await?,
             Injected::Scaled(n) => {
@@ -480,7 +493,7 @@ impl Fleet {
                         break exit;
                     }
                     if started.elapsed() > Duration::from_secs(30) {
-                        bail!("member {i} still runs 30 s after its log writes began to fail");
+                        bail!("member {i} still runs 30 s after its log writes were set to fail");
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 };
@@ -493,27 +506,36 @@ impl Fleet {
             Injected::SnapshotsFailing => {
                 // A builder kept its last snapshot and goes on; a follower that could not
                 // write a snapshot sent by the leader stopped Raft, as after a failed log
-                // write, and exits: it is given up to 10 s to end, then started again.
-                for node in &self.cluster.nodes {
-                    let _ = failpoints(node, "").await;
+                // write, and exits: it is given up to 10 s to end (no answer while it ends
+                // counts as ending), then started again. Any other exit fails the run.
+                for node in &mut self.cluster.nodes {
+                    if let Err(e) = failpoints(node, "").await
+                        && node.is_running()
+                    {
+                        return Err(e);
+                    }
                 }
                 let started = Instant::now();
                 loop {
                     let mut stopping = false;
                     for (i, node) in self.cluster.nodes.iter_mut().enumerate() {
                         match node.exited() {
-                            Some(exit) if exit.success() => {
-                                bail!(
-                                    "member {i} exited successfully after a snapshot write failed"
-                                )
-                            }
-                            Some(_) => {
+                            Some(exit) => {
+                                let log = node.log();
+                                let install = log.contains("raft stopped")
+                                    && log.contains(
+                                        "a snapshot sent by the leader could not be written",
+                                    );
+                                if exit.success() || !install {
+                                    bail!(
+                                        "member {i} exited ({exit}) while snapshot writes failed, not for a snapshot it was sent"
+                                    );
+                                }
                                 node.restart();
                                 self.restarted.push(i);
                             }
                             None => {
-                                stopping |=
-                                    status(node).await.is_some_and(|s| s.role == "shutdown");
+                                stopping |= status(node).await.is_none_or(|s| s.role == "shutdown");
                             }
                         }
                     }

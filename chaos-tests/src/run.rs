@@ -89,7 +89,12 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
             break;
         }
         tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
-        healthy.push((healthy_since, Instant::now()));
+        // A bridge is not on the way of a Route or a completion: the fleet stays healthy
+        // through its faults, and any failure then counts.
+        let off_the_path = matches!(step.fault, Fault::KillBridge | Fault::PauseBridge);
+        if !off_the_path {
+            healthy.push((healthy_since, Instant::now()));
+        }
         let fault_from = Instant::now();
         let injected = fleet.inject(&step).await?;
         injected_count += 1;
@@ -138,7 +143,9 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
                 h.stops.push((member, fault_from, Instant::now()))
             });
         }
-        healthy_since = Instant::now();
+        if !off_the_path {
+            healthy_since = Instant::now();
+        }
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     healthy.push((healthy_since, Instant::now()));

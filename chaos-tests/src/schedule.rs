@@ -20,6 +20,8 @@ pub enum Fault {
     SplitAll,
     /// SIGKILL nats-server, then start it again on its store.
     RestartNats,
+    /// SIGSTOP nats-server (its sockets stay open, nothing answers), then SIGCONT.
+    PauseNats,
     /// Every member stopped (SIGTERM) and started again in turn, the leader last, each once
     /// the fleet is healthy again.
     RollingRestart,
@@ -48,7 +50,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 19] = [
+    pub const ALL: [Fault; 20] = [
         Fault::KillLeader,
         Fault::KillFollower,
         Fault::PauseLeader,
@@ -68,6 +70,7 @@ impl Fault {
         Fault::SnapshotsFail,
         Fault::KillBridge,
         Fault::PauseBridge,
+        Fault::PauseNats,
     ];
 
     pub fn label(self) -> &'static str {
@@ -91,6 +94,7 @@ impl Fault {
             Fault::SnapshotsFail => "snapshot writes fail",
             Fault::KillBridge => "kill -9 bridge",
             Fault::PauseBridge => "pause bridge",
+            Fault::PauseNats => "pause nats-server",
         }
     }
 }
@@ -141,8 +145,8 @@ pub const SCENARIOS: [(&str, &[Fault], &str); 8] = [
     ),
     (
         "nats-restart",
-        &[Fault::RestartNats],
-        "nats-server killed and restarted on its store (node/tests/fleet_faults.rs)",
+        &[Fault::RestartNats, Fault::PauseNats],
+        "nats-server killed and restarted on its store, or frozen (node/tests/fleet_faults.rs)",
     ),
     (
         "clock-skew",
@@ -161,7 +165,12 @@ pub const SCENARIOS: [(&str, &[Fault], &str); 8] = [
     ),
     (
         "bridges",
-        &[Fault::KillBridge, Fault::PauseBridge, Fault::RestartNats],
+        &[
+            Fault::KillBridge,
+            Fault::PauseBridge,
+            Fault::RestartNats,
+            Fault::PauseNats,
+        ],
         "bridges killed and frozen, nats-server killed: every engine batch applied once (node/tests/fleet_faults.rs)",
     ),
 ];

@@ -256,7 +256,7 @@ async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_member_whose_log_writes_fail_exits_with_an_error_and_rejoins_on_what_its_disk_holds() {
+async fn a_member_whose_log_writes_fail_exits_with_an_error_and_catches_up_when_started_again() {
     let (mut cluster, js) = started(&NodeOptions::default()).await;
     let last = publish_chains(&js, 0, 5).await;
     cluster.all_agree(&[0, 1, 2], last).await;
@@ -284,7 +284,7 @@ async fn a_member_whose_log_writes_fail_exits_with_an_error_and_rejoins_on_what_
     let rest: Vec<usize> = (0..3).filter(|i| *i != failing).collect();
     cluster.all_agree(&rest, last).await;
 
-    // Started again (its failpoints are gone with the process), it catches up.
+    // Started again on its data (its failpoints are gone with the process), it catches up.
     cluster.nodes[failing].restart();
     let last = publish_chains(&js, 15, 20).await;
     cluster.all_agree(&[0, 1, 2], last).await;
@@ -326,9 +326,9 @@ async fn members_whose_snapshot_writes_fail_keep_serving_and_their_log_until_one
             &cluster.nodes[i].metrics().await,
             "kvplane_raft_snapshot_failures_total",
         );
-        assert!(refused >= 1.0, "member {i} refused {refused} builds");
+        // Refused, then tried again at the next threshold.
+        assert!(refused >= 2.0, "member {i} refused {refused} builds");
     }
-    assert_eq!(cluster.leader(&[0, 1, 2]).await, Some(leader));
 
     // Healed, the next build is written and the log purged past it.
     failing("").await;

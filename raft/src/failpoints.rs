@@ -44,7 +44,16 @@ pub fn configure(spec: &str) -> Result<Vec<String>, FailpointError> {
                 name: name.to_owned(),
             });
         }
-        wanted.push((name, actions.trim()));
+        let actions = actions.trim();
+        // A panic would take the writer thread down unanswered, a pause would hold it past
+        // any heal: what a disk does is fail or be slow.
+        if actions.contains("panic") || actions.contains("pause") {
+            return Err(FailpointError::Actions {
+                name: name.to_owned(),
+                reason: "only return, sleep, delay, yield, print and off are taken".into(),
+            });
+        }
+        wanted.push((name, actions));
     }
     // Every setting is checked before any is applied: `cfg` parses, so try each on a
     // scratch name first.
@@ -111,6 +120,10 @@ mod tests {
         ));
         assert!(matches!(
             configure("raft-log-write=sleep(x)"),
+            Err(FailpointError::Actions { .. })
+        ));
+        assert!(matches!(
+            configure("raft-log-write=panic"),
             Err(FailpointError::Actions { .. })
         ));
         // A refused setting changed nothing.

@@ -380,14 +380,20 @@ impl RaftStateMachine<TypeConfig> for ReplicatedState {
         let handle = self.handle.clone();
         let mut inner = self.inner.clone().lock_owned().await;
         let meta_kept = meta.clone();
+        // Restored, then written, then served: a snapshot the disk refused is never served.
         blocking(move || {
-            let restored = StateMachine::restore(&snapshot)
-                .map_err(|e| io::Error::other(e.to_string()))?
-                .with_handle(handle);
-            inner.sm = restored;
-            inner.last_applied = meta_kept.last_log_id;
-            inner.membership = meta_kept.last_membership.clone();
-            inner.keep(meta_kept, snapshot)
+            let restored =
+                StateMachine::restore(&snapshot).map_err(|e| io::Error::other(e.to_string()))?;
+            let (last_applied, membership) =
+                (meta_kept.last_log_id, meta_kept.last_membership.clone());
+            if let Err(e) = inner.keep(meta_kept, snapshot) {
+                tracing::error!(error = %e, "a snapshot sent by the leader could not be written");
+                return Err(e);
+            }
+            inner.sm = restored.with_handle(handle);
+            inner.last_applied = last_applied;
+            inner.membership = membership;
+            Ok::<(), io::Error>(())
         })
         .await?;
         tracing::info!(

@@ -115,6 +115,12 @@ impl Nats {
         self.spawn();
     }
 
+    /// SIGSTOP (`frozen`) or SIGCONT: a server that keeps its sockets and answers nothing.
+    pub fn freeze(&self, frozen: bool) -> bool {
+        let sig = if frozen { "-STOP" } else { "-CONT" };
+        self.child.as_ref().is_some_and(|c| process::signal(c, sig))
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
