@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS, status};
-use crate::history::{Admission, GATEWAY, History, Miss, Read, RouteOutcome, who};
+use crate::history::{Admission, GATEWAY, History, Miss, PICKER, Read, RouteOutcome, who};
 use crate::workload::blocks_after;
 
 /// One invariant's result.
@@ -210,7 +210,7 @@ fn exercised(h: &History, faults: usize, snapshots_never_refused: u64) -> Verdic
             "snapshot writes failed {snapshots_never_refused} times for 20 s without a build refused"
         ));
     }
-    for m in (0..MEMBERS).chain([GATEWAY]) {
+    for m in (0..MEMBERS).chain([GATEWAY, PICKER]) {
         for (tenant, _) in TENANTS {
             if h.routes
                 .get(&(m, tenant, RouteOutcome::Routed))
@@ -235,7 +235,9 @@ fn exercised(h: &History, faults: usize, snapshots_never_refused: u64) -> Verdic
     verdict(
         "the run exercised the fleet",
         problems,
-        format!("{faults} faults; every member and the gateway routed for every tenant"),
+        format!(
+            "{faults} faults; every member, the gateway and the endpoint picker routed for every tenant"
+        ),
     )
 }
 

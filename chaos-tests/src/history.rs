@@ -30,12 +30,16 @@ impl RouteOutcome {
 /// The "member" the gateway's calls are recorded under (it asks every member in turn).
 pub const GATEWAY: usize = usize::MAX;
 
-/// Who answered a call, for a report: a member's index, or the gateway.
+/// The "member" the endpoint picker's calls are recorded under (its client plays Envoy in
+/// front of every member in turn).
+pub const PICKER: usize = usize::MAX - 1;
+
+/// Who answered a call, for a report: a member's index, the gateway, or the picker.
 pub fn who(member: usize) -> String {
-    if member == GATEWAY {
-        "the gateway".to_owned()
-    } else {
-        format!("member {member}")
+    match member {
+        GATEWAY => "the gateway".to_owned(),
+        PICKER => "the endpoint picker".to_owned(),
+        m => format!("member {m}"),
     }
 }
 

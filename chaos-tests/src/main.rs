@@ -8,6 +8,7 @@ mod check;
 mod engines;
 mod fleet;
 mod history;
+mod picker;
 mod run;
 mod schedule;
 mod workload;

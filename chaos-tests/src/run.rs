@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use crate::check::{Verdict, check};
 use crate::fleet::{Fleet, Injected, POOL, STREAM};
-use crate::history::{GATEWAY, History, RouteOutcome, Shared, record, shared};
+use crate::history::{GATEWAY, History, PICKER, RouteOutcome, Shared, record, shared};
 use crate::schedule::{Fault, schedule};
 
 /// What one run did and found.
@@ -224,10 +224,10 @@ pub fn table(r: &Report) -> String {
         );
     }
     let h = &r.history;
-    let outcomes = |gateway: bool| {
+    let outcomes = |caller: &dyn Fn(usize) -> bool| {
         let mut by_outcome: BTreeMap<RouteOutcome, u64> = BTreeMap::new();
         for ((m, _, o), n) in &h.routes {
-            if (*m == GATEWAY) == gateway {
+            if caller(*m) {
                 *by_outcome.entry(*o).or_default() += n;
             }
         }
@@ -237,13 +237,22 @@ pub fn table(r: &Report) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let routes = outcomes(false);
+    let routes = outcomes(&|m| m != GATEWAY && m != PICKER);
     let _ = writeln!(
         t,
         "  Route: {routes} ({} refused as failing closed)",
         h.failed_closed
     );
-    let _ = writeln!(t, "  completions through the gateway: {}", outcomes(true));
+    let _ = writeln!(
+        t,
+        "  completions through the gateway: {}",
+        outcomes(&|m| m == GATEWAY)
+    );
+    let _ = writeln!(
+        t,
+        "  requests through the endpoint picker: {}",
+        outcomes(&|m| m == PICKER)
+    );
     let _ = writeln!(
         t,
         "  ReportUsage: {} acknowledged, {} failed, {} sent twice; config writes: {} acknowledged, {} failed; KV batches: {} published",

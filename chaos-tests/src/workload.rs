@@ -1,5 +1,5 @@
 //! The workload: Route and ReportUsage from a client per tenant on every member, completions
-//! through the gateway, config writes, and KV batches from the engines (through their
+//! through the gateway and through the members' endpoint picker, config writes, and KV batches from the engines (through their
 //! bridges); each recording what it sent and what it was told.
 
 use std::time::{Duration, Instant};
@@ -19,8 +19,8 @@ use crate::fleet::{POOL, TENANTS, WINDOW_MS, WORKERS};
 use crate::history::{Admission, GATEWAY, Miss, Read, RouteOutcome, Shared, record};
 
 /// Prompt and maximum output tokens of every request: what a client counts as admitted.
-const PROMPT: u32 = 100;
-const MAX_OUTPUT: u32 = 100;
+pub(crate) const PROMPT: u32 = 100;
+pub(crate) const MAX_OUTPUT: u32 = 100;
 /// How long one call may take before its client counts it failed.
 const CALL: Duration = Duration::from_secs(2);
 
@@ -56,6 +56,12 @@ pub fn start(
         ));
     }
     for (tenant, _) in TENANTS {
+        tasks.spawn(crate::picker::client(
+            endpoints.to_vec(),
+            tenant,
+            history.clone(),
+            stop.clone(),
+        ));
         tasks.spawn(gateway_client(
             gateway.to_owned(),
             tenant,
@@ -129,12 +135,17 @@ fn request(tenant: &str, request_id: String, n: u64) -> RouteRequest {
         request_id,
         tenant: tenant.into(),
         model: "m".into(),
-        token_ids: (0..PROMPT)
-            .map(|t| t + 7 * u32::try_from(n % 50).unwrap_or(0))
-            .collect(),
+        token_ids: prompt_ids(n),
         max_output_tokens: MAX_OUTPUT,
         ..Default::default()
     }
+}
+
+/// Request `n`'s prompt: [`PROMPT`] token ids, the same every 50 requests.
+pub(crate) fn prompt_ids(n: u64) -> Vec<u32> {
+    (0..PROMPT)
+        .map(|t| t + 7 * u32::try_from(n % 50).unwrap_or(0))
+        .collect()
 }
 
 /// What one Route call came to.
@@ -376,7 +387,7 @@ async fn gateway_client(
         n += 1;
         let body = serde_json::json!({
             "model": "m",
-            "prompt": request(tenant, String::new(), n).token_ids,
+            "prompt": prompt_ids(n),
             "max_tokens": MAX_OUTPUT,
         });
         let (sent, sent_ms) = (Instant::now(), now_ms());
@@ -437,7 +448,13 @@ async fn gateway_client(
     }
 }
 
-fn miss(history: &Shared, member: usize, tenant: &'static str, sent: Instant, why: String) {
+pub(crate) fn miss(
+    history: &Shared,
+    member: usize,
+    tenant: &'static str,
+    sent: Instant,
+    why: String,
+) {
     record(history, |h| {
         *h.routes
             .entry((member, tenant, RouteOutcome::Failed))
