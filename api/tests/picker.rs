@@ -9,7 +9,7 @@ mod support;
 
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvplane_api::{ApiMetrics, CostModel, EndpointPicker, Escrow, PickerConfig, RouterService};
 use kvplane_state::{Command, QuotaAsk, QuotaBatch};
+use kvplane_testkit::ext_proc::{header_map, message as msg};
 use support::{ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, escrowed_service, pools_node};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
@@ -82,26 +83,6 @@ impl Proxy {
     async fn recv_whole(&mut self) -> ProcessingResponse {
         self.rx.message().await.unwrap().unwrap()
     }
-}
-
-fn msg(request: In) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(request),
-        ..Default::default()
-    }
-}
-
-fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
-    Some(HeaderMap {
-        headers: pairs
-            .iter()
-            .map(|(k, v)| HeaderValue {
-                key: (*k).into(),
-                value: String::new(),
-                raw_value: v.as_bytes().to_vec(),
-            })
-            .collect(),
-    })
 }
 
 /// A POST's request headers, as Envoy sends them (in `mode`, told in `protocol_config`).

@@ -5,13 +5,13 @@
 
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
     processing_request::Request as In, processing_response::Response as Out,
 };
+use kvplane_testkit::ext_proc::{header_map, message};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::Channel;
 
@@ -204,24 +204,4 @@ async fn exchange(
     } else {
         Picked::Missed("no pick".into())
     }
-}
-
-fn message(request: In) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(request),
-        ..Default::default()
-    }
-}
-
-fn header_map(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
-    Some(HeaderMap {
-        headers: pairs
-            .iter()
-            .map(|(k, v)| HeaderValue {
-                key: (*k).into(),
-                value: String::new(),
-                raw_value: v.as_bytes().to_vec(),
-            })
-            .collect(),
-    })
 }

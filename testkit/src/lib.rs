@@ -7,6 +7,7 @@
 //!   each on free loopback ports in its own directory, killed when dropped. These panic with
 //!   the process's log on failure: they are for tests.
 //! - [`eventually`]: one way to wait, on a condition polled until it holds.
+//! - [`ext_proc`]: an ext_proc stream's messages as Envoy sends them (the picker's clients).
 //! - [`state`]: a fleet in a state ([`state::TestFleet`]): policies, workers, metrics and KV
 //!   events applied as a node's log would, and the real routing service over it - for the
 //!   semantics that need no process (policies, quotas, routing) in milliseconds.
@@ -15,6 +16,8 @@
 //! `fleet` feature (on by default, for tests); the demo links only `process` and `eventually`.
 
 pub mod eventually;
+#[cfg(feature = "fleet")]
+pub mod ext_proc;
 #[cfg(feature = "fleet")]
 pub mod fleet;
 #[cfg(feature = "fleet")]
