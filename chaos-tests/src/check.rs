@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS, status};
+use crate::fleet::{Fleet, MEMBERS, TENANTS, WINDOW_MS, WORKERS};
 use crate::history::{Admission, GATEWAY, History, Miss, PICKER, Read, RouteOutcome, who};
+use crate::probe::status;
 use crate::workload::blocks_after;
 
 /// One invariant's result.

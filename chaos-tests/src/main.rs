@@ -6,9 +6,11 @@
 
 mod check;
 mod engines;
+mod faults;
 mod fleet;
 mod history;
 mod picker;
+mod probe;
 mod run;
 mod schedule;
 mod workload;

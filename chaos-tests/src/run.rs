@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::check::{Verdict, check};
-use crate::fleet::{Fleet, Injected, POOL, STREAM};
+use crate::faults::Injected;
+use crate::fleet::{Fleet, POOL, STREAM};
 use crate::history::{GATEWAY, History, PICKER, RouteOutcome, Shared, record, shared};
 use crate::schedule::{Fault, schedule};
 

@@ -1,6 +1,7 @@
 //! Ingest while leading: declare the configured pools, then consume the stream from the
 //! recorded position. Consuming stops as soon as leadership is lost; the next leader resumes
 //! from the position in the replicated state, and replayed messages are dropped by `apply`.
+//! A consumer that ends while this member still leads is started again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,7 +60,7 @@ impl LeadIngest {
                 self.metrics.clone(),
             );
             let (h, source) = (handle.clone(), self.config.source.clone());
-            let task = tokio::spawn(async move {
+            let mut task = tokio::spawn(async move {
                 if let Err(e) = ingestor
                     .run(
                         move || h.load().positions.get(&source).copied().unwrap_or(0),
@@ -86,15 +87,32 @@ impl LeadIngest {
                     term_tx.subscribe(),
                 ))
             });
-            self.member.wait_lost_leadership(&mut stop).await;
+            // Until leadership is lost - or the consumer ends on its own while this member
+            // still leads (a proposal refused in a term change too quick to see, say): then
+            // this term's tasks stop and ingest starts again, or nothing would consume the
+            // stream until the next election.
+            let ended_while_leading = tokio::select! {
+                () = self.member.wait_lost_leadership(&mut stop) => false,
+                _ = &mut task => true,
+            };
             let _ = term_tx.send(true);
-            let _ = task.await;
+            if !ended_while_leading {
+                let _ = task.await;
+            }
             let _ = lag.await;
             self.metrics.stopped();
             if let Some(t) = leases {
                 let _ = t.await;
             }
-            tracing::info!("not leading: ingest stopped");
+            if ended_while_leading {
+                tracing::warn!("ingest ended while this member leads; starting it again");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = stop.changed() => {}
+                }
+            } else {
+                tracing::info!("not leading: ingest stopped");
+            }
         }
     }
 }
