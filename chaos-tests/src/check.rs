@@ -208,7 +208,7 @@ fn exercised(h: &History, faults: usize, snapshots_never_refused: u64) -> Verdic
     problems.extend(h.bad_answers.iter().take(5).cloned());
     if snapshots_never_refused > 0 {
         problems.push(format!(
-            "snapshot writes failed {snapshots_never_refused} times for 20 s without a build refused"
+            "snapshot writes failed {snapshots_never_refused} times for 40 s without a build refused"
         ));
     }
     for m in (0..MEMBERS).chain([GATEWAY, PICKER]) {

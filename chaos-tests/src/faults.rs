@@ -227,7 +227,7 @@ impl Fleet {
                     failpoints(n, "raft-snapshot-write=return").await?;
                 }
                 // Held until a build was refused (a snapshot comes every few hundred
-                // entries), at most 20 s: what is checked is what follows one.
+                // entries), at most 40 s: what is checked is what follows one.
                 let started = Instant::now();
                 let refused = loop {
                     let refused: u64 = self
@@ -236,7 +236,7 @@ impl Fleet {
                         .iter()
                         .map(|(url, n)| n.saturating_sub(before.get(url).copied().unwrap_or(0)))
                         .sum();
-                    if refused > 0 || started.elapsed() > Duration::from_secs(20) {
+                    if refused > 0 || started.elapsed() > Duration::from_secs(40) {
                         break refused;
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -39,7 +39,7 @@ pub struct Fleet {
     /// The Raft id the next new member gets.
     next_id: u64,
     /// Snapshot builds the members refused under [`Fault::SnapshotsFail`], and how many times
-    /// that fault was held 20 s without one.
+    /// that fault was held 40 s without one.
     pub snapshots_refused: u64,
     pub snapshots_never_refused: u64,
     /// Members the last heal started again (a follower that could not write a snapshot).

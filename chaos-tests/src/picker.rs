@@ -106,7 +106,11 @@ async fn exchange(
 ) -> Picked {
     let (tx, rx) = mpsc::channel::<ProcessingRequest>(4);
     let out = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
-    let mut answers = match c.process(out).await {
+    // The stream's deadline, as Envoy's `message_timeout` bounds it: a paused member does not
+    // pick for a client that gave up.
+    let mut stream = tonic::Request::new(out);
+    stream.set_timeout(Duration::from_secs(5));
+    let mut answers = match c.process(stream).await {
         Ok(r) => r.into_inner(),
         Err(e) => return Picked::Missed(e.to_string()),
     };
@@ -185,15 +189,17 @@ async fn exchange(
             }
             // The body's answer carries the pick (buffered mode).
             Out::RequestBody(b) => {
+                // One of the engines, at the address its bridge announced.
                 picked = b.response.and_then(|c| c.header_mutation).is_some_and(|m| {
                     m.set_headers.iter().any(|o| {
-                        o.header
-                            .as_ref()
-                            .is_some_and(|h| h.key == "x-gateway-destination-endpoint")
+                        o.header.as_ref().is_some_and(|h| {
+                            h.key == "x-gateway-destination-endpoint"
+                                && h.raw_value.starts_with(b"127.0.0.1:")
+                        })
                     })
                 });
                 if !picked {
-                    return Picked::Missed("the body's answer named no endpoint".into());
+                    return Picked::Missed("the body's answer named no engine".into());
                 }
             }
             _ => {}

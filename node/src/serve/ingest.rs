@@ -31,26 +31,33 @@ impl LeadIngest {
     /// Ingests during every term this member leads, until `stop`.
     pub(super) async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let (log, handle) = (self.member.log.clone(), self.member.handle.clone());
+        // Set while the consumer is started again within one lead (after it ended on its
+        // own): the term's start is not repeated, and each further restart waits longer.
+        let mut again: Option<Duration> = None;
         loop {
             if !self.member.wait_leadership(&mut stop).await {
                 return;
             }
-            // First: a member added while the config sources catch up must find this address.
-            self.member.refresh_own_address().await;
-            // The config sources apply what they have first (at most 10 s): an engine's
-            // messages for a worker set the catalog is about to hold are not dropped as of an
-            // unknown pool.
-            if let Some(rx) = &mut self.config_synced {
-                let seen = *rx.borrow_and_update();
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > seen)).await;
-            }
-            tracing::info!(
-                applied = handle.load().applied_index,
-                "leading: starting ingest"
-            );
-            if let Err(e) = reconcile_pools(&self.pools, &log, &handle).await {
-                tracing::warn!(error = %e, "could not declare the configured pools");
+            if again.is_none() {
+                // First: a member added while the config sources catch up must find this
+                // address.
+                self.member.refresh_own_address().await;
+                // The config sources apply what they have first (at most 10 s): an engine's
+                // messages for a worker set the catalog is about to hold are not dropped as of
+                // an unknown pool.
+                if let Some(rx) = &mut self.config_synced {
+                    let seen = *rx.borrow_and_update();
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|n| *n > seen))
+                            .await;
+                }
+                tracing::info!(
+                    applied = handle.load().applied_index,
+                    "leading: starting ingest"
+                );
+                if let Err(e) = reconcile_pools(&self.pools, &log, &handle).await {
+                    tracing::warn!(error = %e, "could not declare the configured pools");
+                }
             }
             let (term_tx, term_rx) = watch::channel(false);
             let ingestor = Ingestor::new(
@@ -61,15 +68,12 @@ impl LeadIngest {
             );
             let (h, source) = (handle.clone(), self.config.source.clone());
             let mut task = tokio::spawn(async move {
-                if let Err(e) = ingestor
+                ingestor
                     .run(
                         move || h.load().positions.get(&source).copied().unwrap_or(0),
                         term_rx,
                     )
                     .await
-                {
-                    tracing::info!(error = %e, "ingest stopped");
-                }
             });
             let lag = tokio::spawn(super::lag::watch(
                 self.stream.clone(),
@@ -91,27 +95,42 @@ impl LeadIngest {
             // still leads (a proposal refused in a term change too quick to see, say): then
             // this term's tasks stop and ingest starts again, or nothing would consume the
             // stream until the next election.
-            let ended_while_leading = tokio::select! {
-                () = self.member.wait_lost_leadership(&mut stop) => false,
-                _ = &mut task => true,
+            let ended = tokio::select! {
+                () = self.member.wait_lost_leadership(&mut stop) => None,
+                ended = &mut task => Some(ended),
             };
             let _ = term_tx.send(true);
-            if !ended_while_leading {
-                let _ = task.await;
-            }
+            let ended = match ended {
+                Some(ended) => ended,
+                None => task.await,
+            };
             let _ = lag.await;
-            self.metrics.stopped();
             if let Some(t) = leases {
                 let _ = t.await;
             }
-            if ended_while_leading {
-                tracing::warn!("ingest ended while this member leads; starting it again");
+            let why = match ended {
+                Ok(Ok(())) => "stopped".to_owned(),
+                Ok(Err(e)) => e.to_string(),
+                Err(e) => format!("the consumer failed: {e}"),
+            };
+            if self.member.is_leader() && !*stop.borrow() {
+                let wait = again.map_or(Duration::from_millis(200), |d| {
+                    (d * 2).min(Duration::from_secs(5))
+                });
+                again = Some(wait);
+                tracing::warn!(
+                    error = why,
+                    retry_in_ms = wait.as_millis(),
+                    "ingest ended while this member leads; starting it again"
+                );
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    _ = tokio::time::sleep(wait) => {}
                     _ = stop.changed() => {}
                 }
             } else {
-                tracing::info!("not leading: ingest stopped");
+                again = None;
+                self.metrics.stopped();
+                tracing::info!(error = why, "not leading: ingest stopped");
             }
         }
     }
