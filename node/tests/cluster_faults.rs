@@ -215,6 +215,90 @@ async fn a_frozen_leader_is_replaced_and_follows_after_it_resumes() {
     assert_eq!(cluster.leader(&[0, 1, 2]).await, Some(new_leader));
 }
 
+/// Writes pool `name` through `node`, retried until acknowledged (a minute at most); its index.
+async fn put_pool_until_acknowledged(node: &Node, name: &str) -> u64 {
+    eventually(
+        "a write to be acknowledged",
+        Duration::from_secs(60),
+        || async {
+            let mut admin = node.admin().await;
+            let write = admin.put_config(PutConfigRequest {
+                kind: "pool".into(),
+                name: name.into(),
+                value: pool_object(16, "m"),
+            });
+            match tokio::time::timeout(Duration::from_secs(5), write).await {
+                Ok(Ok(r)) => Some(r.into_inner().index),
+                _ => None,
+            }
+        },
+    )
+    .await
+}
+
+/// Found by the chaos runner (seed 1): a leader acknowledges a write once its followers' disks
+/// hold it, its own may not yet. Killed then, it lost the entry; had it come back leading the
+/// same term (openraft's leader restore), its next entries took the log ids of the committed
+/// ones it lost, the followers took them for entries they had, and members applied different
+/// entries at the same index. It must come back as a follower and learn what it lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_killed_before_its_own_disk_took_an_acknowledged_write_keeps_it_and_agrees() {
+    // Followers wait 3-4 s for a leader that went silent: it is back long before.
+    let o = NodeOptions {
+        raft: Some(RaftOptions {
+            election_timeout_ms: Some((3000, 4000)),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let (mut cluster, _js) = started(&o).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    // The leader's disk takes 5 s over each round: what it appends next is acknowledged by the
+    // followers' disks long before its own.
+    cluster.nodes[leader]
+        .failpoints("raft-log-write=sleep(5000)")
+        .await;
+    let acked = put_pool_until_acknowledged(&cluster.nodes[leader], "before-kill").await;
+    cluster.nodes[leader].kill();
+    cluster.nodes[leader].restart();
+    // Had it resumed leading, the followers (still following it) would take this write's entry
+    // for the one they hold at the lost entry's log id.
+    let after = put_pool_until_acknowledged(&cluster.nodes[leader], "after-restart").await;
+    assert!(
+        after > acked,
+        "the write after the restart took index {after}, the acknowledged one before it {acked}"
+    );
+
+    // Every member holds both writes, at the same index and digest.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut seen = Vec::new();
+        for n in &cluster.nodes {
+            let s = n.status().await;
+            let pools: Vec<String> = s
+                .config_objects
+                .iter()
+                .filter(|o| o.kind == "pool")
+                .map(|o| o.name.clone())
+                .collect();
+            seen.push((s.applied_index, s.state_digest, pools));
+        }
+        let agree = seen.iter().all(|s| s == &seen[0])
+            && ["before-kill", "after-restart"]
+                .iter()
+                .all(|p| seen[0].2.iter().any(|n| n == p));
+        if agree {
+            assert!(seen[0].0 >= after, "{seen:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "members (index, digest, pools) after 30 s: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_away_while_the_log_was_compacted_catches_up_through_a_snapshot() {
     let (mut cluster, js) = started(&snapshot_every_20_entries()).await;

@@ -8,7 +8,7 @@
 //! are durable (its `IOFlushed` callback) only after their transaction committed. The vote,
 //! truncation and purge return only once durable; the committed log id is not waited for (it
 //! reads back at once, goes with the next transaction, and is fsynced within 50 ms). After a
-//! failed write every later change is refused.
+//! failed write every later change, and every read, is refused.
 
 use std::fmt::Debug;
 use std::io;
@@ -145,7 +145,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
     /// holds from its start, as apply's and replication's usually are, does not open the
     /// file). The tail is copied and the file's read transaction begun under the tail's lock,
     /// and the writer drops entries from the tail only after their transaction committed:
-    /// every entry is in one or the other.
+    /// every entry is in one or the other. After a failed write nothing is read.
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
@@ -153,6 +153,7 @@ impl RaftLogReader<TypeConfig> for LogStore {
         let (start, end) = bounds(&range);
         let (tail, txn) = {
             let t = lock(&self.tail);
+            t.readable()?;
             let tail = t.range((start, end));
             let from_start = tail
                 .first()

@@ -147,6 +147,13 @@ impl RaftMember {
             // A member back from a pause or a partition first asks whether it could win: it
             // does not raise the term and unseat a leader the others still follow.
             enable_pre_vote: Some(true),
+            // A leader that restarts comes back a follower, never leading its old term again.
+            // It replicates entries from memory before its own disk holds them (the log's
+            // writer), so the followers may commit entries a kill -9 then takes from it; leading
+            // the same term again, its next entries would take those entries' log ids, which
+            // the followers would keep as matching: members would apply different entries at
+            // one index (found by the chaos runner, seed 1).
+            enable_leader_restore: Some(false),
             ..Default::default()
         }
         .validate()?;
