@@ -132,7 +132,7 @@ pub async fn check(
             h.known_then_ledger.len()
         ),
     ));
-    let missed = missed_while_healthy(&h.misses, healthy);
+    let missed = missed_while_healthy(&h.misses, healthy, &h.gateway_down);
     out.push(verdict(
         "every Route made while the fleet was healthy routed or met the limit",
         missed,
@@ -315,8 +315,13 @@ fn misfiled(admissions: &[Admission]) -> Vec<String> {
 }
 
 /// The calls sent while every member was up and healthy (past a grace after the stretch
-/// began, answered before it ended) that failed or were refused.
-fn missed_while_healthy(misses: &[Miss], healthy: &[(Instant, Instant)]) -> Vec<String> {
+/// began, answered before it ended) that failed or were refused, but for the gateway's calls
+/// that overlapped its own faults (`gateway_down`, with the same grace after each).
+fn missed_while_healthy(
+    misses: &[Miss],
+    healthy: &[(Instant, Instant)],
+    gateway_down: &[(Instant, Instant)],
+) -> Vec<String> {
     let grace = Duration::from_millis(200);
     misses
         .iter()
@@ -324,6 +329,12 @@ fn missed_while_healthy(misses: &[Miss], healthy: &[(Instant, Instant)]) -> Vec<
             healthy
                 .iter()
                 .any(|(from, to)| m.sent >= *from + grace && m.done <= *to)
+        })
+        .filter(|m| {
+            m.member != GATEWAY
+                || !gateway_down
+                    .iter()
+                    .any(|(from, to)| m.sent < *to + grace && m.done >= *from)
         })
         .map(|m| format!("{}: {}", who(m.member), m.why))
         .take(10)
@@ -483,8 +494,38 @@ mod tests {
             miss(5_600, 5_700, "healthy again"),
         ];
         assert_eq!(
-            missed_while_healthy(&misses, &healthy),
+            missed_while_healthy(&misses, &healthy, &[]),
             vec!["member 1: while healthy", "member 1: healthy again"]
+        );
+    }
+
+    #[test]
+    fn the_gateways_calls_during_its_own_fault_are_excused_and_no_one_elses() {
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let miss = |member, sent, done| Miss {
+            sent: at(sent),
+            done: at(done),
+            member,
+            why: "refused".into(),
+        };
+        let healthy = [(at(0), at(10_000))];
+        let down = [(at(2_000), at(3_000))];
+        let misses = [
+            miss(GATEWAY, 1_500, 2_100),
+            miss(GATEWAY, 2_500, 2_600),
+            miss(GATEWAY, 3_100, 3_150),
+            miss(GATEWAY, 4_000, 4_100),
+            miss(PICKER, 2_500, 2_600),
+            miss(1, 2_500, 2_600),
+        ];
+        assert_eq!(
+            missed_while_healthy(&misses, &healthy, &down),
+            vec![
+                "the gateway: refused",
+                "the endpoint picker: refused",
+                "member 1: refused"
+            ]
         );
     }
 

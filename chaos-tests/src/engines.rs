@@ -82,14 +82,8 @@ impl Engine {
 
     /// SIGSTOP the bridge (its sockets stay open, it reads nothing), or SIGCONT it.
     pub fn freeze_bridge(&self, frozen: bool) -> anyhow::Result<()> {
-        let child = self
-            .bridge
-            .child
-            .as_ref()
-            .context("the bridge is not running")?;
-        let sig = if frozen { "-STOP" } else { "-CONT" };
-        if !kvplane_testkit::process::signal(child, sig) {
-            bail!("kill {sig} {}'s bridge failed", self.worker);
+        if !self.bridge.freeze(frozen) {
+            bail!("freezing ({frozen}) {}'s bridge failed", self.worker);
         }
         Ok(())
     }

@@ -12,6 +12,11 @@ use crate::schedule::{Fault, Step};
 
 /// A slow disk: each log round (a transaction, fsynced) takes 100 ms more, each snapshot 1 s.
 const SLOW_DISK: &str = "raft-log-write=sleep(100);raft-snapshot-write=sleep(1000)";
+/// A disk far behind: each log round takes a second more (a leader's followers commit what it
+/// has not written yet).
+const DISK_BEHIND: &str = "raft-log-write=sleep(1000)";
+/// Entries a leader whose disk is behind must apply before it is killed.
+const APPLIED_BEHIND: u64 = 10;
 /// Where Debian's libfaketime is, by architecture.
 const FAKETIME: [&str; 2] = [
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
@@ -47,6 +52,8 @@ pub enum Injected {
     BridgeKilled(usize),
     /// Engine `w`'s bridge is frozen (SIGSTOP).
     BridgePaused(usize),
+    GatewayKilled,
+    GatewayPaused,
 }
 
 impl Injected {
@@ -67,7 +74,9 @@ impl Injected {
             | Injected::Scaled(_)
             | Injected::SnapshotsFailing
             | Injected::BridgeKilled(_)
-            | Injected::BridgePaused(_) => None,
+            | Injected::BridgePaused(_)
+            | Injected::GatewayKilled
+            | Injected::GatewayPaused => None,
         }
     }
 }
@@ -121,6 +130,7 @@ impl Fleet {
         let on = if matches!(
             step.fault,
             Fault::KillLeader
+                | Fault::KillLeaderBehind
                 | Fault::PauseLeader
                 | Fault::IsolateLeader
                 | Fault::DiskFailsLeader
@@ -257,7 +267,45 @@ impl Fleet {
                 self.engines[w].freeze_bridge(true)?;
                 Injected::BridgePaused(w)
             }
+            Fault::KillLeaderBehind => {
+                self.kill_behind(on).await?;
+                Injected::Killed(on)
+            }
+            Fault::KillGateway => {
+                self.gateway.kill();
+                Injected::GatewayKilled
+            }
+            Fault::PauseGateway => {
+                self.freeze_gateway(true)?;
+                Injected::GatewayPaused
+            }
         })
+    }
+
+    /// Slows member `i`'s log writes to a second a round, waits until it applied
+    /// [`APPLIED_BEHIND`] more entries (committed by the others' disks while its own waits;
+    /// at most 10 s), then kills it.
+    async fn kill_behind(&mut self, i: usize) -> anyhow::Result<()> {
+        let node = &self.cluster.nodes[i];
+        let from = status(node).await.map_or(0, |s| s.applied_index);
+        failpoints(node, DISK_BEHIND).await?;
+        let started = Instant::now();
+        while status(node)
+            .await
+            .is_some_and(|s| s.applied_index < from + APPLIED_BEHIND)
+            && started.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.cluster.nodes[i].kill();
+        Ok(())
+    }
+
+    fn freeze_gateway(&self, frozen: bool) -> anyhow::Result<()> {
+        if !self.gateway.freeze(frozen) {
+            bail!("freezing ({frozen}) the gateway failed");
+        }
+        Ok(())
     }
 
     /// Snapshot builds refused so far, by the process of each member that answers (a
@@ -373,6 +421,9 @@ impl Fleet {
             }
             Injected::BridgeKilled(w) => self.engines[w].bridge.restart(),
             Injected::BridgePaused(w) => self.engines[w].freeze_bridge(false)?,
+            // Started again on its port (it says ready once it listens).
+            Injected::GatewayKilled => self.gateway.restart(),
+            Injected::GatewayPaused => self.freeze_gateway(false)?,
         }
         Ok(())
     }

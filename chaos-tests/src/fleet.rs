@@ -86,8 +86,18 @@ impl Fleet {
             engines.push(Engine::start(dir, POOL, &format!("w{w}"), &url).await?);
         }
         let replicas: Vec<String> = cluster.nodes.iter().map(|n| n.endpoint()).collect();
-        let gateway =
-            kvplane_testkit::gateway(&replicas.join(","), cluster.root.path().join("gateway.log"));
+        // On a port of its own: started again after a kill, it is where its clients look.
+        let gateway = Proc::start(
+            vec![
+                "gateway".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{}", free_port()),
+                "--replicas".into(),
+                replicas.join(","),
+            ],
+            cluster.root.path().join("gateway.log"),
+            "kvplane-gateway ready",
+        );
         let fleet = Fleet {
             cluster,
             js,

@@ -104,6 +104,9 @@ pub struct History {
     /// When members were stopped (kill -9, SIGTERM, a volume lost): the member (`None`: every
     /// member, in turn) and the stretch the fault took, from before it to its heal.
     pub stops: Vec<(Option<usize>, Instant, Instant)>,
+    /// When the gateway was killed or frozen: from before the fault to its heal. Its calls
+    /// then may fail; the members' and the picker's may not.
+    pub gateway_down: Vec<(Instant, Instant)>,
 }
 
 /// The history shared by the workload's tasks.

@@ -23,13 +23,13 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(name = "kvplane-chaos", about)]
 struct Args {
-    /// The seeds to run, one after another (default: 1, or 1 and 2 with --short).
+    /// The seeds to run, one after another (default: 1, or 1 to 4 with --short).
     #[arg(long, value_delimiter = ',')]
     seed: Vec<u64>,
     /// How long each seed injects faults, in seconds (default 600; 30 with --short).
     #[arg(long)]
     duration: Option<u64>,
-    /// CI's mode: two seeds of 30 seconds each.
+    /// CI's mode: four seeds of 30 seconds each.
     #[arg(long)]
     short: bool,
     /// Draw only these faults (default: every kind).
@@ -63,7 +63,11 @@ fn main() -> anyhow::Result<()> {
         None => args.faults.clone(),
     };
     let seeds = if args.seed.is_empty() {
-        if args.short { vec![1, 2] } else { vec![1] }
+        if args.short {
+            vec![1, 2, 3, 4]
+        } else {
+            vec![1]
+        }
     } else {
         args.seed
     };

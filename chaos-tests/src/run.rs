@@ -90,9 +90,13 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
             break;
         }
         tokio::time::sleep(Duration::from_millis(step.healthy_ms)).await;
-        // A bridge is not on the way of a Route or a completion: the fleet stays healthy
-        // through its faults, and any failure then counts.
-        let off_the_path = matches!(step.fault, Fault::KillBridge | Fault::PauseBridge);
+        // A bridge is not on the way of a Route or a completion, nor the gateway on the way of
+        // the members' and the picker's: the fleet stays healthy through their faults, and any
+        // failure then counts (but the gateway's own calls during its faults).
+        let off_the_path = matches!(
+            step.fault,
+            Fault::KillBridge | Fault::PauseBridge | Fault::KillGateway | Fault::PauseGateway
+        );
         if !off_the_path {
             healthy.push((healthy_since, Instant::now()));
         }
@@ -142,6 +146,11 @@ async fn drive(fleet: &mut Fleet, plan: &Plan) -> anyhow::Result<Report> {
         for member in stopped.into_iter().chain(restarted.into_iter().map(Some)) {
             record(&history, |h| {
                 h.stops.push((member, fault_from, Instant::now()))
+            });
+        }
+        if matches!(injected, Injected::GatewayKilled | Injected::GatewayPaused) {
+            record(&history, |h| {
+                h.gateway_down.push((fault_from, Instant::now()))
             });
         }
         if !off_the_path {
@@ -209,7 +218,7 @@ pub fn table(r: &Report) -> String {
     let _ = writeln!(t, "seed {} ({:.0} s)", r.seed, r.ran.as_secs_f64());
     let _ = writeln!(
         t,
-        "  {:<22} {:>5} {:>14} {:>14}",
+        "  {:<28} {:>5} {:>14} {:>14}",
         "fault", "times", "recovery p50", "recovery max"
     );
     for (fault, times) in &r.recoveries {
@@ -217,7 +226,7 @@ pub fn table(r: &Report) -> String {
         sorted.sort();
         let _ = writeln!(
             t,
-            "  {:<22} {:>5} {:>14} {:>14}",
+            "  {:<28} {:>5} {:>14} {:>14}",
             fault.label(),
             times.len(),
             millis(sorted[(sorted.len() - 1) / 2]),

@@ -47,10 +47,17 @@ pub enum Fault {
     KillBridge,
     /// SIGSTOP an engine's bridge, then SIGCONT.
     PauseBridge,
+    /// The leader's log rounds made to take a second each, then, once it applied entries its
+    /// own disk cannot have taken yet (its followers' did), SIGKILL; started again at the heal.
+    KillLeaderBehind,
+    /// SIGKILL the gateway, then start it again (same port).
+    KillGateway,
+    /// SIGSTOP the gateway, then SIGCONT.
+    PauseGateway,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 20] = [
+    pub const ALL: [Fault; 23] = [
         Fault::KillLeader,
         Fault::KillFollower,
         Fault::PauseLeader,
@@ -71,6 +78,9 @@ impl Fault {
         Fault::KillBridge,
         Fault::PauseBridge,
         Fault::PauseNats,
+        Fault::KillLeaderBehind,
+        Fault::KillGateway,
+        Fault::PauseGateway,
     ];
 
     pub fn label(self) -> &'static str {
@@ -95,6 +105,9 @@ impl Fault {
             Fault::KillBridge => "kill -9 bridge",
             Fault::PauseBridge => "pause bridge",
             Fault::PauseNats => "pause nats-server",
+            Fault::KillLeaderBehind => "kill -9 leader, disk behind",
+            Fault::KillGateway => "kill -9 gateway",
+            Fault::PauseGateway => "pause gateway",
         }
     }
 }
@@ -112,7 +125,7 @@ pub struct Step {
 /// A named set of faults, several named after the fixed scenarios of `node/tests` that inject
 /// them: the runner draws them at random and checks its own invariants (those tests keep
 /// their own assertions).
-pub const SCENARIOS: [(&str, &[Fault], &str); 8] = [
+pub const SCENARIOS: [(&str, &[Fault], &str); 10] = [
     (
         "quota-leader-kill",
         &[Fault::IsolateFollower, Fault::KillLeader],
@@ -172,6 +185,16 @@ pub const SCENARIOS: [(&str, &[Fault], &str); 8] = [
             Fault::PauseNats,
         ],
         "bridges killed and frozen, nats-server killed: every engine batch applied once (node/tests/fleet_faults.rs)",
+    ),
+    (
+        "leader-lost-writes",
+        &[Fault::KillLeaderBehind, Fault::KillLeader],
+        "a leader killed with committed entries its own disk had not taken: back as a follower, it learns them (the divergence this runner found; node/tests/cluster_faults.rs)",
+    ),
+    (
+        "gateway",
+        &[Fault::KillGateway, Fault::PauseGateway],
+        "the gateway killed or frozen: its clients fail meanwhile, members and the endpoint picker do not",
     ),
 ];
 

@@ -1,7 +1,8 @@
 //! Faults a Raft cluster of real `kvplane serve` processes must survive: a follower cut off by
-//! the network, a frozen (SIGSTOP) leader, a member away while the log was compacted, disks
-//! that refuse log or snapshot writes (failpoints), and members that join an existing cluster
-//! on their own.
+//! the network, a frozen (SIGSTOP) leader, a leader killed before its own disk took what its
+//! followers committed, a member away while the log was compacted, disks that refuse log or
+//! snapshot writes and a refused ingest proposal (failpoints), and members that join an
+//! existing cluster on their own.
 
 #![allow(clippy::unwrap_used)]
 
@@ -259,8 +260,32 @@ async fn a_leader_killed_before_its_own_disk_took_an_acknowledged_write_keeps_it
         .failpoints("raft-log-write=sleep(5000)")
         .await;
     let acked = put_pool_until_acknowledged(&cluster.nodes[leader], "before-kill").await;
+    let follower = (0..3).find(|i| *i != leader).unwrap();
+    let led = leader_and_term(&cluster.nodes[follower]).await;
     cluster.nodes[leader].kill();
     cluster.nodes[leader].restart();
+    // What the test is about: the kill took the acknowledged entry from the leader's log (its
+    // round was still waiting on the slow disk), and the followers still follow it, in the
+    // same term, when it is back.
+    let log = cluster.nodes[leader].log();
+    let kept = log
+        .lines()
+        .find(|l| l.contains("get_initial_state"))
+        .and_then(|l| l.split("last_log_id: ").nth(1))
+        .and_then(|id| {
+            id.split_whitespace()
+                .next()?
+                .rsplit('.')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no last log id at start in:\n{log}"));
+    assert!(
+        kept < acked,
+        "the restarted leader's log holds {kept} >= {acked}"
+    );
+    assert_eq!(leader_and_term(&cluster.nodes[follower]).await, led);
     // Had it resumed leading, the followers (still following it) would take this write's entry
     // for the one they hold at the lost entry's log id.
     let after = put_pool_until_acknowledged(&cluster.nodes[leader], "after-restart").await;
@@ -372,6 +397,34 @@ async fn a_member_whose_log_writes_fail_exits_with_an_error_and_catches_up_when_
     cluster.nodes[failing].restart();
     let last = publish_chains(&js, 15, 20).await;
     cluster.all_agree(&[0, 1, 2], last).await;
+}
+
+/// Found by the chaos runner: the leader's stream consumer ended on a proposal refused as "not
+/// the leader" while the member went on leading, and nothing consumed the stream until the next
+/// election. The refusal forced once (a failpoint): the consumer is started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_consumer_ends_while_it_leads_consumes_the_stream_again() {
+    let (cluster, js) = started(&NodeOptions::default()).await;
+    let last = publish_chains(&js, 0, 5).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let (_, term) = leader_and_term(&cluster.nodes[leader]).await;
+    cluster.nodes[leader]
+        .failpoints("raft-ingest-propose=1*return")
+        .await;
+
+    let last = publish_chains(&js, 5, 15).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    // The same member led throughout, in the same term: its consumer came back on its own.
+    assert_eq!(
+        leader_and_term(&cluster.nodes[leader]).await,
+        (cluster.nodes[leader].raft_id.unwrap(), term)
+    );
+    let log = cluster.nodes[leader].log();
+    assert!(
+        log.contains("ingest ended while this member leads; starting it again"),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

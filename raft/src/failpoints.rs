@@ -1,5 +1,6 @@
 //! Failpoints (the `fail` crate) on the member's disk writes, for fault tests: a log write or
-//! a snapshot write that fails, or that is slow, as a disk would. Set at run time through
+//! a snapshot write that fails, or that is slow, as a disk would; and a stream batch's
+//! proposal refused as if leadership had just moved. Set at run time through
 //! `Admin.SetFailpoints`, only on a node with `raft.fault_injection`; with none set, each point
 //! costs a lookup in an empty registry. The registry is the process's: one member per process.
 //! Each point fires before its write (a write refused or delayed whole): torn writes, or an
@@ -10,8 +11,12 @@ pub const LOG_WRITE: &str = "raft-log-write";
 /// A snapshot written to the data directory (one built here, or one installed from the leader).
 pub const SNAPSHOT_WRITE: &str = "raft-snapshot-write";
 
+/// The proposal of a stream batch (ingest), refused as "not the leader" while the member
+/// leads: what a term change too quick for the proposer to see looks like.
+pub const INGEST_PROPOSE: &str = "raft-ingest-propose";
+
 /// Every failpoint a member has.
-pub const ALL: [&str; 2] = [LOG_WRITE, SNAPSHOT_WRITE];
+pub const ALL: [&str; 3] = [LOG_WRITE, SNAPSHOT_WRITE, INGEST_PROPOSE];
 
 /// Why a failpoint setting was refused (nothing of it was applied).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

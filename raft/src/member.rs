@@ -42,6 +42,11 @@ impl Proposer for RaftLog {
 
 impl RaftLog {
     async fn propose_here(&self, command: Command) -> Result<u64, ProposeError> {
+        if matches!(command, Command::Ingest(_)) {
+            fail::fail_point!(crate::failpoints::INGEST_PROPOSE, |_| Err(
+                ProposeError::NotLeader { leader: None }
+            ));
+        }
         let span = tracing::debug_span!(
             "raft.propose",
             command = command.kind(),

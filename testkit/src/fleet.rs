@@ -751,6 +751,12 @@ impl Proc {
         field(&self.ready, key)
     }
 
+    /// SIGSTOP (`frozen`) or SIGCONT; false when it is not running or the signal failed.
+    pub fn freeze(&self, frozen: bool) -> bool {
+        let sig = if frozen { "-STOP" } else { "-CONT" };
+        self.child.as_ref().is_some_and(|c| process::signal(c, sig))
+    }
+
     /// The log of the current run.
     pub fn current_log(&self) -> String {
         let path = if self.restarts == 0 {
