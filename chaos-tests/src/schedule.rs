@@ -47,8 +47,9 @@ pub enum Fault {
     KillBridge,
     /// SIGSTOP an engine's bridge, then SIGCONT.
     PauseBridge,
-    /// The leader's log rounds made to take a second each, then, once it applied entries its
-    /// own disk cannot have taken yet (its followers' did), SIGKILL; started again at the heal.
+    /// The leader's log rounds made to take a second each, then, once it applied ten more
+    /// entries (committed by its followers' disks while its own waited: the last of them are
+    /// not on its disk yet), SIGKILL; started again at the heal.
     KillLeaderBehind,
     /// SIGKILL the gateway, then start it again (same port).
     KillGateway,

@@ -244,10 +244,10 @@ async fn put_pool_until_acknowledged(node: &Node, name: &str) -> u64 {
 /// entries at the same index. It must come back as a follower and learn what it lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_killed_before_its_own_disk_took_an_acknowledged_write_keeps_it_and_agrees() {
-    // Followers wait 3-4 s for a leader that went silent: it is back long before.
+    // Followers wait 5-6 s for a leader that went silent: it is back long before.
     let o = NodeOptions {
         raft: Some(RaftOptions {
-            election_timeout_ms: Some((3000, 4000)),
+            election_timeout_ms: Some((5000, 6000)),
             ..Default::default()
         }),
         ..Default::default()

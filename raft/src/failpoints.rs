@@ -3,7 +3,7 @@
 //! proposal refused as if leadership had just moved. Set at run time through
 //! `Admin.SetFailpoints`, only on a node with `raft.fault_injection`; with none set, each point
 //! costs a lookup in an empty registry. The registry is the process's: one member per process.
-//! Each point fires before its write (a write refused or delayed whole): torn writes, or an
+//! Each disk point fires before its write (a write refused or delayed whole): torn writes, or an
 //! fsync that fails after the data was written, are not modelled.
 
 /// A round of the log's writer thread (one redb transaction: appends, truncations, the vote).
