@@ -81,6 +81,8 @@ pub struct Config {
     /// Engines found as pods of the Kubernetes cluster the node runs in (worker sets with a
     /// `selector` or an `inferencePoolRef`).
     pub kubernetes_engines: Option<crate::sources::kube_engines::KubeEnginesSection>,
+    /// Health checks of the engines worker sets list at fixed addresses.
+    pub endpoint_health: crate::sources::static_health::EndpointHealthSection,
     /// Replication. Absent (or with no peers, join addresses or kubernetes): a one-member
     /// cluster of its own.
     pub raft: RaftSection,
@@ -197,6 +199,7 @@ impl Default for Config {
 
             policy_kubernetes: None,
             kubernetes_engines: None,
+            endpoint_health: Default::default(),
             quota: QuotaSection::default(),
             tls: None,
             access: AccessSection::default(),
@@ -376,6 +379,7 @@ impl Config {
         p.extend(self.nats.problems(|key| format!("nats.{key}")));
         p.extend(self.cost.problems());
         p.extend(self.picker.problems());
+        p.extend(self.endpoint_health.problems());
         p.extend(self.limits.problems());
         p.extend(self.http.problems(|k| format!("http.{k}")));
         if self.policy_poll_ms == 0 {

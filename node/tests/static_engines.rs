@@ -11,6 +11,7 @@ mod harness;
 use std::time::Duration;
 
 use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually};
+use kvplane_proto::v1::route_response::Decision;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listed_engines_serve_requests_with_or_without_a_bridge() {
@@ -112,4 +113,110 @@ async fn listed_engines_serve_requests_with_or_without_a_bridge() {
             .unwrap_or(0.0);
         assert!(served >= 1.0, "{metrics}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_engine_that_stops_answering_is_not_routed_to_until_it_answers_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = dir.path().join("fleet");
+    let engines = [
+        Engine::sim(&fleet, "e-1", [0; 3], &[]),
+        Engine::sim(&fleet, "e-2", [0; 3], &[]),
+    ];
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    let listed: String = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            format!(
+                "  - {{worker: e-{}, address: 'http://{}'}}\n",
+                i + 1,
+                e.field("http")
+            )
+        })
+        .collect();
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: ws}}\nspec:\n  model: sim-8b\n  endpoints:\n{listed}"
+        ),
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies),
+            pools: vec![],
+            extra_toml: "[endpoint_health]\ninterval_ms = 200\ntimeout_ms = 300\nfailures = 2\n"
+                .into(),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    let routable = || async {
+        node.status()
+            .await
+            .workers
+            .iter()
+            .map(|w| (w.worker_id.clone(), w.up))
+            .collect::<Vec<_>>()
+    };
+    let s = |v: &str| v.to_owned();
+    eventually(
+        "both listed engines routable",
+        Duration::from_secs(30),
+        || async { (routable().await == [(s("e-1"), true), (s("e-2"), true)]).then_some(()) },
+    )
+    .await;
+
+    // e-1 stops answering (SIGSTOP: its port still accepts, nothing answers).
+    assert!(engines[0].freeze(true));
+    eventually("e-1 out of routing", Duration::from_secs(20), || async {
+        (routable().await == [(s("e-1"), false), (s("e-2"), true)]).then_some(())
+    })
+    .await;
+    let mut router = node.router().await;
+    for i in 0..20 {
+        let r = router
+            .route(kvplane_proto::v1::RouteRequest {
+                request_id: format!("r{i}"),
+                model: "sim-8b".into(),
+                token_ids: (0..64).map(|t| t + i * 64).collect(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let chosen = match &r.decision {
+            Some(Decision::Endpoint(e)) => e.worker_id.as_str(),
+            _ => "",
+        };
+        assert_eq!(chosen, "e-2", "{r:?}");
+    }
+    let metrics = node.metrics().await;
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        value("kvplane_endpoint_health_checks_failed_total") >= 2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        value("kvplane_endpoint_health_changes_applied_total"),
+        1.0,
+        "{metrics}"
+    );
+
+    // Answering again, it is back at the next check.
+    assert!(engines[0].freeze(false));
+    eventually("e-1 routable again", Duration::from_secs(20), || async {
+        (routable().await == [(s("e-1"), true), (s("e-2"), true)]).then_some(())
+    })
+    .await;
 }

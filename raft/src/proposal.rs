@@ -61,6 +61,12 @@ impl fmt::Display for Proposal {
                 u.pool,
                 u.endpoints.len()
             ),
+            Command::EndpointHealth(u) => format!(
+                "health of {} ({} of {} static endpoints answer)",
+                u.pool,
+                u.endpoints.iter().filter(|(_, ready)| *ready).count(),
+                u.endpoints.len()
+            ),
             Command::QuotaClose {
                 replica,
                 incarnation,

@@ -52,6 +52,9 @@ pub enum Command {
     /// Every endpoint Kubernetes reports now for a worker set that finds its engines there
     /// (its selector's pods, or its `InferencePool`'s). Proposed by the leader.
     Endpoints(crate::EndpointsUpdate),
+    /// What the leader's health checks found of a worker set's static endpoints: those that
+    /// stopped answering are not routable until they answer again. Proposed by the leader.
+    EndpointHealth(crate::HealthUpdate),
     /// A replica's process stops in order, having settled what it acknowledged and released
     /// what it did not spend: its tickets settle nothing through the ledger any more
     /// ([`crate::Ledger::close`]).
@@ -95,6 +98,7 @@ impl Command {
             Self::Quota(_) => "quota",
             Self::ExpireLeases { .. } => "expire_leases",
             Self::Endpoints(_) => "endpoints",
+            Self::EndpointHealth(_) => "endpoint_health",
             Self::QuotaClose { .. } => "quota_close",
         }
     }

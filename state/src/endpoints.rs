@@ -48,6 +48,15 @@ pub struct DiscoveredEndpoint {
     pub ready: bool,
 }
 
+/// What the leader's health checks found of a worker set's static endpoints: each one named
+/// answers (`true`) or not. Endpoints not named keep what they had.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthUpdate {
+    pub pool: String,
+    /// `(worker, ready)`.
+    pub endpoints: Vec<(String, bool)>,
+}
+
 /// Every endpoint Kubernetes reports for one pool now: workers of the pool left out have no
 /// Kubernetes endpoint any more.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,14 +65,19 @@ pub struct EndpointsUpdate {
     pub endpoints: Vec<DiscoveredEndpoint>,
 }
 
+/// Why an entry about `pool`'s endpoints is refused.
+fn refused(pool: &str, reason: &str) -> ApplyError {
+    ApplyError::InvalidConfig {
+        kind: kvplane_policy::Kind::WorkerSet.as_str().into(),
+        name: pool.to_owned(),
+        reason: reason.into(),
+    }
+}
+
 impl StateMachine {
     /// Applies what Kubernetes reports for a pool whose worker set finds its engines there.
     pub(crate) fn apply_endpoints(&mut self, update: &EndpointsUpdate) -> Result<(), ApplyError> {
-        let refuse = |reason: &str| ApplyError::InvalidConfig {
-            kind: kvplane_policy::Kind::WorkerSet.as_str().into(),
-            name: update.pool.clone(),
-            reason: reason.into(),
-        };
+        let refuse = |reason: &str| refused(&update.pool, reason);
         let Some(ws) = self.catalog.worker_sets.get(&update.pool) else {
             return Err(refuse(
                 "no such worker set: its endpoints cannot come from kubernetes",
@@ -83,6 +97,44 @@ impl StateMachine {
             (e.worker.as_str(), found)
         });
         self.set_discovered(&update.pool, endpoints.collect());
+        self.dirty.pools.insert(update.pool.clone());
+        Ok(())
+    }
+
+    /// Applies what the leader's health checks found of `pool`'s static endpoints: a listed
+    /// worker that does not answer is not routable until it answers again. Workers the worker
+    /// set no longer lists are left alone (the list changed after the checks ran).
+    pub(crate) fn apply_health(&mut self, update: &HealthUpdate) -> Result<(), ApplyError> {
+        let refuse = |reason: &str| refused(&update.pool, reason);
+        let Some(ws) = self.catalog.worker_sets.get(&update.pool) else {
+            return Err(refuse(
+                "no such worker set: its endpoints cannot be checked",
+            ));
+        };
+        if ws.finds_engines_in_kubernetes() || ws.endpoints.is_empty() {
+            return Err(refuse(
+                "it lists no endpoints: only static endpoints are health-checked by kvplane",
+            ));
+        }
+        for (name, ready) in &update.endpoints {
+            let key = (update.pool.clone(), name.clone());
+            let Some(worker) = self.workers.get_mut(&key) else {
+                continue;
+            };
+            if !worker
+                .discovered
+                .as_ref()
+                .is_some_and(|d| d.found == Found::Static && d.ready != *ready)
+            {
+                continue;
+            }
+            let before = worker_fact(&key.0, &key.1, worker);
+            if let Some(d) = worker.discovered.as_mut() {
+                d.ready = *ready;
+            }
+            let after = worker_fact(&key.0, &key.1, worker);
+            self.parts.workers = self.parts.workers.wrapping_sub(before).wrapping_add(after);
+        }
         self.dirty.pools.insert(update.pool.clone());
         Ok(())
     }
@@ -110,15 +162,27 @@ impl StateMachine {
             self.set_discovered(pool, kept);
             return;
         }
-        let endpoints = spec.endpoints.iter().map(|e| {
-            let found = Discovered {
-                address: e.address.clone(),
-                ready: true,
-                found: Found::Static,
-            };
-            (e.worker.as_str(), found)
-        });
-        self.set_discovered(pool, endpoints.collect());
+        // A listed endpoint is ready until a health check says otherwise; one listed again at
+        // the same address keeps what the checks last said of it.
+        let endpoints: Vec<(&str, Discovered)> = spec
+            .endpoints
+            .iter()
+            .map(|e| {
+                let ready = self
+                    .workers
+                    .get(&(pool.to_owned(), e.worker.clone()))
+                    .and_then(|w| w.discovered.as_ref())
+                    .filter(|d| d.found == Found::Static && d.address == e.address)
+                    .is_none_or(|d| d.ready);
+                let found = Discovered {
+                    address: e.address.clone(),
+                    ready,
+                    found: Found::Static,
+                };
+                (e.worker.as_str(), found)
+            })
+            .collect();
+        self.set_discovered(pool, endpoints);
     }
 
     /// Sets the endpoints of `pool`'s workers to `endpoints` (by worker name): a listed worker

@@ -372,6 +372,7 @@ impl StateMachine {
             }
             Command::ExpireLeases { lease_ms } => self.expire_leases(at, *lease_ms, &mut out),
             Command::Endpoints(update) => out.rejected = self.apply_endpoints(update).err(),
+            Command::EndpointHealth(update) => out.rejected = self.apply_health(update).err(),
         }
         self.flush_writes();
         for (reason, n) in &out.dropped {

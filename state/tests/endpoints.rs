@@ -11,7 +11,8 @@ mod support;
 use support::{apply_at, two_blocks};
 
 use kvplane_state::{
-    Command, DiscoveredEndpoint, EndpointsUpdate, Found, IngestPayload, Owner, StateMachine,
+    Command, DiscoveredEndpoint, EndpointsUpdate, Found, HealthUpdate, IngestPayload, Owner,
+    StateMachine,
 };
 use serde_json::{Value, json};
 
@@ -50,6 +51,16 @@ fn pods(endpoints: &[(&str, &str, bool)]) -> Command {
                 address: (*a).into(),
                 ready: *ready,
             })
+            .collect(),
+    })
+}
+
+fn health(endpoints: &[(&str, bool)]) -> Command {
+    Command::EndpointHealth(HealthUpdate {
+        pool: "ws".into(),
+        endpoints: endpoints
+            .iter()
+            .map(|(w, ready)| ((*w).into(), *ready))
             .collect(),
     })
 }
@@ -315,4 +326,79 @@ fn a_routable_worker_whose_stream_goes_down_keeps_no_load_it_last_reported() {
     assert_eq!(load(&sm), (true, 9, 2));
     apply_at(&mut sm, 5_000, Command::ExpireLeases { lease_ms: 1_000 });
     assert_eq!(load(&sm), (true, 0, 0));
+}
+
+#[test]
+fn a_static_endpoint_that_fails_its_health_check_is_not_routable_until_it_answers_again() {
+    let mut sm = StateMachine::new();
+    apply_at(&mut sm, 1, static_set(&[("w0", A0), ("w1", A1)]));
+    let m = message(&sm, "w0", two_blocks());
+    apply_at(&mut sm, 1_000, m);
+    let routable = |sm: &StateMachine| -> Vec<(String, bool)> {
+        workers(sm).into_iter().map(|r| (r.0, r.1)).collect()
+    };
+    let s = |v: &str| v.to_owned();
+    apply_at(&mut sm, 2_000, health(&[("w0", false), ("w1", true)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), false), (s("w1"), true)]);
+    // What it streamed stays: the check decides whether it is routable, not what it caches.
+    assert_eq!(
+        workers(&sm)[0],
+        row("w0", false, true, A0, Some(Found::Static), 2)
+    );
+    // The worker set applied again with the same address keeps what the checks said.
+    apply_at(&mut sm, 3_000, static_set(&[("w0", A0), ("w1", A1)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), false), (s("w1"), true)]);
+    apply_at(&mut sm, 4_000, health(&[("w0", true)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
+    // At a new address it is a new endpoint: ready until checked.
+    apply_at(&mut sm, 5_000, health(&[("w1", false)]));
+    apply_at(&mut sm, 6_000, static_set(&[("w0", A0), ("w1", A0)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
+}
+
+#[test]
+fn health_of_endpoints_the_set_does_not_list_changes_nothing_and_a_set_without_a_list_is_refused() {
+    let mut sm = StateMachine::new();
+    let out = apply_at(&mut sm, 1, health(&[("w0", false)]));
+    assert!(
+        out.rejected
+            .unwrap()
+            .to_string()
+            .contains("no such worker set")
+    );
+    apply_at(&mut sm, 2, selector_set());
+    apply_at(&mut sm, 3, pods(&[("pod-a", A0, true)]));
+    let out = apply_at(&mut sm, 4, health(&[("pod-a", false)]));
+    assert!(
+        out.rejected
+            .unwrap()
+            .to_string()
+            .contains("only static endpoints are health-checked")
+    );
+    assert_eq!(
+        workers(&sm),
+        vec![row("pod-a", true, false, A0, Some(Found::Kubernetes), 0)]
+    );
+    // A streamed worker the list does not name, and a name nobody knows: untouched.
+    apply_at(&mut sm, 5, static_set(&[("w0", A0)]));
+    let m = message(&sm, "w9", announce(A1));
+    apply_at(&mut sm, 1_000, m);
+    let before = sm.digest();
+    apply_at(&mut sm, 2_000, health(&[("w9", false), ("nobody", false)]));
+    assert_eq!(sm.digest(), before);
+    assert!(workers(&sm).iter().all(|r| r.1), "{:?}", workers(&sm));
+}
+
+#[test]
+fn health_is_in_the_digest_and_a_snapshot_keeps_it() {
+    let mut sm = StateMachine::new();
+    apply_at(&mut sm, 1, static_set(&[("w0", A0), ("w1", A1)]));
+    let up = sm.digest();
+    apply_at(&mut sm, 2, health(&[("w1", false)]));
+    assert_ne!(sm.digest(), up);
+    let restored = StateMachine::restore(&sm.snapshot().unwrap()).unwrap();
+    assert_eq!(restored.digest(), sm.digest());
+    assert_eq!(workers(&restored), workers(&sm));
+    apply_at(&mut sm, 3, health(&[("w1", true)]));
+    assert_eq!(sm.digest(), up, "back as it was: the same digest");
 }

@@ -92,6 +92,13 @@ pub(super) fn config_sources(p: &mut Parts, tasks: &mut Tasks) -> Option<watch::
             sources::directory::run((dir, bounds), every, s, m, stop)
         });
     }
+    if p.cfg.endpoint_health.interval_ms > 0 {
+        let (cfg, s) = (p.cfg.endpoint_health.clone(), source.clone());
+        let m = p.metrics.endpoint_health.clone();
+        tasks.spawn("listed engines' health", |stop| {
+            sources::static_health::run(cfg, s, m, stop)
+        });
+    }
     if let Some((client, namespace, resync)) = p.kube_engines.take() {
         let (s, m) = (source.clone(), p.metrics.kube_engines.clone());
         tasks.spawn("kubernetes engines", |stop| {

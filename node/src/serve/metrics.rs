@@ -18,6 +18,7 @@ use crate::routed_share::ShareMetrics;
 use crate::sources::directory::PolicySourceMetrics;
 use crate::sources::kube_engines::KubeEnginesMetrics;
 use crate::sources::kubernetes::KubeSourceMetrics;
+use crate::sources::static_health::EndpointHealthMetrics;
 
 /// The families of every component, registered once.
 #[derive(Default)]
@@ -28,6 +29,7 @@ pub(super) struct NodeMetrics {
     pub directory: Arc<PolicySourceMetrics>,
     pub kubernetes: Arc<KubeSourceMetrics>,
     pub kube_engines: Arc<KubeEnginesMetrics>,
+    pub endpoint_health: Arc<EndpointHealthMetrics>,
     pub share: Arc<ShareMetrics>,
     pub quota: QuotaMetrics,
     pub raft: Arc<RaftGauges>,
@@ -43,6 +45,7 @@ impl NodeMetrics {
         self.share.register(r);
         self.quota.register(r);
         self.raft.register(r);
+        self.endpoint_health.register(r);
         if kubernetes {
             self.kubernetes.register(r);
         }

@@ -5,6 +5,7 @@
 pub mod directory;
 pub mod kube_engines;
 pub mod kubernetes;
+pub mod static_health;
 
 use std::sync::Arc;
 
