@@ -687,6 +687,16 @@ impl Predictor {
         );
     }
 
+    /// A routed request was served elsewhere (a gateway's retry on an alternative): it leaves
+    /// the queue of the worker it was routed to, which learns nothing from it.
+    pub fn forget(&self, worker_set: &str, worker: &str, request_id: &str) {
+        let mut g = self.lock();
+        let q = g.queue(worker_set, worker);
+        if let Some(i) = q.pending.iter().position(|p| p.request_id == request_id) {
+            q.pending.remove(i);
+        }
+    }
+
     /// A routed request's first token came after `observed_ms`: it is no longer pending, and
     /// its worker set's calibration moves toward observed / predicted.
     pub fn observed(

@@ -15,7 +15,7 @@ use tracing::field::Empty;
 use crate::pipeline::Mode;
 use crate::predict::Predictor;
 use crate::quota::Escrow;
-use crate::usage::{Routed, Start, UsageBook};
+use crate::usage::{Routed, Start, UsageBook, served_elsewhere};
 use crate::{ApiMetrics, Consistency, CostModel};
 
 /// Serves Route, Explain and ReportUsage from the local state.
@@ -352,14 +352,27 @@ impl RouterService {
                 predicted_ttft_ms,
             } = &start
             {
-                self.predictor.observed(
-                    ws,
-                    w,
-                    &report.request_id,
-                    *predicted_ttft_ms,
-                    report.observed_ttft_ms,
-                );
-                self.predictor.decoding(ws, w, &report.request_id);
+                let view = self.state.load();
+                match served_elsewhere(report.served.as_ref(), (ws, w), &view) {
+                    None => {
+                        self.predictor.observed(
+                            ws,
+                            w,
+                            &report.request_id,
+                            *predicted_ttft_ms,
+                            report.observed_ttft_ms,
+                        );
+                        self.predictor.decoding(ws, w, &report.request_id);
+                    }
+                    Some(served) => {
+                        // Its time to first token is another engine's: nothing to learn here.
+                        self.predictor.forget(ws, w, &report.request_id);
+                        if let Some((sws, sw)) = &served {
+                            self.predictor.decoding(sws, sw, &report.request_id);
+                        }
+                        self.usage.moved(&report.request_id, served);
+                    }
+                }
             }
             return Ok(Response::new(UsageAck {
                 known: start != Start::Unknown,
@@ -398,7 +411,12 @@ impl RouterService {
         }) = &routed
         {
             if *started {
+                // Where it ran (where it was served, when a first-token report said so).
                 self.predictor.finished(ws, w, &report.request_id);
+            } else if served_elsewhere(report.served.as_ref(), (ws, w), &self.state.load())
+                .is_some()
+            {
+                self.predictor.forget(ws, w, &report.request_id);
             } else {
                 self.predictor.observed(
                     ws,

@@ -134,6 +134,20 @@ impl UsageBook {
         }
     }
 
+    /// The request was served by `worker` (`None`: not by a worker this replica knows), not
+    /// where it was routed: its final report ends it there.
+    pub(crate) fn moved(&self, request_id: &str, worker: Option<(String, String)>) {
+        if let Some(r) = self
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .get_mut(request_id)
+        {
+            r.worker = worker;
+        }
+    }
+
     /// The tenant of a request routed here and not yet reported whole.
     pub(crate) fn tenant_of(&self, request_id: &str) -> Option<String> {
         self.inner
@@ -150,6 +164,41 @@ impl UsageBook {
             .unwrap_or_else(|p| p.into_inner())
             .map
             .remove(request_id)
+    }
+}
+
+/// Where a reported request was served when not by `routed` (its worker set and worker), as
+/// `UsageReport.served` says: `None` when `routed` served it (or the report does not say),
+/// `Some(None)` when something this replica cannot name as a worker did (a provider, an
+/// address no worker has).
+pub(crate) fn served_elsewhere(
+    served: Option<&kvplane_proto::v1::Endpoint>,
+    routed: (&str, &str),
+    view: &kvplane_state::View,
+) -> Option<Option<(String, String)>> {
+    let e = served?;
+    if !e.provider.is_empty() {
+        return Some(None);
+    }
+    let worker = if e.worker_id.is_empty() {
+        // An address only (the endpoint picker's proxy says `ip:port`): the worker there.
+        let bare = |a: &str| {
+            let a = a.trim_end_matches('/');
+            a.split_once("://").map_or(a, |(_, rest)| rest).to_owned()
+        };
+        let wanted = bare(&e.address);
+        if wanted.is_empty() {
+            return None;
+        }
+        view.workers()
+            .find(|w| w.address.as_deref().is_some_and(|a| bare(a) == wanted))
+            .map(|w| (w.pool.clone(), w.name.to_string()))
+    } else {
+        Some((e.pool.clone(), e.worker_id.clone()))
+    };
+    match worker {
+        Some((pool, w)) if pool == routed.0 && w == routed.1 => None,
+        other => Some(other),
     }
 }
 

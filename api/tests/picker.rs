@@ -441,6 +441,90 @@ async fn an_answer_cut_off_keeps_its_reservation_and_one_that_never_came_is_refu
     assert_eq!(spent(&escrow), reserved);
 }
 
+/// The proxy's word that `endpoint` served the request (`envoy.lb` metadata, as Envoy's
+/// load balancer writes it).
+fn served_by(endpoint: &str) -> Metadata {
+    Metadata {
+        filter_metadata: [(
+            "envoy.lb".to_owned(),
+            Struct {
+                fields: [(
+                    "x-gateway-destination-endpoint-served".to_owned(),
+                    Value {
+                        kind: Some(Kind::StringValue(endpoint.into())),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn an_answer_the_proxy_got_from_another_endpoint_runs_there_and_teaches_the_pick_nothing() {
+    let body = completion("m");
+    let (_f, svc, metrics) = w1_caches(&body);
+    let predictor = Arc::new(kvplane_api::predict::Predictor::new(Arc::new(|| 1_000)));
+    let svc = svc.with_predictor(predictor.clone());
+    let running = |svc: &RouterService| {
+        support::explain(svc, support::request("x", "m", &[], vec![7; 16]))
+            .candidates
+            .iter()
+            .map(|c| (c.endpoint.as_ref().unwrap().worker_id.clone(), c.running))
+            .collect::<std::collections::BTreeMap<String, u32>>()
+    };
+    let mut client = picker(svc.clone()).await;
+    let mut p = Proxy::ask(&mut client, "f1", &body, None).await;
+    let first = p.recv_whole().await;
+    assert_eq!(lb_destination(&first).as_deref(), Some("w1:8000"));
+    streamed_body(&mut p).await;
+    // w1 did not answer; the proxy's fallback w0 did, and its metadata says so.
+    p.send(ProcessingRequest {
+        request: Some(In::ResponseHeaders(HttpHeaders {
+            headers: header_map(&[(":status", "200"), ("content-type", "text/event-stream")]),
+            ..Default::default()
+        })),
+        metadata_context: Some(served_by("w0:8000")),
+        ..Default::default()
+    })
+    .await;
+    p.recv().await;
+    p.send(msg(In::ResponseBody(HttpBody {
+        body: b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n".to_vec(),
+        end_of_stream: false,
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    kvplane_testkit::eventually(
+        "the first token reported",
+        std::time::Duration::from_secs(5),
+        || async { (metrics.usage_reports("first_token") == 1).then_some(()) },
+    )
+    .await;
+    assert_eq!(metrics.picker_requests("served_elsewhere"), 1);
+    let now = running(&svc);
+    assert_eq!(
+        (now["w0"], now["w1"]),
+        (1, 0),
+        "it runs on w0, which served it"
+    );
+    assert_eq!(predictor.calibration("default"), 1.0, "w1 learned nothing");
+    p.send(msg(In::ResponseBody(HttpBody {
+        body: b"data: [DONE]\n\n".to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    })))
+    .await;
+    p.recv().await;
+    eventually_reports(&metrics, 1).await;
+    assert_eq!(running(&svc)["w0"], 0, "ended there");
+}
+
 /// Waits until `n` final reports were settled.
 async fn eventually_reports(metrics: &ApiMetrics, n: u64) {
     kvplane_testkit::eventually(

@@ -9,6 +9,7 @@ mod support;
 use std::sync::Arc;
 
 use kvplane_api::predict::Predictor;
+use kvplane_proto::v1::router_server::Router as _;
 use support::{
     ACME_LIMIT, EXAMPLES, TestFleet, apply_policies, explain, pools_node, report,
     report_first_token, request, route, target, tokens,
@@ -129,6 +130,18 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
 
 /// The requests the predictor counts as waiting on `worker` of pool `default`, asked as of no
 /// metrics sample.
+/// What each worker runs as an Explain sees it.
+fn running(s: &kvplane_api::RouterService) -> std::collections::BTreeMap<String, u32> {
+    explain(s, request("x", "m", &[], tokens(3, 16)))
+        .candidates
+        .iter()
+        .map(|c| {
+            let e = c.endpoint.as_ref().unwrap();
+            (e.worker_id.clone(), c.running)
+        })
+        .collect()
+}
+
 fn queued(p: &Predictor, worker: &str) -> u32 {
     let name: Arc<str> = worker.into();
     p.peek_pending(
@@ -198,16 +211,6 @@ fn a_first_token_report_takes_the_request_out_of_its_queue_it_runs_there_until_i
     assert!(report_first_token(&s, "r1", 2.0 * predicted).known);
     assert_eq!(predictor.calibration("default"), calibrated);
     // Until its end it runs there (the engine's metrics, never sampled, say nothing).
-    let running = |s: &kvplane_api::RouterService| {
-        explain(s, request("x", "m", &[], tokens(3, 16)))
-            .candidates
-            .iter()
-            .map(|c| {
-                let e = c.endpoint.as_ref().unwrap();
-                (e.worker_id.clone(), c.running)
-            })
-            .collect::<std::collections::BTreeMap<String, u32>>()
-    };
     assert_eq!(running(&s)[&worker], 1);
     assert!(running(&s).iter().all(|(w, n)| *w == worker || *n == 0));
     // The final report still finds the request (what limits hold is settled there), once.
@@ -219,6 +222,100 @@ fn a_first_token_report_takes_the_request_out_of_its_queue_it_runs_there_until_i
         !report_first_token(&s, "r1", 1.0).known,
         "nothing left to start"
     );
+}
+
+/// A usage report saying where the request was served (`UsageReport.served`).
+fn report_served(
+    s: &kvplane_api::RouterService,
+    request_id: &str,
+    ttft_ms: f64,
+    first_token: bool,
+    served: kvplane_proto::v1::Endpoint,
+) -> bool {
+    futures::executor::block_on(s.report_usage(tonic::Request::new(
+        kvplane_proto::v1::UsageReport {
+            request_id: request_id.into(),
+            observed_ttft_ms: ttft_ms,
+            first_token,
+            prompt_tokens: u32::from(!first_token),
+            served: Some(served),
+            ..Default::default()
+        },
+    )))
+    .unwrap()
+    .into_inner()
+    .known
+}
+
+#[test]
+fn a_request_served_by_another_worker_teaches_the_chosen_one_nothing_and_runs_where_it_was_served()
+{
+    let predictor = Arc::new(Predictor::new(Arc::new(|| 1_000)));
+    let f = pools_node(&[]);
+    let s = f.service().with_predictor(predictor.clone());
+    let other = |w: &str| if w == "w0" { "w1" } else { "w0" }.to_owned();
+
+    // Streamed, retried by a gateway on its alternative: named by pool and worker.
+    let r = route(&s, request("r1", "m", &[], tokens(9, 64)));
+    let chosen = target(&r).trim_start_matches("default/").to_owned();
+    let served = other(&chosen);
+    assert_eq!(queued(&predictor, &chosen), 1);
+    let by_name = kvplane_proto::v1::Endpoint {
+        pool: "default".into(),
+        worker_id: served.clone(),
+        ..Default::default()
+    };
+    assert!(report_served(
+        &s,
+        "r1",
+        10.0 * r.predicted_ttft_ms,
+        true,
+        by_name.clone()
+    ));
+    assert_eq!(
+        queued(&predictor, &chosen),
+        0,
+        "it left the chosen one's queue"
+    );
+    assert_eq!(
+        predictor.calibration("default"),
+        1.0,
+        "another engine's time to first token teaches the chosen one nothing"
+    );
+    assert_eq!(running(&s)[&served], 1, "it runs where it was served");
+    assert_eq!(running(&s)[&chosen], 0);
+    assert!(report_served(&s, "r1", 0.0, false, by_name));
+    assert_eq!(running(&s)[&served], 0, "ended there");
+
+    // Not streamed, served elsewhere as an endpoint picker's proxy says it: by address only.
+    let r = route(&s, request("r2", "m", &[], tokens(11, 64)));
+    let chosen = target(&r).trim_start_matches("default/").to_owned();
+    let by_address = |w: &str| kvplane_proto::v1::Endpoint {
+        address: format!("{w}:8000"),
+        ..Default::default()
+    };
+    assert!(report_served(
+        &s,
+        "r2",
+        10.0 * r.predicted_ttft_ms,
+        false,
+        by_address(&other(&chosen))
+    ));
+    assert_eq!(queued(&predictor, &chosen), 0);
+    assert_eq!(predictor.calibration("default"), 1.0);
+
+    // Served where it was routed (the proxy says so too): the chosen one learns as usual.
+    let r = route(&s, request("r3", "m", &[], tokens(13, 64)));
+    let chosen = target(&r).trim_start_matches("default/").to_owned();
+    assert!(report_served(
+        &s,
+        "r3",
+        10.0 * r.predicted_ttft_ms,
+        false,
+        by_address(&chosen)
+    ));
+    assert_eq!(queued(&predictor, &chosen), 0);
+    assert!(predictor.calibration("default") > 1.05);
 }
 
 /// The examples' fleet with the large workers busy: untagged `chat` requests burst to the

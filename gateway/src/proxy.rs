@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kvplane_proto::front::{self, AnswerTail};
 use kvplane_proto::v1::{
-    Outcome, RejectCode, RouteRequest, Ticket, UsageReport, route_response::Decision,
+    Endpoint, Outcome, RejectCode, RouteRequest, Ticket, UsageReport, route_response::Decision,
 };
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
@@ -385,6 +385,7 @@ impl App {
                     provider: None,
                     authorization: None,
                     bedrock: None,
+                    served: None,
                 };
                 Ok((vec![target], None))
             }
@@ -466,6 +467,7 @@ impl App {
                                         Outcome::Error,
                                     ),
                                     ticket.as_ref(),
+                                    None,
                                 );
                                 let (status, kind) = e.status();
                                 Err(error_response(status, kind, &e.public(), 0))
@@ -699,6 +701,7 @@ impl App {
                     None,
                     AnswerTail::default().report(request_id, 0.0, Outcome::Error),
                     ticket.as_ref(),
+                    None,
                 );
                 return r;
             }
@@ -721,6 +724,8 @@ impl App {
                 .as_ref()
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
+        // An alternative served it: its reports say which.
+        let served = target.served.clone();
         let app = self.clone();
         let mut first_at: Option<f64> = None;
         let mut first_report: Option<JoinHandle<()>> = None;
@@ -739,6 +744,7 @@ impl App {
                                     request_id.clone(),
                                     t * 1000.0,
                                     ticket.as_ref(),
+                                    served.as_ref(),
                                 );
                             }
                         }
@@ -752,6 +758,7 @@ impl App {
                                     Outcome::Cancelled,
                                 ),
                                 ticket.as_ref(),
+                                served.as_ref(),
                             );
                             return;
                         }
@@ -762,6 +769,7 @@ impl App {
                             first_report.take(),
                             tail.report(request_id, first_at.unwrap_or(0.0), Outcome::Error),
                             ticket.as_ref(),
+                            served.as_ref(),
                         );
                         return;
                     }
@@ -776,6 +784,7 @@ impl App {
                 first_report.take(),
                 tail.report(request_id, first_at.unwrap_or(0.0), outcome),
                 ticket.as_ref(),
+                served.as_ref(),
             );
         });
         let mut resp = Response::new(Body::from_stream(stream));
@@ -812,6 +821,7 @@ impl App {
                     None,
                     AnswerTail::default().report(request_id, 0.0, Outcome::Error),
                     ticket,
+                    target.served.as_ref(),
                 );
                 return error_response(
                     StatusCode::BAD_GATEWAY,
@@ -875,6 +885,7 @@ impl App {
                         ..Default::default()
                     },
                     ticket,
+                    target.served.as_ref(),
                 );
                 let mut resp = Response::new(Body::from(bytes));
                 resp.headers_mut()
@@ -889,6 +900,7 @@ impl App {
                     None,
                     AnswerTail::default().report(request_id, ttft_ms, Outcome::Error),
                     ticket,
+                    target.served.as_ref(),
                 );
                 resp
             }
@@ -902,11 +914,13 @@ impl App {
         request_id: String,
         ttft_ms: f64,
         ticket: Option<&Ticket>,
+        served: Option<&Endpoint>,
     ) -> Option<JoinHandle<()>> {
         let report = UsageReport {
             request_id,
             observed_ttft_ms: ttft_ms,
             first_token: true,
+            served: served.cloned(),
             ..Default::default()
         };
         self.send_report(report, ticket, None)
@@ -940,9 +954,11 @@ impl App {
     fn report_after(
         &self,
         first: Option<JoinHandle<()>>,
-        report: UsageReport,
+        mut report: UsageReport,
         ticket: Option<&Ticket>,
+        served: Option<&Endpoint>,
     ) {
+        report.served = served.cloned();
         self.send_report(report, ticket, first);
     }
 }

@@ -25,6 +25,9 @@ pub(crate) struct Target {
     pub(crate) authorization: Option<String>,
     /// A Bedrock provider's call: signed when sent, its answer translated to OpenAI's.
     pub(crate) bedrock: Option<Arc<BedrockCall>>,
+    /// The Route answer's alternative this is (`None`: its pick, or no Route): usage reports
+    /// of a request it served say so (`UsageReport.served`).
+    pub(crate) served: Option<Endpoint>,
 }
 
 /// The SigV4 headers of Bedrock call `t` (signed now, for service `bedrock`).
@@ -142,6 +145,7 @@ pub(crate) async fn target(
             provider: None,
             authorization: None,
             bedrock: None,
+            served: None,
         });
     }
     if e.provider_api.eq_ignore_ascii_case("bedrock") {
@@ -173,6 +177,7 @@ pub(crate) async fn target(
         provider: Some(e.provider.clone()),
         authorization,
         bedrock: None,
+        served: None,
     })
 }
 
@@ -221,6 +226,7 @@ async fn bedrock_target(
             asked,
             model: e.model.clone(),
         })),
+        served: None,
     })
 }
 
@@ -262,7 +268,10 @@ pub(crate) async fn targets(
             rewrite_model(body, &a.model).unwrap_or_else(|| body.clone())
         };
         match target(a, path, alt_body, 0, secrets).await {
-            Ok(t) => out.push(t),
+            Ok(t) => out.push(Target {
+                served: Some(a.clone()),
+                ..t
+            }),
             Err(e) => tracing::debug!(error = %e, "an alternative cannot be called"),
         }
     }
@@ -392,6 +401,7 @@ mod tests {
             provider: None,
             authorization: None,
             bedrock: None,
+            served: None,
         };
         let h = upstream_headers(&engine, &client, "gw-1");
         assert_eq!(h["authorization"], "Bearer client-key");

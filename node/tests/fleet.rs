@@ -128,6 +128,25 @@ async fn a_request_whose_engine_is_gone_goes_to_the_next_alternative() {
         1.0,
         "{metrics}"
     );
+    // Its report says engine-2 served it: engine-1's prediction learns nothing from the time
+    // engine-2 took (no prediction error is observed for it).
+    let known = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with(r#"kvplane_usage_reports_total{outcome="known"}"#))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let m = eventually("the request's report", Duration::from_secs(10), || async {
+        let m = node.metrics().await;
+        (known(&m) >= 1.0).then_some(m)
+    })
+    .await;
+    assert_eq!(
+        harness::metric_value(&m, "kvplane_ttft_prediction_ratio_count"),
+        0.0,
+        "{m}"
+    );
 }
 
 /// With TLS everywhere the gateway and the node speak it: the node's gRPC and HTTP ports, the

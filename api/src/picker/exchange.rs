@@ -66,6 +66,8 @@ pub(super) struct Routed {
     pub(super) success: bool,
     pub(super) tail: AnswerTail,
     pub(super) reported: bool,
+    /// The `ip:port` the proxy says served it, when not `endpoint` (a fallback).
+    pub(super) served: Option<String>,
 }
 
 /// One request's state.

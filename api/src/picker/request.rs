@@ -189,6 +189,7 @@ impl Exchange {
             success: false,
             tail: AnswerTail::default(),
             reported: false,
+            served: None,
         });
         let mut out = Vec::new();
         if self.headers_answered {

@@ -7,7 +7,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingResponse,
     processing_response::Response as Out,
 };
-use kvplane_proto::v1::{Outcome, UsageReport};
+use kvplane_proto::v1::{Endpoint, Outcome, UsageReport};
 
 use super::envoy::{self, header};
 use super::exchange::{BodyMode, Exchange, respond, stream_back};
@@ -37,6 +37,8 @@ impl Exchange {
                     "the proxy served the request elsewhere"
                 );
                 self.router.metrics.picker("served_elsewhere");
+                // Its reports say where: the engine that served it is the one that ran it.
+                r.served = Some(served);
             }
             set.push((super::WORKER_HEADER, r.label.clone()));
         }
@@ -66,6 +68,7 @@ impl Exchange {
                         request_id: r.request_id.clone(),
                         observed_ttft_ms: ms,
                         first_token: true,
+                        served: served_at(r.served.as_deref()),
                         ..Default::default()
                     };
                     let _ = self
@@ -98,14 +101,23 @@ impl Exchange {
         } else {
             Outcome::Error
         });
-        let report = r.tail.report(
+        let mut report = r.tail.report(
             r.request_id.clone(),
             r.first_token_ms.unwrap_or(0.0),
             outcome,
         );
+        report.served = served_at(r.served.as_deref());
         let _ = self
             .router
             .report_usage_in(tonic::Request::new(report), None)
             .await;
     }
+}
+
+/// A report's `served` for the `ip:port` the proxy named (the replica finds the worker there).
+fn served_at(address: Option<&str>) -> Option<Endpoint> {
+    address.map(|a| Endpoint {
+        address: a.to_owned(),
+        ..Default::default()
+    })
 }
