@@ -51,6 +51,10 @@ pub struct SimEngineArgs {
     /// Dynamo's mocker) do.
     #[arg(long)]
     pub gauges_after_first_request: bool,
+    /// Answers end after at most this many tokens (`finish_reason: stop`), as a model's do at
+    /// its end-of-sequence token; unset: every answer runs to its `max_tokens`.
+    #[arg(long)]
+    pub answer_tokens: Option<u32>,
 }
 
 pub async fn engine(
@@ -96,6 +100,7 @@ pub async fn engine(
         default_max_tokens: 16,
         tokenizer,
         gauges_after_first_request: a.gauges_after_first_request,
+        answer_tokens: a.answer_tokens,
     };
     run(cfg, listener, shutdown, |b| {
         println!(

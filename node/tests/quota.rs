@@ -622,3 +622,131 @@ async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
         "{m}"
     );
 }
+
+/// The same failover through the reference gateway and an engine: the gateway's replica that
+/// routed a streamed request is killed -9 after the answer's first chunk. The gateway's final
+/// report (the ticket it echoes, the usage the engine's last event gave) goes to its other
+/// replica, which cannot forward it and settles it through the ledger; once the killed replica
+/// is back, the tenant's window is charged exactly what the engine said the request used, as if
+/// the report had reached the replica that routed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_failing_over_mid_answer_still_settles_the_tenant_at_what_the_engine_used() {
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    // Its answers end after 200 tokens whatever the request's maximum (1,500): what the
+    // request did not use of its reservation is what the ledger must give back. A token every
+    // 25 ms: the answer is still streaming (5 s) when its routing replica is killed.
+    let engine = harness::Engine::sim(
+        &dir.path().join("fleet"),
+        "e0",
+        [0; 3],
+        &[
+            "--answer-tokens".into(),
+            "200".into(),
+            "--step-base-ms".into(),
+            "250".into(),
+        ],
+    );
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: gpu}}\nspec:\n  model: sim-8b\n  endpoints:\n  - {{worker: e0, address: 'http://{}'}}\n---\napiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: tenants}}\nspec:\n  limits:\n    - {{tenant: acme, tokensPerMinute: 600000, windowSeconds: 3600}}\n",
+            engine.field("http")
+        ),
+    )
+    .unwrap();
+    let (mut cluster, _js) = harness::started(&harness::NodeOptions {
+        policy_dir: Some(policies),
+        pools: vec![],
+        extra_toml: "[quota]\nidle_release_ms = 3600000\n".into(),
+        ..Default::default()
+    })
+    .await;
+    for n in &cluster.nodes {
+        eventually(
+            "the policies and the engine",
+            Duration::from_secs(30),
+            || async {
+                let s = n.status().await;
+                (s.policy_objects.get("InferencePolicy") == Some(&1)
+                    && s.workers.iter().any(|w| w.up))
+                .then_some(())
+            },
+        )
+        .await;
+    }
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    let (router, reporter) = (followers[0], followers[1]);
+    // The gateway asks the router first, the reporter when the router does not answer.
+    let gateway = harness::gateway(
+        &format!(
+            "{},{}",
+            cluster.nodes[router].endpoint(),
+            cluster.nodes[reporter].endpoint()
+        ),
+        dir.path().join("gateway.log"),
+    );
+    let answer = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", gateway.field("http")))
+        .header("x-tenant", "acme")
+        .json(&serde_json::json!({
+            "model": "sim-8b", "prompt": "a prompt for the failover", "max_tokens": 1500,
+            "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut chunks = answer.bytes_stream();
+    let mut sse = chunks.next().await.unwrap().unwrap().to_vec();
+    // In flight: what the router holds for it is its reservation (prompt and max_tokens).
+    let reserved: u64 = cluster.nodes[router]
+        .status()
+        .await
+        .quota
+        .iter()
+        .filter(|q| q.tenant == "acme")
+        .map(|q| q.spent_tokens)
+        .sum();
+    assert!(reserved >= 1500, "{reserved}");
+    let before = acme_book(&cluster.nodes[leader]).await;
+    cluster.nodes[router].kill();
+    while let Some(c) = chunks.next().await {
+        sse.extend_from_slice(&c.unwrap());
+    }
+    let text = String::from_utf8(sse).unwrap();
+    let usage = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+        .unwrap_or_else(|| panic!("no usage in the answer: {text}"));
+    let used =
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
+    assert_eq!(usage["completion_tokens"], 200);
+    assert!(text.contains(r#""finish_reason":"stop""#), "{text}");
+    // The gateway's report reached the reporter, which settled it through the ledger.
+    eventually(
+        "the report settled by the ledger",
+        Duration::from_secs(20),
+        || async {
+            let m = cluster.nodes[reporter].metrics().await;
+            m.contains(r#"kvplane_usage_reports_total{outcome="ledger"} 1"#)
+                .then_some(())
+        },
+    )
+    .await;
+    cluster.nodes[router].restart();
+    let after = eventually("the ticket given back", Duration::from_secs(30), || async {
+        let b = acme_book(&cluster.nodes[leader]).await;
+        b.pending.is_empty().then_some(b)
+    })
+    .await;
+    assert_eq!(
+        after.granted.tokens,
+        before.granted.tokens - (reserved - used),
+        "the window keeps what the engine said the request used: {before:?} -> {after:?}"
+    );
+}

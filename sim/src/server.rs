@@ -48,6 +48,9 @@ pub struct SimConfig {
     /// `/metrics` shows no vLLM gauge before the engine's first request, as some engines (and
     /// NVIDIA Dynamo's mocker) do: their gauges appear once first set.
     pub gauges_after_first_request: bool,
+    /// Answers end after at most this many tokens, as when the model writes its end-of-sequence
+    /// token (`finish_reason: stop`); `None`: every answer runs to its `max_tokens` (`length`).
+    pub answer_tokens: Option<u32>,
 }
 
 impl Default for SimConfig {
@@ -65,6 +68,7 @@ impl Default for SimConfig {
             dp_rank: 0,
             tokenizer: None,
             gauges_after_first_request: false,
+            answer_tokens: None,
         }
     }
 }
@@ -247,7 +251,10 @@ fn error(status: StatusCode, message: &str) -> Box<Response> {
 
 struct Parsed {
     tokens: Vec<u32>,
+    /// What the engine generates: the request's maximum, or less where answers end sooner.
     max_tokens: u32,
+    /// Why the answer ends (`length`: at the request's maximum).
+    finish_reason: &'static str,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -280,9 +287,15 @@ fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
     let p = kvplane_tokenize::prompt_from_body_with(body, app.cfg.tokenizer.as_deref())
         .map_err(|e| error(StatusCode::BAD_REQUEST, &e.to_string()))?;
     let model = p.model.clone().unwrap_or_else(|| app.cfg.model.clone());
+    let asked = p.max_tokens.unwrap_or(app.cfg.default_max_tokens);
+    let (max_tokens, finish_reason) = match app.cfg.answer_tokens {
+        Some(n) if n < asked => (n.max(1), "stop"),
+        _ => (asked, "length"),
+    };
     Ok(Parsed {
         tokens: p.tokens,
-        max_tokens: p.max_tokens.unwrap_or(app.cfg.default_max_tokens),
+        max_tokens,
+        finish_reason,
         stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
         include_usage: v
             .pointer("/stream_options/include_usage")
@@ -375,9 +388,9 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
             }
         }
         let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": p.finish_reason})
         } else {
-            json!({"index": 0, "text": text, "finish_reason": "length"})
+            json!({"index": 0, "text": text, "finish_reason": p.finish_reason})
         };
         return Json(json!({
             "id": rid, "object": object, "created": created, "model": model,
@@ -386,6 +399,7 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
         .into_response();
     }
     let include_usage = p.include_usage;
+    let finish_reason = p.finish_reason;
     let chunk_object = if chat {
         "chat.completion.chunk"
     } else {
@@ -413,12 +427,11 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
             ]
         }
         Output::Finished { usage, .. } => {
-            // The last choice chunk says why the answer ended (the simulator always runs to
-            // the maximum).
+            // The last choice chunk says why the answer ended.
             let last = if chat {
-                json!({"index": 0, "delta": {}, "finish_reason": "length"})
+                json!({"index": 0, "delta": {}, "finish_reason": finish_reason})
             } else {
-                json!({"index": 0, "text": "", "finish_reason": "length"})
+                json!({"index": 0, "text": "", "finish_reason": finish_reason})
             };
             let mut v = vec![
                 json!({"id": rid, "object": chunk_object, "created": created, "model": model, "choices": [last]})
