@@ -255,6 +255,9 @@ struct Parsed {
     max_tokens: u32,
     /// Why the answer ends (`length`: at the request's maximum).
     finish_reason: &'static str,
+    /// The function a chat answer calls instead of writing text: the one `tool_choice` names,
+    /// else the first of `tools` (unless `tool_choice` is `none`).
+    tool: Option<String>,
     stream: bool,
     include_usage: bool,
     model: String,
@@ -292,10 +295,22 @@ fn parse(app: &App, body: &[u8]) -> Result<Parsed, Box<Response>> {
         Some(n) if n < asked => (n.max(1), "stop"),
         _ => (asked, "length"),
     };
+    let tool = match v.get("tool_choice") {
+        Some(Value::String(s)) if s == "none" => None,
+        Some(c @ Value::Object(_)) => c
+            .pointer("/function/name")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        _ => v
+            .pointer("/tools/0/function/name")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+    };
     Ok(Parsed {
         tokens: p.tokens,
         max_tokens,
         finish_reason,
+        tool,
         stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
         include_usage: v
             .pointer("/stream_options/include_usage")
@@ -370,6 +385,13 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
     );
     let created = unix_now().as_secs();
     let model = p.model.clone();
+    // A chat answer that calls a tool ends as such; completions never call one.
+    let tool = p.tool.clone().filter(|_| chat);
+    let finish_reason = if tool.is_some() {
+        "tool_calls"
+    } else {
+        p.finish_reason
+    };
     if !p.stream {
         let mut text = String::new();
         let mut usage = Usage::default();
@@ -387,10 +409,15 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
                 }
             }
         }
-        let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": p.finish_reason})
+        let choice = if let Some(name) = &tool {
+            // The words as the call's one argument, as a model writes a call's arguments.
+            let call = json!({"id": format!("call-{rid}"), "type": "function",
+                "function": {"name": name, "arguments": json!({"text": text}).to_string()}});
+            json!({"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [call]}, "finish_reason": finish_reason})
+        } else if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
         } else {
-            json!({"index": 0, "text": text, "finish_reason": p.finish_reason})
+            json!({"index": 0, "text": text, "finish_reason": finish_reason})
         };
         return Json(json!({
             "id": rid, "object": object, "created": created, "model": model,
@@ -399,7 +426,6 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
         .into_response();
     }
     let include_usage = p.include_usage;
-    let finish_reason = p.finish_reason;
     let chunk_object = if chat {
         "chat.completion.chunk"
     } else {
@@ -413,7 +439,25 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
             } else {
                 format!(" {word}")
             };
-            let choice = if chat && first {
+            let choice = if let Some(name) = &tool {
+                // A call's arguments streamed piece by piece: `{"text": "`, the words, `"}`.
+                let piece = if first {
+                    format!("{{\"text\": \"{text}")
+                } else {
+                    text
+                };
+                let mut call = json!({"index": 0, "function": {"arguments": piece}});
+                if first {
+                    call["id"] = json!(format!("call-{rid}"));
+                    call["type"] = json!("function");
+                    call["function"]["name"] = json!(name);
+                }
+                let mut delta = json!({"tool_calls": [call]});
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                json!({"index": 0, "delta": delta, "finish_reason": null})
+            } else if chat && first {
                 // The first chunk of a chat stream names the speaker, as OpenAI's do.
                 json!({"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": null})
             } else if chat {
@@ -428,7 +472,10 @@ async fn serve_request(app: App, body: bytes::Bytes, chat: bool) -> Response {
         }
         Output::Finished { usage, .. } => {
             // The last choice chunk says why the answer ended.
-            let last = if chat {
+            let last = if tool.is_some() {
+                let call = json!({"index": 0, "function": {"arguments": "\"}"}});
+                json!({"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": finish_reason})
+            } else if chat {
                 json!({"index": 0, "delta": {}, "finish_reason": finish_reason})
             } else {
                 json!({"index": 0, "text": "", "finish_reason": finish_reason})

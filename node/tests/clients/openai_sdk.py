@@ -5,6 +5,7 @@ Every call is one a user of the SDK makes; each check is what the SDK itself giv
 non-zero at the first that fails.
 """
 
+import json
 import sys
 
 import openai
@@ -62,6 +63,44 @@ raw = client.chat.completions.with_raw_response.create(
 check("a client's request id comes back", raw.headers.get("x-request-id") == "sdk-request-1", raw.headers)
 r = client.chat.completions.create(model="chat", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 check("the gateway names a request without one", bool(r._request_id), r._request_id)
+
+# Tools: the engine's call comes back through the gateway as the SDK parses it, whole and
+# streamed (its arguments in pieces, joined by the client as the SDK's docs show).
+weather = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+t = client.chat.completions.create(
+    model="chat", max_tokens=3, tools=weather, messages=[{"role": "user", "content": "weather?"}]
+)
+call = (t.choices[0].message.tool_calls or [None])[0]
+check("a tool call comes back parsed", call is not None and call.function.name == "get_weather", t)
+check("a tool call's arguments are JSON", call is not None and "text" in json.loads(call.function.arguments), call)
+check("a tool call ends the answer as one", t.choices[0].finish_reason == "tool_calls", t.choices[0])
+named = client.chat.completions.create(
+    model="chat",
+    max_tokens=2,
+    tools=weather + [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}],
+    tool_choice={"type": "function", "function": {"name": "get_time"}},
+    messages=[{"role": "user", "content": "time?"}],
+)
+check("tool_choice names the function called", named.choices[0].message.tool_calls[0].function.name == "get_time", named)
+none = client.chat.completions.create(
+    model="chat", max_tokens=2, tools=weather, tool_choice="none", messages=[{"role": "user", "content": "hi"}]
+)
+check("tool_choice none writes text", none.choices[0].message.tool_calls is None and bool(none.choices[0].message.content), none)
+name, arguments, finish = None, "", None
+for e in client.chat.completions.create(
+    model="chat", max_tokens=3, tools=weather, stream=True, messages=[{"role": "user", "content": "weather?"}]
+):
+    for d in (e.choices[0].delta.tool_calls or []) if e.choices else []:
+        name = name or (d.function.name if d.function else None)
+        arguments += (d.function.arguments or "") if d.function else ""
+    if e.choices and e.choices[0].finish_reason:
+        finish = e.choices[0].finish_reason
+check(
+    "a streamed tool call's pieces join into its call",
+    name == "get_weather" and "text" in json.loads(arguments) and finish == "tool_calls",
+    (name, arguments, finish),
+)
 
 
 def raises(what, cls, call, code=None):
