@@ -494,6 +494,15 @@ async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
     acme_ledger(node).await.0
 }
 
+/// The tenant's book once no ticket waits in `node`'s ledger (within 30 s).
+async fn ticket_given_back(node: &harness::Node) -> kvplane_state::Book {
+    eventually("the ticket given back", Duration::from_secs(30), || async {
+        let b = acme_book(node).await;
+        b.pending.is_empty().then_some(b)
+    })
+    .await
+}
+
 /// The tenant's book and the processes the ledger knows stopped in order, in `node`'s state.
 async fn acme_ledger(node: &harness::Node) -> (kvplane_state::Book, Vec<(u64, u64)>) {
     let sm = harness::exported_state(node).await;
@@ -601,11 +610,7 @@ async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
     // Its next process speaks: the holdings of the old one are no one's, and what the request
     // did not use of them comes back.
     cluster.nodes[router].restart();
-    let after = eventually("the ticket given back", Duration::from_secs(30), || async {
-        let b = acme_book(&cluster.nodes[leader]).await;
-        b.pending.is_empty().then_some(b)
-    })
-    .await;
+    let after = ticket_given_back(&cluster.nodes[leader]).await;
     assert_eq!(
         after.granted.tokens,
         before.granted.tokens - (reserved - 50)
@@ -739,14 +744,55 @@ async fn a_gateway_failing_over_mid_answer_still_settles_the_tenant_at_what_the_
     )
     .await;
     cluster.nodes[router].restart();
-    let after = eventually("the ticket given back", Duration::from_secs(30), || async {
-        let b = acme_book(&cluster.nodes[leader]).await;
-        b.pending.is_empty().then_some(b)
-    })
-    .await;
+    let after = ticket_given_back(&cluster.nodes[leader]).await;
     assert_eq!(
         after.granted.tokens,
         before.granted.tokens - (reserved - used),
         "the window keeps what the engine said the request used: {before:?} -> {after:?}"
     );
+}
+
+/// As above, but the dead replica never comes back: it is removed from the cluster. The leader
+/// retires it in the ledger (`QuotaRetire`), and the ticket gives back what the request did not
+/// use without waiting for a process that will never start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_whose_routing_replica_was_removed_for_good_still_gives_back() {
+    let (mut cluster, _dir) = hour_window().await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    let (router, reporter) = (followers[0], followers[1]);
+    let routed = route_acme(&cluster.nodes[router], "removed-1").await;
+    let ticket = routed.ticket.clone().unwrap();
+    let reserved = ticket.charges[0].tokens;
+    let before = acme_book(&cluster.nodes[leader]).await;
+
+    cluster.nodes[router].kill();
+    let report = used_50("removed-1", &ticket);
+    let ack = report_to(&cluster.nodes[reporter], &report).await;
+    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
+    eventually(
+        "the ticket in the ledger",
+        Duration::from_secs(20),
+        || async {
+            let b = acme_book(&cluster.nodes[leader]).await;
+            (!b.pending.is_empty()).then_some(())
+        },
+    )
+    .await;
+    cluster.nodes[leader]
+        .admin()
+        .await
+        .remove_member(kvplane_proto::v1::RemoveMemberRequest {
+            id: ticket.routed_by,
+        })
+        .await
+        .unwrap();
+    let after = ticket_given_back(&cluster.nodes[leader]).await;
+    assert_eq!(
+        after.granted.tokens,
+        before.granted.tokens - (reserved - 50)
+    );
+    assert!(!after.holders.contains_key(&ticket.routed_by));
+    let sm = harness::exported_state(&cluster.nodes[leader]).await;
+    assert!(sm.handle().load().quota.is_retired(ticket.routed_by));
 }

@@ -71,6 +71,9 @@ impl fmt::Display for Proposal {
                 replica,
                 incarnation,
             } => format!("quota closed by replica {replica} (process {incarnation})"),
+            Command::QuotaRetire { replica } => {
+                format!("quota of replica {replica} retired (no longer a member)")
+            }
         };
         write!(f, "{kind} at {} ms", self.timestamp_ms)
     }

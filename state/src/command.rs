@@ -59,6 +59,10 @@ pub enum Command {
     /// what it did not spend: its tickets settle nothing through the ledger any more
     /// ([`crate::Ledger::close`]).
     QuotaClose { replica: u64, incarnation: u64 },
+    /// A replica left the cluster for good (its member was removed): what its process held is
+    /// no one's, and the tickets of its requests give back what they did not use
+    /// ([`crate::Ledger::retire`]). Proposed by the leader.
+    QuotaRetire { replica: u64 },
 }
 
 impl Command {
@@ -100,6 +104,7 @@ impl Command {
             Self::Endpoints(_) => "endpoints",
             Self::EndpointHealth(_) => "endpoint_health",
             Self::QuotaClose { .. } => "quota_close",
+            Self::QuotaRetire { .. } => "quota_retire",
         }
     }
 }

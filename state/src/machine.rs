@@ -370,6 +370,10 @@ impl StateMachine {
                 Arc::make_mut(&mut self.quota).close(*replica, *incarnation);
                 self.parts.quota = quota_part(&self.quota);
             }
+            Command::QuotaRetire { replica } => {
+                Arc::make_mut(&mut self.quota).retire(*replica);
+                self.parts.quota = quota_part(&self.quota);
+            }
             Command::ExpireLeases { lease_ms } => self.expire_leases(at, *lease_ms, &mut out),
             Command::Endpoints(update) => out.rejected = self.apply_endpoints(update).err(),
             Command::EndpointHealth(update) => out.rejected = self.apply_health(update).err(),

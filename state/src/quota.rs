@@ -96,6 +96,16 @@ impl Book {
         }
     }
 
+    /// Process `incarnation` of `replica` is gone: what it holds is no one's any more (still
+    /// counted as granted), kept as what it left behind for its tickets to give back.
+    fn leave_behind(&mut self, replica: u64, incarnation: u64) {
+        if let Some(held) = self.holders.remove(&replica)
+            && held.tokens > 0
+        {
+            self.left_behind.insert((replica, incarnation), held.tokens);
+        }
+    }
+
     /// What `replica` holds in this window.
     pub fn held(&self, replica: u64) -> Amount {
         self.holders.get(&replica).copied().unwrap_or_default()
@@ -115,6 +125,10 @@ pub struct Ledger {
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub closed: BTreeSet<(u64, u64)>,
 }
+
+/// The last sequence recorded for a replica that left the cluster ([`Ledger::retire`]): every
+/// batch of its incarnation then counts as applied already.
+const RETIRED_SEQ: u64 = u64::MAX;
 
 /// What one batch did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -149,11 +163,7 @@ impl Ledger {
                 // window) but are no one's to spend or release any more - except what reported
                 // requests of that process did not use (its tickets settled elsewhere).
                 for book in self.books.values_mut() {
-                    if let Some(held) = book.holders.remove(&b.replica)
-                        && held.tokens > 0
-                    {
-                        book.left_behind.insert((b.replica, inc), held.tokens);
-                    }
+                    book.leave_behind(b.replica, inc);
                     out.released.tokens +=
                         book.release_pending(b.replica, b.incarnation, &self.closed);
                 }
@@ -247,6 +257,39 @@ impl Ledger {
     pub fn close(&mut self, replica: u64, incarnation: u64) {
         self.closed.insert((replica, incarnation));
         self.prune_closed();
+    }
+
+    /// `replica` left the cluster for good (its member was removed): as if a later process of
+    /// it had spoken, what its process held is no one's any more (it stays counted against the
+    /// window) and the tickets of its requests settled through the ledger give back what they
+    /// did not use; batches of that process are ignored from now on. Returns the tokens given
+    /// back. A replica the ledger never heard from, or already retired, changes nothing.
+    pub fn retire(&mut self, replica: u64) -> u64 {
+        let Some(&(inc, _)) = self.replicas.get(&replica) else {
+            return 0;
+        };
+        if self.is_retired(replica) {
+            return 0;
+        }
+        let mut released = 0;
+        for book in self.books.values_mut() {
+            book.leave_behind(replica, inc);
+            released += book.release_pending(replica, inc.saturating_add(1), &self.closed);
+        }
+        // Its process's batches are a past incarnation's from now on, and the next
+        // incarnation is marked as having applied them all: only a later process (its id taken
+        // again) holds anything again.
+        self.replicas
+            .insert(replica, (inc.saturating_add(1), RETIRED_SEQ));
+        self.prune_closed();
+        released
+    }
+
+    /// Whether `replica` left the cluster and no later process of it spoke since.
+    pub fn is_retired(&self, replica: u64) -> bool {
+        self.replicas
+            .get(&replica)
+            .is_some_and(|&(_, seq)| seq == RETIRED_SEQ)
     }
 
     /// Forgets closed processes nothing can settle against any more: their replica started

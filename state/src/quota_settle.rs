@@ -320,4 +320,54 @@ mod tests {
         assert_eq!(granted(&l), 1_000);
         assert!(l.books[&key()].settled.is_empty());
     }
+
+    #[test]
+    fn a_retired_replicas_tickets_give_back_at_once_and_its_process_gets_nothing_more() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        l.apply(&ask(2, 1, 1, 1_000), 0, &c);
+        // A ticket of replica 1's live process waits...
+        l.apply(&settle(2, 2, (1, 1, "r1"), 0, 400), 10, &c);
+        assert_eq!(granted(&l), 2_000);
+        // ...until replica 1 leaves the cluster: then it gives back, and what replica 1 held
+        // stays counted against the window.
+        assert_eq!(l.retire(1), 400);
+        assert_eq!(granted(&l), 1_600);
+        assert!(!l.books[&key()].holders.contains_key(&1));
+        assert!(l.books[&key()].pending.is_empty());
+        // A ticket reported later gives back at once, within what replica 1 left behind.
+        let out = l.apply(&settle(2, 3, (1, 1, "r2"), 0, 900), 20, &c);
+        assert_eq!((out.released.tokens, granted(&l)), (600, 1_000));
+        // Its process asks again (it was removed while alive): nothing.
+        let out = l.apply(&ask(1, 1, 2, 1_000), 30, &c);
+        assert!(out.duplicate && !l.books[&key()].holders.contains_key(&1));
+        // Retiring again, or a replica the ledger never heard from, changes nothing.
+        assert!(l.is_retired(1) && !l.is_retired(2));
+        let before = l.clone();
+        assert_eq!(l.retire(1), 0);
+        assert_eq!(l.retire(9), 0);
+        assert_eq!(l, before);
+        // A later process of that replica (an id taken again) is a holder as any other.
+        let out = l.apply(&ask(1, 5, 1, 1_000), 40, &c);
+        assert!(out.granted.tokens > 0 && !l.is_retired(1));
+    }
+
+    #[test]
+    fn retirement_is_kept_through_a_snapshot_and_changes_the_digest() {
+        let c = catalog(10_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(1, 1, 1, 1_000), 0, &c);
+        let digest = |l: &Ledger| {
+            let mut h = Hasher::new();
+            l.hash(&mut h);
+            h.finish()
+        };
+        let before = digest(&l);
+        l.retire(1);
+        assert_ne!(digest(&l), before);
+        let back: Ledger = rmp_serde::from_slice(&rmp_serde::to_vec(&l).unwrap()).unwrap();
+        assert_eq!(back, l);
+        assert_eq!(digest(&back), digest(&l));
+    }
 }

@@ -91,6 +91,10 @@ impl LeadIngest {
                     term_tx.subscribe(),
                 ))
             });
+            let retire = tokio::spawn(super::retire::retire_removed(
+                self.member.clone(),
+                term_tx.subscribe(),
+            ));
             // Until leadership is lost - or the consumer ends on its own while this member
             // still leads (a proposal refused in a term change too quick to see, say): then
             // this term's tasks stop and ingest starts again, or nothing would consume the
@@ -105,6 +109,7 @@ impl LeadIngest {
                 None => task.await,
             };
             let _ = lag.await;
+            let _ = retire.await;
             if let Some(t) = leases {
                 let _ = t.await;
             }

@@ -17,6 +17,7 @@ mod lease;
 mod metrics;
 mod parts;
 mod ready;
+mod retire;
 mod tasks;
 
 use std::future::Future;
