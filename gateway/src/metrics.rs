@@ -16,6 +16,10 @@ pub(crate) struct LimitLabel {
     pub(crate) limit: &'static str,
 }
 
+/// The statuses the gateway answers with itself (an engine's or provider's others pass
+/// through): each has its `kvplane_gateway_requests_total{status}` series from the start.
+const STATUSES: [u16; 12] = [200, 400, 403, 404, 405, 408, 413, 429, 500, 502, 503, 504];
+
 /// The gateway's bounds, as `kvplane_gateway_limit_hits_total{limit}` names them.
 pub(crate) const LIMITS: &[&str] = &[
     "body_bytes",
@@ -57,6 +61,9 @@ impl GatewayMetrics {
         for &limit in LIMITS {
             let _created = self.limits.get_or_create(&LimitLabel { limit });
         }
+        for status in STATUSES {
+            let _created = self.requests.get_or_create(&StatusLabel { status });
+        }
         r.register(
             "kvplane_gateway_limit_hits",
             "Requests refused, or connections closed, for going over a bound (--max-body-bytes, --body-read-ms, --max-headers or --max-header-bytes, --header-read-ms)",
@@ -87,5 +94,23 @@ impl GatewayMetrics {
             "Requests passed to the next target (a Route answer's alternatives) because the one before did not answer",
             self.upstream_retries.clone(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_the_gateway_answers_with_has_a_series_before_its_first_request() {
+        let m = GatewayMetrics::default();
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap_or_default();
+        for status in [404, 405, 413, 429, 503, 504] {
+            let line = format!("kvplane_gateway_requests_total{{status=\"{status}\"}} 0");
+            assert!(text.contains(&line), "{line} missing from:\n{text}");
+        }
     }
 }

@@ -45,6 +45,13 @@ impl RejectReason {
     }
 }
 
+/// The kinds of stream message (`kvplane_ingest_messages_total{kind}`).
+const KINDS: [&str; 3] = ["kv", "metrics", "worker"];
+
+/// Why a vLLM event inside an accepted batch is skipped
+/// (`kvplane_ingest_skipped_events_total{reason}`).
+const SKIP_REASONS: [&str; 3] = ["unknown_event_type", "malformed_event", "non_primary_group"];
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
@@ -71,6 +78,18 @@ pub struct IngestMetrics {
 
 impl IngestMetrics {
     pub fn register(&self, registry: &mut Registry) {
+        // Every kind and reason has its series from the start, at 0.
+        for kind in KINDS {
+            let _created = self.messages.get_or_create(&KindLabel { kind });
+        }
+        for r in RejectReason::ALL {
+            let _created = self
+                .rejected
+                .get_or_create(&ReasonLabel { reason: r.as_str() });
+        }
+        for reason in SKIP_REASONS {
+            let _created = self.skipped_events.get_or_create(&ReasonLabel { reason });
+        }
         registry.register(
             "kvplane_ingest_messages",
             "Stream messages consumed, by kind",
@@ -150,7 +169,7 @@ impl IngestMetrics {
 
     /// Events skipped so far, by reason.
     pub fn skipped_events(&self) -> Vec<(&'static str, u64)> {
-        ["unknown_event_type", "malformed_event", "non_primary_group"]
+        SKIP_REASONS
             .iter()
             .map(|r| {
                 (
@@ -183,5 +202,26 @@ impl IngestMetrics {
     /// last seen.
     pub fn stream_end(&self) -> u64 {
         u64::try_from(self.last_sequence.get() + self.pending.get()).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_and_reason_has_a_series_before_its_first_message() {
+        let m = IngestMetrics::default();
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap_or_default();
+        for line in [
+            r#"kvplane_ingest_messages_total{kind="worker"} 0"#,
+            r#"kvplane_ingest_rejected_messages_total{reason="rank_mismatch"} 0"#,
+            r#"kvplane_ingest_skipped_events_total{reason="non_primary_group"} 0"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
     }
 }
