@@ -9,6 +9,7 @@ mod harness;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use harness::NodeOptions;
 
@@ -136,4 +137,98 @@ async fn the_openai_sdk_and_grpcio_work_against_kvplane_as_against_any_server() 
     }
     let grpc = run("grpcio_node.py", &node.grpc.to_string());
     assert!(grpc.contains("grpcio: all checks passed"), "{grpc}");
+}
+
+/// A gateway whose replica does not answer: `/readyz` says not ready with a `Retry-After`, a
+/// request is a 503 in OpenAI's shape, and every request has its access line - text by
+/// default, one JSON object with `KVPLANE_LOG_FORMAT=json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_without_a_ready_replica_is_not_ready_and_logs_each_request() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens there.
+    let replica = format!("http://127.0.0.1:{}", harness::free_port());
+    let text_log = dir.path().join("gateway.log");
+    let text = harness::gateway(&replica, text_log.clone());
+    let json_log = dir.path().join("gateway-json.log");
+    let args: Vec<String> = [
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--replicas",
+        replica.as_str(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let (mut json_child, json_ready) = harness::process::start(harness::process::Spec {
+        program: &harness::process::kvplane_binary(),
+        args: &args,
+        env: &[
+            ("RUST_LOG".to_owned(), "info".to_owned()),
+            ("KVPLANE_LOG_FORMAT".to_owned(), "json".to_owned()),
+        ],
+        log: &json_log,
+        ready: Some("kvplane-gateway ready"),
+    })
+    .unwrap();
+    let client = reqwest::Client::new();
+    for base in [
+        format!("http://{}", text.field("http")),
+        format!("http://{}", harness::field(&json_ready, "http")),
+    ] {
+        let r = client.get(format!("{base}/readyz")).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 503);
+        assert_eq!(r.headers()["retry-after"], "5");
+        let body = r.text().await.unwrap();
+        assert!(
+            body.starts_with("not ready: no kvplane replica is ready"),
+            "{body}"
+        );
+        let r = client
+            .post(format!("{base}/v1/chat/completions"))
+            .header("x-request-id", "logged-1")
+            .json(
+                &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 503);
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(
+            (&body["error"]["type"], &body["error"]["code"]),
+            (
+                &serde_json::json!("server_error"),
+                &serde_json::json!("unavailable")
+            ),
+            "{body}"
+        );
+    }
+    let line = harness::eventually("the text access line", Duration::from_secs(5), || async {
+        std::fs::read_to_string(&text_log)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.contains("kvplane::access") && l.contains(r#"request_id="logged-1""#))
+            .map(str::to_owned)
+    })
+    .await;
+    for field in [
+        r#"method="POST""#,
+        r#"path="/v1/chat/completions""#,
+        "status=503",
+    ] {
+        assert!(line.contains(field), "{field} not in {line}");
+    }
+    let entry = harness::eventually("the JSON access line", Duration::from_secs(5), || async {
+        std::fs::read_to_string(&json_log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["target"] == "kvplane::access" && v["request_id"] == "logged-1")
+    })
+    .await;
+    assert_eq!(entry["method"], "POST", "{entry}");
+    assert_eq!(entry["path"], "/v1/chat/completions", "{entry}");
+    assert_eq!(entry["status"], 503, "{entry}");
+    let _ = json_child.kill();
+    let _ = json_child.wait();
 }
