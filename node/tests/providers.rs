@@ -129,12 +129,22 @@ fn policies(dir: &Path, endpoint: &str) {
         &format!(
             "  endpoint: {endpoint}\n  api: OpenAI\n  model: gpt-cloud\n  credentials: {{name: cloud-api, key: token}}\n"
         ),
+        None,
     );
 }
 
 /// Policies: public model `chat` on worker set `local` (no workers), falling back to provider
-/// `cloud` of spec `provider` (YAML lines under `spec:`).
-fn fallback_to(dir: &Path, provider: &str) {
+/// `cloud` of spec `provider` (YAML lines under `spec:`) - after provider `first` of that spec,
+/// when given.
+fn fallback_to(dir: &Path, provider: &str, first: Option<&str>) {
+    let (first_object, first_name) = first.map_or((String::new(), ""), |spec| {
+        (
+            format!(
+                "apiVersion: kvplane.io/v1alpha1\nkind: InferenceProvider\nmetadata: {{name: first}}\nspec:\n{spec}---\n"
+            ),
+            "first, ",
+        )
+    });
     std::fs::write(
         dir.join("fleet.yaml"),
         format!(
@@ -153,7 +163,7 @@ kind: InferenceProvider
 metadata: {{name: cloud}}
 spec:
 {provider}---
-apiVersion: kvplane.io/v1alpha1
+{first_object}apiVersion: kvplane.io/v1alpha1
 kind: GatewayBackend
 metadata: {{name: chat}}
 spec:
@@ -170,7 +180,7 @@ spec:
       candidates: {{pools: [local]}}
       onEmpty:
         action: Fallback
-        fallback: {{providers: [cloud]}}
+        fallback: {{providers: [{first_name}cloud]}}
 "#
         ),
     )
@@ -357,6 +367,57 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
 
 /// A stopping gateway gives a request in flight its drain deadline (`--drain-seconds 1`), then
 /// cuts it and exits, though the provider would answer it only after 30 s.
+/// Two providers: the one picked first (the lower expected TTFT) does not answer; the gateway
+/// passes the request to the other before any byte reached the client, and the answer is that
+/// provider's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_does_not_answer_passes_the_request_to_the_next_provider() {
+    let work = tempfile::tempdir().unwrap();
+    let dead = format!(
+        "  endpoint: http://127.0.0.1:{}/v1\n  api: OpenAI\n  model: gpt-gone\n  expectedTtftMs: 10\n",
+        free_port()
+    );
+    let b = BedrockFleet::start_after(work.path(), &[], Some(&dead));
+    let r = b.answers().await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "provider:cloud");
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["model"], "amazon.nova-lite-v1:0", "{body}");
+    let metrics = harness::http_get(&format!("http://{}/metrics", b.gateway.field("http"))).await;
+    assert_eq!(
+        harness::metric_value(&metrics, "kvplane_gateway_upstream_retries_total"),
+        1.0,
+        "{metrics}"
+    );
+}
+
+/// A provider that sends no headers within `--upstream-timeout-seconds` (a Converse call
+/// answered after 30 s): the client gets a 504 in OpenAI's shape at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_sends_no_headers_in_time_is_a_504() {
+    let work = tempfile::tempdir().unwrap();
+    let b = BedrockFleet::start(
+        work.path(),
+        &["--upstream-timeout-seconds".into(), "1".into()],
+    );
+    b.answers().await;
+    let slow = json!({"model": "chat", "messages": [{"role": "user", "content": "slow"}]});
+    let sent = std::time::Instant::now();
+    let r = reqwest::Client::new()
+        .post(&b.url)
+        .json(&slow)
+        .send()
+        .await
+        .unwrap();
+    let took = sent.elapsed();
+    assert_eq!(r.status().as_u16(), 504);
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+        "answered after {took:?}"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "server_error", "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_gateway_cuts_open_requests_at_its_drain_deadline() {
     let work = tempfile::tempdir().unwrap();
@@ -410,6 +471,11 @@ struct BedrockFleet {
 
 impl BedrockFleet {
     fn start(dir: &Path, gateway_args: &[String]) -> Self {
+        Self::start_after(dir, gateway_args, None)
+    }
+
+    /// As [`Self::start`], with provider `first` (its spec's YAML lines) tried before `cloud`.
+    fn start_after(dir: &Path, gateway_args: &[String], first: Option<&str>) -> Self {
         let (akid, secret, token) = (
             "AKIDKVPLANETEST",
             "kvplane/test/secret+key",
@@ -440,8 +506,9 @@ impl BedrockFleet {
         fallback_to(
             &policy_dir,
             &format!(
-                "  endpoint: http://127.0.0.1:{port}\n  api: Bedrock\n  region: eu-central-1\n  model: amazon.nova-lite-v1:0\n  credentials: {{name: aws, key: unused}}\n"
+                "  endpoint: http://127.0.0.1:{port}\n  api: Bedrock\n  region: eu-central-1\n  model: amazon.nova-lite-v1:0\n  credentials: {{name: aws, key: unused}}\n  expectedTtftMs: 1000\n"
             ),
+            first,
         );
         let cluster = Cluster::start_with(
             1,
