@@ -181,7 +181,8 @@ pub(crate) fn served_elsewhere(
         return Some(None);
     }
     let worker = if e.worker_id.is_empty() {
-        // An address only (the endpoint picker's proxy says `ip:port`): the worker there.
+        // An address only (the endpoint picker's proxy says `ip:port`): the worker there, the
+        // routed one first (workers of several pools may share an address).
         let bare = |a: &str| {
             let a = a.trim_end_matches('/');
             a.split_once("://").map_or(a, |(_, rest)| rest).to_owned()
@@ -190,11 +191,26 @@ pub(crate) fn served_elsewhere(
         if wanted.is_empty() {
             return None;
         }
+        let at = |w: &&kvplane_state::WorkerView| {
+            w.address.as_deref().is_some_and(|a| bare(a) == wanted)
+        };
+        let routed_there = view
+            .pools
+            .get(routed.0)
+            .and_then(|p| p.workers.iter().find(|w| &*w.name == routed.1))
+            .is_some_and(|w| at(&w));
+        if routed_there {
+            return None;
+        }
         view.workers()
-            .find(|w| w.address.as_deref().is_some_and(|a| bare(a) == wanted))
+            .find(at)
             .map(|w| (w.pool.clone(), w.name.to_string()))
     } else {
-        Some((e.pool.clone(), e.worker_id.clone()))
+        // Only a worker the state knows: a report cannot make the predictor keep any name.
+        view.pools
+            .get(&e.pool)
+            .and_then(|p| p.workers.iter().find(|w| *w.name == *e.worker_id))
+            .map(|w| (w.pool.clone(), w.name.to_string()))
     };
     match worker {
         Some((pool, w)) if pool == routed.0 && w == routed.1 => None,

@@ -128,8 +128,6 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
     );
 }
 
-/// The requests the predictor counts as waiting on `worker` of pool `default`, asked as of no
-/// metrics sample.
 /// What each worker runs as an Explain sees it.
 fn running(s: &kvplane_api::RouterService) -> std::collections::BTreeMap<String, u32> {
     explain(s, request("x", "m", &[], tokens(3, 16)))
@@ -142,6 +140,8 @@ fn running(s: &kvplane_api::RouterService) -> std::collections::BTreeMap<String,
         .collect()
 }
 
+/// The requests the predictor counts as waiting on `worker` of pool `default`, asked as of no
+/// metrics sample.
 fn queued(p: &Predictor, worker: &str) -> u32 {
     let name: Arc<str> = worker.into();
     p.peek_pending(

@@ -142,10 +142,10 @@ async fn a_request_whose_engine_is_gone_goes_to_the_next_alternative() {
         (known(&m) >= 1.0).then_some(m)
     })
     .await;
-    assert_eq!(
-        harness::metric_value(&m, "kvplane_ttft_prediction_ratio_count"),
-        0.0,
-        "{m}"
+    assert!(
+        m.lines()
+            .any(|l| l == "kvplane_ttft_prediction_ratio_count 0"),
+        "no prediction error observed: {m}"
     );
 }
 

@@ -64,7 +64,7 @@ impl fmt::Display for Proposal {
             Command::EndpointHealth(u) => format!(
                 "health of {} ({} of {} static endpoints answer)",
                 u.pool,
-                u.endpoints.iter().filter(|(_, ready)| *ready).count(),
+                u.endpoints.iter().filter(|e| e.ready).count(),
                 u.endpoints.len()
             ),
             Command::QuotaClose {

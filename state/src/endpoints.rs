@@ -49,12 +49,21 @@ pub struct DiscoveredEndpoint {
 }
 
 /// What the leader's health checks found of a worker set's static endpoints: each one named
-/// answers (`true`) or not. Endpoints not named keep what they had.
+/// answers or not. Endpoints not named keep what they had.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HealthUpdate {
     pub pool: String,
-    /// `(worker, ready)`.
-    pub endpoints: Vec<(String, bool)>,
+    pub endpoints: Vec<EndpointHealth>,
+}
+
+/// One endpoint as a health check found it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointHealth {
+    pub worker: String,
+    /// The address checked: a result for an address the worker set no longer lists for the
+    /// worker changes nothing.
+    pub address: String,
+    pub ready: bool,
 }
 
 /// Every endpoint Kubernetes reports for one pool now: workers of the pool left out have no
@@ -116,21 +125,19 @@ impl StateMachine {
                 "it lists no endpoints: only static endpoints are health-checked by kvplane",
             ));
         }
-        for (name, ready) in &update.endpoints {
-            let key = (update.pool.clone(), name.clone());
+        for e in &update.endpoints {
+            let key = (update.pool.clone(), e.worker.clone());
             let Some(worker) = self.workers.get_mut(&key) else {
                 continue;
             };
-            if !worker
-                .discovered
-                .as_ref()
-                .is_some_and(|d| d.found == Found::Static && d.ready != *ready)
-            {
+            if !worker.discovered.as_ref().is_some_and(|d| {
+                d.found == Found::Static && d.address == e.address && d.ready != e.ready
+            }) {
                 continue;
             }
             let before = worker_fact(&key.0, &key.1, worker);
             if let Some(d) = worker.discovered.as_mut() {
-                d.ready = *ready;
+                d.ready = e.ready;
             }
             let after = worker_fact(&key.0, &key.1, worker);
             self.parts.workers = self.parts.workers.wrapping_sub(before).wrapping_add(after);

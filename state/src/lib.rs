@@ -37,7 +37,9 @@ pub use command::{
 };
 pub use config::{POOL_KIND, PoolConfig, valid_name};
 pub use digest::Digest;
-pub use endpoints::{Discovered, DiscoveredEndpoint, EndpointsUpdate, Found, HealthUpdate};
+pub use endpoints::{
+    Discovered, DiscoveredEndpoint, EndpointHealth, EndpointsUpdate, Found, HealthUpdate,
+};
 pub use error::{ApplyError, SnapshotError};
 pub use index::{Overlap, PoolIndex};
 pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};

@@ -153,6 +153,16 @@ impl Ledger {
     pub fn apply(&mut self, b: &QuotaBatch, now_ms: u64, catalog: &Catalog) -> QuotaApplied {
         let mut out = QuotaApplied::default();
         match self.replicas.get(&b.replica) {
+            // A retired replica's id taken again: its process's first batch, whatever its
+            // incarnation after the one retired (it may be exactly the next).
+            Some(&(inc, RETIRED_SEQ)) if b.incarnation >= inc => {
+                for book in self.books.values_mut() {
+                    out.released.tokens +=
+                        book.release_pending(b.replica, b.incarnation, &self.closed);
+                }
+                self.replicas.insert(b.replica, (b.incarnation, b.seq));
+                self.prune_closed();
+            }
             Some(&(inc, seq)) if b.incarnation < inc || (b.incarnation == inc && b.seq <= seq) => {
                 out.duplicate = true;
                 return out;

@@ -348,9 +348,15 @@ mod tests {
         assert_eq!(l.retire(1), 0);
         assert_eq!(l.retire(9), 0);
         assert_eq!(l, before);
-        // A later process of that replica (an id taken again) is a holder as any other.
+        // A later process of that replica (an id taken again) is a holder as any other - also
+        // one whose incarnation is just the next (a clock that stepped back).
+        let mut next = l.clone();
         let out = l.apply(&ask(1, 5, 1, 1_000), 40, &c);
         assert!(out.granted.tokens > 0 && !l.is_retired(1));
+        let out = next.apply(&ask(1, 2, 1, 1_000), 40, &c);
+        assert!(out.granted.tokens > 0 && !next.is_retired(1), "{out:?}");
+        let out = next.apply(&ask(1, 2, 2, 1_000), 41, &c);
+        assert!(!out.duplicate, "its later batches count too");
     }
 
     #[test]

@@ -11,8 +11,8 @@ mod support;
 use support::{apply_at, two_blocks};
 
 use kvplane_state::{
-    Command, DiscoveredEndpoint, EndpointsUpdate, Found, HealthUpdate, IngestPayload, Owner,
-    StateMachine,
+    Command, DiscoveredEndpoint, EndpointHealth, EndpointsUpdate, Found, HealthUpdate,
+    IngestPayload, Owner, StateMachine,
 };
 use serde_json::{Value, json};
 
@@ -55,14 +55,29 @@ fn pods(endpoints: &[(&str, &str, bool)]) -> Command {
     })
 }
 
-fn health(endpoints: &[(&str, bool)]) -> Command {
+/// Health of `(worker, address, ready)`.
+fn health_at(endpoints: &[(&str, &str, bool)]) -> Command {
     Command::EndpointHealth(HealthUpdate {
         pool: "ws".into(),
         endpoints: endpoints
             .iter()
-            .map(|(w, ready)| ((*w).into(), *ready))
+            .map(|(w, address, ready)| EndpointHealth {
+                worker: (*w).into(),
+                address: (*address).into(),
+                ready: *ready,
+            })
             .collect(),
     })
+}
+
+/// Health of `(worker, ready)` at the addresses [`static_set`] lists them at in these tests
+/// (`w0` at A0, `w1` at A1; others at A1).
+fn health(endpoints: &[(&str, bool)]) -> Command {
+    let at: Vec<(&str, &str, bool)> = endpoints
+        .iter()
+        .map(|(w, ready)| (*w, if *w == "w0" { A0 } else { A1 }, *ready))
+        .collect();
+    health_at(&at)
 }
 
 fn message(sm: &StateMachine, worker: &str, payload: IngestPayload) -> Command {
@@ -350,10 +365,15 @@ fn a_static_endpoint_that_fails_its_health_check_is_not_routable_until_it_answer
     assert_eq!(routable(&sm), vec![(s("w0"), false), (s("w1"), true)]);
     apply_at(&mut sm, 4_000, health(&[("w0", true)]));
     assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
-    // At a new address it is a new endpoint: ready until checked.
+    // At a new address it is a new endpoint: ready until checked, and a check of the old
+    // address (made before the move) changes nothing.
     apply_at(&mut sm, 5_000, health(&[("w1", false)]));
     apply_at(&mut sm, 6_000, static_set(&[("w0", A0), ("w1", A0)]));
     assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
+    apply_at(&mut sm, 7_000, health_at(&[("w1", A1, false)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
+    apply_at(&mut sm, 8_000, health_at(&[("w1", A0, false)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), false)]);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvplane_state::{Command, Found, HealthUpdate, Proposer, View};
+use kvplane_state::{Command, EndpointHealth, Found, HealthUpdate, Proposer, View};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -36,6 +36,9 @@ pub struct EndpointHealthSection {
     pub failures: u32,
     /// The path asked, with success (2xx) meaning the engine serves.
     pub path: String,
+    /// A PEM file of the CA (or CAs) that signed `https://` engines' certificates, trusted
+    /// besides the public roots (an engine behind a private CA fails every check without it).
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for EndpointHealthSection {
@@ -45,6 +48,7 @@ impl Default for EndpointHealthSection {
             timeout_ms: 1_000,
             failures: 2,
             path: "/health".into(),
+            ca_file: None,
         }
     }
 }
@@ -65,7 +69,27 @@ impl EndpointHealthSection {
                 self.path
             ));
         }
+        if let Err(e) = self.client() {
+            p.push(format!("endpoint_health.ca_file: {e}"));
+        }
         p
+    }
+
+    /// The checks' HTTP client: the timeout, and the CA file's certificates when there is one.
+    fn client(&self) -> Result<reqwest::Client, String> {
+        let mut b = reqwest::Client::builder().timeout(Duration::from_millis(self.timeout_ms));
+        if let Some(path) = &self.ca_file {
+            let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            if certs.is_empty() {
+                return Err(format!("{}: no certificate in it", path.display()));
+            }
+            for c in certs {
+                b = b.add_root_certificate(c);
+            }
+        }
+        b.build().map_err(|e| e.to_string())
     }
 }
 
@@ -109,19 +133,19 @@ impl EndpointHealthMetrics {
     }
 }
 
-/// One listed engine: `(worker set, worker)`.
-type Key = (String, String);
+/// One listed engine: `(worker set, worker, address)` (an engine moved to another address is
+/// another engine: its failed checks start again).
+type Key = (String, String, String);
 
-/// The engines to check: every worker whose endpoint is its worker set's list, with its
-/// address and whether the state has it routable.
-fn listed(view: &View) -> Vec<(Key, String, bool)> {
+/// The engines to check: every worker whose endpoint is its worker set's list, and whether the
+/// state has it routable.
+fn listed(view: &View) -> Vec<(Key, bool)> {
     view.workers()
         .filter(|w| w.found == Some(Found::Static))
         .filter_map(|w| {
             let address = w.address.as_deref()?;
             Some((
-                (w.pool.clone(), w.name.to_string()),
-                address.to_owned(),
+                (w.pool.clone(), w.name.to_string(), address.to_owned()),
                 w.up,
             ))
         })
@@ -132,14 +156,14 @@ fn listed(view: &View) -> Vec<(Key, String, bool)> {
 /// engine), given the failed checks in a row so far (`failing`, updated here): an engine goes
 /// after `failures` of them, comes back after one answer.
 fn changes(
-    engines: &[(Key, String, bool)],
+    engines: &[(Key, bool)],
     answered: &[bool],
     failing: &mut HashMap<Key, u32>,
     failures: u32,
 ) -> Vec<HealthUpdate> {
-    failing.retain(|k, _| engines.iter().any(|(e, _, _)| e == k));
-    let mut by_pool: BTreeMap<&str, Vec<(String, bool)>> = BTreeMap::new();
-    for ((key, _, up), ok) in engines.iter().zip(answered) {
+    failing.retain(|k, _| engines.iter().any(|(e, _)| e == k));
+    let mut by_pool: BTreeMap<&str, Vec<EndpointHealth>> = BTreeMap::new();
+    for ((key, up), ok) in engines.iter().zip(answered) {
         // Only what differs from the state: an engine within its failures keeps what the
         // state says of it, whichever that is.
         let change = if *ok {
@@ -151,10 +175,11 @@ fn changes(
             (*up && *n >= failures).then_some(false)
         };
         if let Some(ready) = change {
-            by_pool
-                .entry(&key.0)
-                .or_default()
-                .push((key.1.clone(), ready));
+            by_pool.entry(&key.0).or_default().push(EndpointHealth {
+                worker: key.1.clone(),
+                address: key.2.clone(),
+                ready,
+            });
         }
     }
     by_pool
@@ -183,10 +208,7 @@ pub async fn run<P: Proposer>(
     metrics: Arc<EndpointHealthMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let client = match reqwest::Client::builder()
-        .timeout(Duration::from_millis(cfg.timeout_ms))
-        .build()
-    {
+    let client = match cfg.client() {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "no http client for the listed engines' health checks");
@@ -203,7 +225,7 @@ pub async fn run<P: Proposer>(
         }
         let view = node.state.load();
         let engines = listed(&view);
-        let down = engines.iter().filter(|(_, _, up)| !up).count();
+        let down = engines.iter().filter(|(_, up)| !up).count();
         metrics.down.set(i64::try_from(down).unwrap_or(i64::MAX));
         if !node.leading() {
             failing.clear();
@@ -212,7 +234,7 @@ pub async fn run<P: Proposer>(
         let answered = futures::future::join_all(
             engines
                 .iter()
-                .map(|(_, address, _)| answers(&client, address, &cfg.path)),
+                .map(|((_, _, address), _)| answers(&client, address, &cfg.path)),
         )
         .await;
         metrics.checks.inc_by(engines.len() as u64);
@@ -221,9 +243,9 @@ pub async fn run<P: Proposer>(
             .inc_by(answered.iter().filter(|ok| !**ok).count() as u64);
         for update in changes(&engines, &answered, &mut failing, cfg.failures) {
             let pool = update.pool.clone();
-            let (up, down): (Vec<_>, Vec<_>) = update.endpoints.iter().partition(|(_, r)| *r);
-            let names = |v: Vec<&(String, bool)>| -> Vec<String> {
-                v.into_iter().map(|(w, _)| w.clone()).collect()
+            let (up, down): (Vec<_>, Vec<_>) = update.endpoints.iter().partition(|e| e.ready);
+            let names = |v: Vec<&EndpointHealth>| -> Vec<String> {
+                v.into_iter().map(|e| e.worker.clone()).collect()
             };
             let (up, down) = (names(up), names(down));
             match node.log.propose(Command::EndpointHealth(update)).await {
@@ -250,10 +272,13 @@ pub async fn run<P: Proposer>(
 mod tests {
     use super::*;
 
-    fn engine(worker: &str, up: bool) -> (Key, String, bool) {
+    fn engine(worker: &str, up: bool) -> (Key, bool) {
         (
-            ("ws".to_owned(), worker.to_owned()),
-            format!("http://{worker}"),
+            (
+                "ws".to_owned(),
+                worker.to_owned(),
+                format!("http://{worker}"),
+            ),
             up,
         )
     }
@@ -261,7 +286,7 @@ mod tests {
     fn said(updates: &[HealthUpdate]) -> Vec<(String, bool)> {
         updates
             .iter()
-            .flat_map(|u| u.endpoints.iter().cloned())
+            .flat_map(|u| u.endpoints.iter().map(|e| (e.worker.clone(), e.ready)))
             .collect()
     }
 
@@ -302,11 +327,31 @@ mod tests {
     }
 
     #[test]
+    fn a_ca_file_that_cannot_be_read_or_holds_no_certificate_is_a_problem_named_by_its_key() {
+        let dir = std::env::temp_dir().join(format!("kvplane-health-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        for file in [dir.join("missing.pem"), empty] {
+            let s = EndpointHealthSection {
+                ca_file: Some(file.clone()),
+                ..Default::default()
+            };
+            let p = s.problems();
+            assert!(
+                p.len() == 1 && p[0].starts_with("endpoint_health.ca_file: "),
+                "{p:?}"
+            );
+        }
+        assert!(EndpointHealthSection::default().problems().is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn each_worker_set_gets_its_own_entry() {
         let mut failing = HashMap::new();
         let other = (
-            ("other".to_owned(), "c".to_owned()),
-            "http://c".to_owned(),
+            ("other".to_owned(), "c".to_owned(), "http://c".to_owned()),
             true,
         );
         let out = changes(
