@@ -64,6 +64,9 @@ pub struct GatewayConfig {
     pub max_body_bytes: usize,
     /// How long a client may take to send a request's body after its headers (longer: 408).
     pub body_read: std::time::Duration,
+    /// More series for `/metrics` (the process's own, from the binary that runs the gateway),
+    /// each made by its function when the gateway starts.
+    pub collectors: Vec<fn() -> Box<dyn prometheus_client::collector::Collector>>,
 }
 
 /// Why the gateway cannot start.
@@ -131,6 +134,9 @@ pub async fn run(
     let metrics = GatewayMetrics::default();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    for make in &cfg.collectors {
+        registry.register_collector(make());
+    }
     if let Some(tls) = &cfg.listen_tls {
         tls.metrics().register(&mut registry);
     }

@@ -121,6 +121,7 @@ pub async fn bridge(
     let metrics = Arc::new(BridgeMetrics::default());
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    registry.register_collector(crate::process_metrics::ProcessCollector::boxed());
     let registry = Arc::new(registry);
     let listener = tokio::net::TcpListener::bind(&a.http_listen)
         .await

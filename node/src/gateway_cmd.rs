@@ -135,6 +135,7 @@ pub async fn gateway(
             http,
             max_body_bytes: a.max_body_bytes,
             body_read: std::time::Duration::from_millis(a.body_read_ms),
+            collectors: vec![crate::process_metrics::ProcessCollector::boxed],
         },
         listener,
         shutdown,

@@ -7,6 +7,7 @@ pub mod config;
 mod data_dir_lock;
 mod gateway_cmd;
 mod incarnation;
+pub mod process_metrics;
 mod routed_share;
 pub mod serve;
 pub mod sources;

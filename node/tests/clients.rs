@@ -203,6 +203,16 @@ async fn a_gateway_without_a_ready_replica_is_not_ready_and_logs_each_request() 
             "{body}"
         );
     }
+    // The gateway serves its process's own series and its build.
+    let metrics = harness::http_get(&format!("http://{}/metrics", text.field("http"))).await;
+    assert!(
+        harness::metric_value(&metrics, "process_resident_memory_bytes") > 1e6
+            && metrics.contains(&format!(
+                "kvplane_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            )),
+        "{metrics}"
+    );
     let line = harness::eventually("the text access line", Duration::from_secs(5), || async {
         std::fs::read_to_string(&text_log)
             .unwrap_or_default()

@@ -301,6 +301,18 @@ async fn metrics_parse_as_prometheus_text_with_per_tenant_and_raft_series() {
         fsyncs.is_some_and(|f| f >= 1.0) && written.is_some_and(|w| w >= 1.0),
         "fsyncs {fsyncs:?}, entries written {written:?}"
     );
+    // The process's own series, and the build.
+    assert!(find("process_resident_memory_bytes", None).is_some_and(|s| value(s) > 1e6));
+    assert!(find("process_open_fds", None).is_some_and(|s| value(s) >= 3.0));
+    assert!(find("process_cpu_seconds_total", None).is_some());
+    assert_eq!(
+        find(
+            "kvplane_build_info",
+            Some(("version", env!("CARGO_PKG_VERSION")))
+        )
+        .map(value),
+        Some(1.0)
+    );
     // `kvplane status` shows the tenant's window.
     let out = harness::kvplane_ok(&["status", "--addr", &node.endpoint()]);
     assert!(

@@ -82,6 +82,8 @@ async fn listed_engines_serve_requests_with_or_without_a_bridge() {
         ]
     );
 
+    // The bridge serves its process's own series too.
+    assert!(bridged.bridge_metric("process_resident_memory_bytes").await > 1e6);
     let gateway = harness::gateway(&node.endpoint(), dir.path().join("gateway.log"));
     let url = format!("http://{}/v1/completions", gateway.field("http"));
     let http = reqwest::Client::new();

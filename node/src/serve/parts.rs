@@ -86,6 +86,7 @@ impl Parts {
             RaftMember::start(&cfg.raft, &cfg.data_dir, bound.grpc, on_applied, dialer).await?,
         );
         let access = access(&cfg, members, &member, &mut registry);
+        registry.register_collector(crate::process_metrics::ProcessCollector::boxed());
         member.failures.register(&mut registry);
         member.log_writes.register(&mut registry);
         registry.register(
