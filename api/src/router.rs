@@ -352,8 +352,7 @@ impl RouterService {
                 predicted_ttft_ms,
             } = &start
             {
-                let view = self.state.load();
-                match served_elsewhere(report.served.as_ref(), (ws, w), &view) {
+                match served_elsewhere(report.served.as_ref(), (ws, w), &self.state) {
                     None => {
                         self.predictor.observed(
                             ws,
@@ -413,9 +412,7 @@ impl RouterService {
             if *started {
                 // Where it ran (where it was served, when a first-token report said so).
                 self.predictor.finished(ws, w, &report.request_id);
-            } else if served_elsewhere(report.served.as_ref(), (ws, w), &self.state.load())
-                .is_some()
-            {
+            } else if served_elsewhere(report.served.as_ref(), (ws, w), &self.state).is_some() {
                 self.predictor.forget(ws, w, &report.request_id);
             } else {
                 self.predictor.observed(

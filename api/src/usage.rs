@@ -174,9 +174,10 @@ impl UsageBook {
 pub(crate) fn served_elsewhere(
     served: Option<&kvplane_proto::v1::Endpoint>,
     routed: (&str, &str),
-    view: &kvplane_state::View,
+    state: &kvplane_state::StateHandle,
 ) -> Option<Option<(String, String)>> {
     let e = served?;
+    let view = state.load();
     if !e.provider.is_empty() {
         return Some(None);
     }

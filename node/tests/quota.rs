@@ -494,6 +494,34 @@ async fn acme_book(node: &harness::Node) -> kvplane_state::Book {
     acme_ledger(node).await.0
 }
 
+/// The leader, and two followers: one that routes, one that a report goes to.
+async fn roles(cluster: &Cluster) -> (usize, usize, usize) {
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
+    (leader, followers[0], followers[1])
+}
+
+/// Kills the member that routed `report`'s request and sends the report to another: settled
+/// through the ledger, its ticket waits there. The leader's book with it waiting.
+async fn killed_then_reported(
+    cluster: &mut Cluster,
+    (leader, router, reporter): (usize, usize, usize),
+    report: &kvplane_proto::v1::UsageReport,
+) -> kvplane_state::Book {
+    cluster.nodes[router].kill();
+    let ack = report_to(&cluster.nodes[reporter], report).await;
+    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
+    eventually(
+        "the ticket in the ledger",
+        Duration::from_secs(20),
+        || async {
+            let b = acme_book(&cluster.nodes[leader]).await;
+            (!b.pending.is_empty()).then_some(b)
+        },
+    )
+    .await
+}
+
 /// The tenant's book once no ticket waits in `node`'s ledger (within 30 s).
 async fn ticket_given_back(node: &harness::Node) -> kvplane_state::Book {
     eventually("the ticket given back", Duration::from_secs(30), || async {
@@ -522,9 +550,7 @@ async fn acme_ledger(node: &harness::Node) -> (kvplane_state::Book, Vec<(u64, u6
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_settled_before_its_replica_stopped_is_not_settled_again_through_the_ledger() {
     let (mut cluster, _dir) = hour_window().await;
-    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
-    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
-    let (router, reporter) = (followers[0], followers[1]);
+    let (leader, router, reporter) = roles(&cluster).await;
     let routed = route_acme(&cluster.nodes[router], "stops-1").await;
     let ticket = routed.ticket.clone().unwrap();
     let report = used_50("stops-1", &ticket);
@@ -580,9 +606,7 @@ async fn a_report_settled_before_its_replica_stopped_is_not_settled_again_throug
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
     let (mut cluster, _dir) = hour_window().await;
-    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
-    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
-    let (router, reporter) = (followers[0], followers[1]);
+    let (leader, router, reporter) = roles(&cluster).await;
     let routed = route_acme(&cluster.nodes[router], "dies-1").await;
     let ticket = routed.ticket.clone().unwrap();
     assert_eq!(ticket.routed_by, cluster.nodes[router].raft_id.unwrap());
@@ -591,20 +615,9 @@ async fn a_report_whose_routing_replica_died_settles_through_the_ledger() {
     let before = acme_book(&cluster.nodes[leader]).await;
     assert!(before.holders.contains_key(&ticket.routed_by));
 
-    cluster.nodes[router].kill();
     let report = used_50("dies-1", &ticket);
-    let ack = report_to(&cluster.nodes[reporter], &report).await;
-    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
+    let waiting = killed_then_reported(&mut cluster, (leader, router, reporter), &report).await;
     // Its process may be alive behind a partition: the ticket waits, nothing comes back yet.
-    let waiting = eventually(
-        "the ticket in the ledger",
-        Duration::from_secs(20),
-        || async {
-            let b = acme_book(&cluster.nodes[leader]).await;
-            (!b.pending.is_empty()).then_some(b)
-        },
-    )
-    .await;
     assert_eq!(waiting.granted, before.granted);
 
     // Its next process speaks: the holdings of the old one are no one's, and what the request
@@ -682,9 +695,7 @@ async fn a_gateway_failing_over_mid_answer_still_settles_the_tenant_at_what_the_
         )
         .await;
     }
-    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
-    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
-    let (router, reporter) = (followers[0], followers[1]);
+    let (leader, router, reporter) = roles(&cluster).await;
     // The gateway asks the router first, the reporter when the router does not answer.
     let gateway = harness::gateway(
         &format!(
@@ -752,33 +763,21 @@ async fn a_gateway_failing_over_mid_answer_still_settles_the_tenant_at_what_the_
     );
 }
 
-/// As above, but the dead replica never comes back: it is removed from the cluster. The leader
-/// retires it in the ledger (`QuotaRetire`), and the ticket gives back what the request did not
-/// use without waiting for a process that will never start.
+/// As `a_report_whose_routing_replica_died_settles_through_the_ledger`, but the dead replica
+/// never comes back: it is removed from the cluster. The leader retires it in the ledger
+/// (`QuotaRetire`), and the ticket gives back what the request did not use without waiting for
+/// a process that will never start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_routing_replica_was_removed_for_good_still_gives_back() {
     let (mut cluster, _dir) = hour_window().await;
-    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
-    let followers: Vec<usize> = (0..3).filter(|i| *i != leader).collect();
-    let (router, reporter) = (followers[0], followers[1]);
+    let (leader, router, reporter) = roles(&cluster).await;
     let routed = route_acme(&cluster.nodes[router], "removed-1").await;
     let ticket = routed.ticket.clone().unwrap();
     let reserved = ticket.charges[0].tokens;
     let before = acme_book(&cluster.nodes[leader]).await;
 
-    cluster.nodes[router].kill();
     let report = used_50("removed-1", &ticket);
-    let ack = report_to(&cluster.nodes[reporter], &report).await;
-    assert!(ack.settled_by_ledger && !ack.known, "{ack:?}");
-    eventually(
-        "the ticket in the ledger",
-        Duration::from_secs(20),
-        || async {
-            let b = acme_book(&cluster.nodes[leader]).await;
-            (!b.pending.is_empty()).then_some(())
-        },
-    )
-    .await;
+    killed_then_reported(&mut cluster, (leader, router, reporter), &report).await;
     cluster.nodes[leader]
         .admin()
         .await

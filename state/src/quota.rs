@@ -153,10 +153,18 @@ impl Ledger {
     pub fn apply(&mut self, b: &QuotaBatch, now_ms: u64, catalog: &Catalog) -> QuotaApplied {
         let mut out = QuotaApplied::default();
         match self.replicas.get(&b.replica) {
-            // A retired replica's id taken again: its process's first batch, whatever its
-            // incarnation after the one retired (it may be exactly the next).
-            Some(&(inc, RETIRED_SEQ)) if b.incarnation >= inc => {
+            // A later process of the replica; or, of a retired one, whatever its incarnation
+            // after the one retired (it may be exactly the next): its id taken again.
+            Some(&(inc, seq))
+                if inc < b.incarnation || (seq == RETIRED_SEQ && inc == b.incarnation) =>
+            {
+                // The replica restarted: what its earlier process held may have been spent, and
+                // that record died with it. Its holdings stay granted (counted against the
+                // window) but are no one's to spend or release any more - except what reported
+                // requests of that process did not use (its tickets settled elsewhere). A
+                // retired replica holds nothing any more: only its tickets are left.
                 for book in self.books.values_mut() {
+                    book.leave_behind(b.replica, inc);
                     out.released.tokens +=
                         book.release_pending(b.replica, b.incarnation, &self.closed);
                 }
@@ -166,19 +174,6 @@ impl Ledger {
             Some(&(inc, seq)) if b.incarnation < inc || (b.incarnation == inc && b.seq <= seq) => {
                 out.duplicate = true;
                 return out;
-            }
-            Some(&(inc, _)) if inc < b.incarnation => {
-                // The replica restarted: what its earlier process held may have been spent, and
-                // that record died with it. Its holdings stay granted (counted against the
-                // window) but are no one's to spend or release any more - except what reported
-                // requests of that process did not use (its tickets settled elsewhere).
-                for book in self.books.values_mut() {
-                    book.leave_behind(b.replica, inc);
-                    out.released.tokens +=
-                        book.release_pending(b.replica, b.incarnation, &self.closed);
-                }
-                self.replicas.insert(b.replica, (b.incarnation, b.seq));
-                self.prune_closed();
             }
             _ => {
                 self.replicas.insert(b.replica, (b.incarnation, b.seq));

@@ -17,19 +17,14 @@ pub(super) async fn watch(
     stream: String,
     (handle, source): (StateHandle, Source),
     metrics: Arc<IngestMetrics>,
-    mut term_end: watch::Receiver<bool>,
+    term_end: watch::Receiver<bool>,
 ) {
     metrics.set_lag(None);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = term_end.wait_for(|ended| *ended) => return,
-        }
+    let mut ticks = super::ticks::TermTicks::new(Duration::from_secs(1), term_end);
+    while ticks.next().await {
         let last = tokio::select! {
             s = js.get_stream(&stream) => s.map(|s| s.cached_info().state.last_sequence),
-            _ = term_end.wait_for(|ended| *ended) => return,
+            _ = ticks.term_end.wait_for(|ended| *ended) => return,
         };
         match last {
             Ok(last) => {

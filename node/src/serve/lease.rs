@@ -40,13 +40,9 @@ pub(super) async fn expire(
         () = tokio::time::sleep(lease) => {}
         _ = term_end.wait_for(|ended| *ended) => return,
     }
-    let mut tick = tokio::time::interval((lease / 4).max(Duration::from_millis(20)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = term_end.wait_for(|ended| *ended) => return,
-        }
+    let mut ticks =
+        super::ticks::TermTicks::new((lease / 4).max(Duration::from_millis(20)), term_end);
+    while ticks.next().await {
         let now = now_ms();
         let due = handle
             .load()

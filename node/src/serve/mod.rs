@@ -19,6 +19,7 @@ mod parts;
 mod ready;
 mod retire;
 mod tasks;
+mod ticks;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -13,14 +13,9 @@ use kvplane_state::{Command, Proposer};
 use tokio::sync::watch;
 
 /// Retires, until the term ends, every replica of the ledger that is no member.
-pub(super) async fn retire_removed(member: Arc<RaftMember>, mut term_end: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = term_end.wait_for(|ended| *ended) => return,
-        }
+pub(super) async fn retire_removed(member: Arc<RaftMember>, term_end: watch::Receiver<bool>) {
+    let mut ticks = super::ticks::TermTicks::new(Duration::from_secs(1), term_end);
+    while ticks.next().await {
         let members: Vec<u64> = member.members().into_iter().map(|(id, _)| id).collect();
         if members.is_empty() {
             continue;
