@@ -365,8 +365,6 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
     refused_credentials(client.post(&url).json(&ask(false))).await;
 }
 
-/// A stopping gateway gives a request in flight its drain deadline (`--drain-seconds 1`), then
-/// cuts it and exits, though the provider would answer it only after 30 s.
 /// Two providers: the one picked first (the lower expected TTFT) does not answer; the gateway
 /// passes the request to the other before any byte reached the client, and the answer is that
 /// provider's.
@@ -411,13 +409,19 @@ async fn a_target_that_sends_no_headers_in_time_is_a_504() {
     let took = sent.elapsed();
     assert_eq!(r.status().as_u16(), 504);
     assert!(
-        took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
         "answered after {took:?}"
     );
     let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!(body["error"]["type"], "server_error", "{body}");
+    assert_eq!(
+        (&body["error"]["type"], &body["error"]["code"]),
+        (&json!("server_error"), &json!("timeout")),
+        "{body}"
+    );
 }
 
+/// A stopping gateway gives a request in flight its drain deadline (`--drain-seconds 1`), then
+/// cuts it and exits, though the provider would answer it only after 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_gateway_cuts_open_requests_at_its_drain_deadline() {
     let work = tempfile::tempdir().unwrap();

@@ -749,7 +749,8 @@ async fn a_gateway_failing_over_mid_answer_still_settles_the_tenant_at_what_the_
         Duration::from_secs(20),
         || async {
             let m = cluster.nodes[reporter].metrics().await;
-            m.contains(r#"kvplane_usage_reports_total{outcome="ledger"} 1"#)
+            m.lines()
+                .any(|l| l == r#"kvplane_usage_reports_total{outcome="ledger"} 1"#)
                 .then_some(())
         },
     )

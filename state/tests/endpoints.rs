@@ -368,6 +368,7 @@ fn a_static_endpoint_that_fails_its_health_check_is_not_routable_until_it_answer
     // At a new address it is a new endpoint: ready until checked, and a check of the old
     // address (made before the move) changes nothing.
     apply_at(&mut sm, 5_000, health(&[("w1", false)]));
+    assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), false)]);
     apply_at(&mut sm, 6_000, static_set(&[("w0", A0), ("w1", A0)]));
     assert_eq!(routable(&sm), vec![(s("w0"), true), (s("w1"), true)]);
     apply_at(&mut sm, 7_000, health_at(&[("w1", A1, false)]));

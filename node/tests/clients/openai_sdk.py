@@ -87,19 +87,20 @@ none = client.chat.completions.create(
     model="chat", max_tokens=2, tools=weather, tool_choice="none", messages=[{"role": "user", "content": "hi"}]
 )
 check("tool_choice none writes text", none.choices[0].message.tool_calls is None and bool(none.choices[0].message.content), none)
-name, arguments, finish = None, "", None
+name, arguments, finish, pieces = None, "", None, 0
 for e in client.chat.completions.create(
     model="chat", max_tokens=3, tools=weather, stream=True, messages=[{"role": "user", "content": "weather?"}]
 ):
     for d in (e.choices[0].delta.tool_calls or []) if e.choices else []:
         name = name or (d.function.name if d.function else None)
         arguments += (d.function.arguments or "") if d.function else ""
+        pieces += 1 if d.function and d.function.arguments else 0
     if e.choices and e.choices[0].finish_reason:
         finish = e.choices[0].finish_reason
 check(
     "a streamed tool call's pieces join into its call",
-    name == "get_weather" and "text" in json.loads(arguments) and finish == "tool_calls",
-    (name, arguments, finish),
+    name == "get_weather" and "text" in json.loads(arguments) and finish == "tool_calls" and pieces >= 2,
+    (name, arguments, finish, pieces),
 )
 
 
