@@ -640,6 +640,11 @@ async fn the_pick_is_the_worker_that_caches_the_prompt() {
             ),
             Some(format!("{worker}:8000"))
         );
+        // A provider the client named itself is not where the request goes.
+        assert_eq!(
+            h.response.unwrap().header_mutation.unwrap().remove_headers,
+            ["x-kvplane-provider"]
+        );
     }
 }
 

@@ -34,11 +34,18 @@ impl Drop for Envoy {
 }
 
 impl Envoy {
-    /// The example's config with kvplane at `grpc` and free ports, started and ready.
-    async fn start(grpc: std::net::SocketAddr, dir: &std::path::Path) -> Self {
+    /// The example's config with kvplane at `grpc`, the pool's round robin over `pool`
+    /// (`host:port`, two) and free ports, started and ready.
+    async fn start(grpc: std::net::SocketAddr, pool: [&str; 2], dir: &std::path::Path) -> Self {
         let (admin, full_duplex, buffered) = (free_port(), free_port(), free_port());
+        let socket = |a: &str| {
+            let (host, port) = a.rsplit_once(':').unwrap();
+            format!("address: {host}, port_value: {port}")
+        };
         let config = std::fs::read_to_string(EXAMPLE)
             .unwrap()
+            .replace("address: 127.0.0.1, port_value: 8001", &socket(pool[0]))
+            .replace("address: 127.0.0.1, port_value: 8002", &socket(pool[1]))
             .replace("port_value: 9901", &format!("port_value: {admin}"))
             .replace("port_value: 10000", &format!("port_value: {full_duplex}"))
             .replace("port_value: 10001", &format!("port_value: {buffered}"))
@@ -61,7 +68,7 @@ impl Envoy {
         }
     }
 
-    /// The full-duplex listener's access log lines so far.
+    /// Both listeners' access log lines so far.
     fn access_log(&self) -> Vec<String> {
         std::fs::read_to_string(&self.access_log)
             .unwrap_or_default()
@@ -128,7 +135,8 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
     ] {
         health_becomes(&health, service, true).await;
     }
-    let envoy = Envoy::start(node.grpc, &root).await;
+    let addr = |e: &harness::Engine| e.http.trim_start_matches("http://").to_owned();
+    let envoy = Envoy::start(node.grpc, [&addr(&engines[0]), &addr(&engines[2])], &root).await;
 
     // engine-2 caches a long system prompt (warmed directly), and kvplane knows it.
     let system = words("sys", 1200);
@@ -230,22 +238,27 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
         m.contains(r#"kvplane_picker_requests_total{outcome="routed"} 3"#),
         "{m}"
     );
-    // Envoy's own record of the full-duplex requests: it connected where kvplane's envoy.lb
-    // metadata said, engine-2.
-    let engine_2 = engines[1].http.trim_start_matches("http://").to_owned();
-    let want = format!("200 upstream={engine_2} picked={engine_2}");
+    // Envoy's own record: it connected where kvplane's envoy.lb metadata said, engine-2 (the
+    // buffered listener through its route for a pick, not the pool's round robin).
+    let engine_2 = addr(&engines[1]);
+    let want = |listener: &str| {
+        format!("{listener} /v1/chat/completions 200 upstream={engine_2} picked={engine_2}")
+    };
     // Envoy flushes its access log every second.
     eventually("envoy's access log", Duration::from_secs(10), || async {
         let lines = envoy.access_log();
-        (lines.len() >= 2).then_some(())
+        (lines.len() >= 3).then_some(())
     })
     .await;
     let lines = envoy.access_log();
-    assert_eq!(
-        lines.iter().filter(|l| l.contains(&want)).count(),
-        2,
-        "{lines:#?}"
-    );
+    for (listener, n) in [("full_duplex", 2), ("buffered", 1)] {
+        let want = want(listener);
+        assert_eq!(
+            lines.iter().filter(|l| l.starts_with(&want)).count(),
+            n,
+            "{listener}: {lines:#?}"
+        );
+    }
 
     // A refusal is Envoy's answer to the client: the status and kvplane's error body.
     let r = post(
@@ -267,5 +280,100 @@ async fn envoy_sends_each_request_to_the_engine_kvplane_picks_and_kvplane_hears_
         ("liveness", true),
     ] {
         health_becomes(&health, service, serving).await;
+    }
+}
+
+/// Requests answered by each engine so far (its own counter).
+async fn served(engines: &[&harness::Proc]) -> Vec<f64> {
+    let mut out = Vec::new();
+    for e in engines {
+        let text = harness::http_get(&format!("http://{}/metrics", e.field("http"))).await;
+        out.push(harness::metric_value(&text, "vllm:request_success_total"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_kvplanes_answer_envoy_fails_closed_in_full_duplex_and_open_to_the_pool_when_buffered()
+ {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = harness::Nats::start();
+    let (a, b) = (
+        harness::Engine::sim(&dir.path().join("a"), "a", [0, 0, 0], &[]),
+        harness::Engine::sim(&dir.path().join("b"), "b", [0, 0, 0], &[]),
+    );
+    // A member that has not joined a cluster yet (the one it asks is not there): it serves
+    // the picker with no state.
+    let o = harness::NodeOptions {
+        raft: Some(harness::RaftOptions {
+            id: 1,
+            join: vec![format!("127.0.0.1:{}", free_port())],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut node = harness::Node::start("n1", &dir.path().join("n1"), &nats.url(), &o);
+    let envoy = Envoy::start(node.grpc, [&a.field("http"), &b.field("http")], dir.path()).await;
+    let body = json!({"model": "sim-8b", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hello"}]});
+    let url = |port: u16| format!("http://127.0.0.1:{port}/v1/chat/completions");
+
+    for kvplane in ["with no state", "gone"] {
+        let before = served(&[&a, &b]).await;
+        // Full duplex: Envoy's own 500, and no engine saw the request.
+        let r = post(&url(envoy.full_duplex), &body).await;
+        assert_eq!(r.status().as_u16(), 500, "kvplane {kvplane}");
+        assert_eq!(served(&[&a, &b]).await, before, "kvplane {kvplane}");
+        // Buffered, failing open: an engine of the pool answers, whatever destination the
+        // client named (nothing listens there; the listener dropped the header).
+        let r = reqwest::Client::new()
+            .post(url(envoy.buffered))
+            .header(
+                "x-gateway-destination-endpoint",
+                format!("127.0.0.1:{}", free_port()),
+            )
+            .header("x-kvplane-provider", "cloud")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "kvplane {kvplane}: {}", r.status());
+        assert!(
+            r.headers().get("x-kvplane-worker").is_none(),
+            "kvplane {kvplane}: no pick"
+        );
+        let answer: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(answer["object"], "chat.completion", "{answer}");
+        let after = served(&[&a, &b]).await;
+        assert_eq!(
+            after.iter().sum::<f64>() - before.iter().sum::<f64>(),
+            1.0,
+            "kvplane {kvplane}: {before:?} -> {after:?}"
+        );
+        if kvplane == "with no state" {
+            // Both streams reached the node, which ended them for the proxy's failure mode.
+            let m = node.metrics().await;
+            assert!(
+                m.contains(r#"kvplane_picker_requests_total{outcome="unavailable"} 2"#),
+                "{m}"
+            );
+            node.kill();
+        }
+    }
+    // Envoy's record of the buffered requests: the pool's engines, no pick.
+    eventually("envoy's access log", Duration::from_secs(10), || async {
+        let lines = envoy.access_log();
+        (lines.iter().filter(|l| l.starts_with("buffered ")).count() >= 2).then_some(())
+    })
+    .await;
+    let pool = [a.field("http"), b.field("http")];
+    for line in envoy
+        .access_log()
+        .iter()
+        .filter(|l| l.starts_with("buffered "))
+    {
+        let upstream = harness::field(line, "upstream");
+        assert!(pool.contains(&upstream), "{line}");
+        assert!(line.ends_with("picked=-"), "{line}");
     }
 }

@@ -37,6 +37,16 @@ impl Picked {
         h
     }
 
+    /// The request headers to remove: the other kind of destination, should the client have
+    /// sent it (the proxy's routes would otherwise follow the client's word, not the pick).
+    pub(crate) fn removed_headers(&self) -> [&'static str; 1] {
+        if self.provider.is_some() {
+            [DESTINATION]
+        } else {
+            [PROVIDER_HEADER]
+        }
+    }
+
     /// The `envoy.lb` metadata (workers only).
     pub(crate) fn metadata(&self) -> Option<Struct> {
         self.provider
@@ -248,10 +258,11 @@ mod tests {
         );
         assert!(listed.metadata().is_some());
         assert_eq!(alone.headers(10)[0], ("content-length", "10".into()));
+        assert_eq!(alone.removed_headers(), [PROVIDER_HEADER]);
     }
 
     #[test]
-    fn a_provider_is_named_in_its_header_with_no_destination() {
+    fn a_provider_is_named_in_its_header_and_a_destination_the_client_sent_is_removed() {
         let resp = RouteResponse {
             decision: Some(Decision::Endpoint(Endpoint {
                 address: "https://api.example/v1".into(),
@@ -262,6 +273,7 @@ mod tests {
         };
         let p = picked(&resp, 0).unwrap();
         assert_eq!(p.headers(3)[1], ("x-kvplane-provider", "cloud".into()));
+        assert_eq!(p.removed_headers(), [DESTINATION]);
         assert!(p.metadata().is_none());
         assert_eq!(
             (p.outcome, p.label.as_str()),

@@ -88,6 +88,11 @@ pub(crate) fn served(m: Option<&Metadata>) -> Option<String> {
 
 /// Sets (overwriting) each of `pairs`.
 pub(crate) fn set_headers(pairs: Vec<(&str, String)>) -> HeaderMutation {
+    mutate_headers(pairs, &[])
+}
+
+/// Sets `pairs` (replacing what the request had) and removes `remove`.
+pub(crate) fn mutate_headers(pairs: Vec<(&str, String)>, remove: &[&str]) -> HeaderMutation {
     HeaderMutation {
         set_headers: pairs
             .into_iter()
@@ -101,7 +106,7 @@ pub(crate) fn set_headers(pairs: Vec<(&str, String)>) -> HeaderMutation {
                 ..Default::default()
             })
             .collect(),
-        remove_headers: Vec::new(),
+        remove_headers: remove.iter().map(|h| (*h).to_owned()).collect(),
     }
 }
 

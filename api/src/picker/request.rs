@@ -173,7 +173,10 @@ impl Exchange {
         let rewritten = resp.rewritten_body.is_some();
         let body = resp.rewritten_body.take().unwrap_or(req.body);
         let mut common = CommonResponse {
-            header_mutation: Some(envoy::set_headers(picked.headers(body.len()))),
+            header_mutation: Some(envoy::mutate_headers(
+                picked.headers(body.len()),
+                &picked.removed_headers(),
+            )),
             clear_route_cache: true,
             ..Default::default()
         };
