@@ -23,6 +23,8 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::bedrock::BedrockError;
+use crate::bedrock::stream::ConverseStream;
 use crate::errors::error_response;
 use crate::metrics::StatusLabel;
 use crate::secrets::Secrets;
@@ -807,8 +809,8 @@ impl App {
         resp
     }
 
-    /// A Bedrock provider's answer in OpenAI's shape (read whole: the Converse API answers at
-    /// once), reported as any answer is.
+    /// A Bedrock provider's answer in OpenAI's shape (a Converse answer read whole; a
+    /// ConverseStream one told while it arrives), reported as any answer is.
     async fn bedrock_answer(
         &self,
         target: &Target,
@@ -819,6 +821,9 @@ impl App {
         ticket: Option<&Ticket>,
     ) -> Response {
         let status = upstream.status();
+        if status.is_success() && call.asked.stream {
+            return self.bedrock_stream(target, call, upstream, request_id, received, ticket);
+        }
         let name = target.provider.as_deref().unwrap_or(&target.label);
         let body = match upstream.bytes().await {
             Ok(b) => b,
@@ -878,7 +883,7 @@ impl App {
             })
         };
         match answer {
-            Ok((bytes, content_type, used)) => {
+            Ok((bytes, used)) => {
                 // Converse counts what the request used, whatever the client asked to see.
                 self.report_after(
                     None,
@@ -894,8 +899,10 @@ impl App {
                     target.served.as_ref(),
                 );
                 let mut resp = Response::new(Body::from(bytes));
-                resp.headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
                 if let Ok(v) = HeaderValue::from_str(&target.label) {
                     resp.headers_mut().insert(WORKER_HEADER, v);
                 }
@@ -911,6 +918,103 @@ impl App {
                 resp
             }
         }
+    }
+
+    /// A Bedrock provider's ConverseStream answer, told as OpenAI's events while it arrives:
+    /// its first text is the first token (reported at once), Converse's own counts the final
+    /// report's. A stream that fails (an exception frame, a cut) ends with an error event.
+    fn bedrock_stream(
+        &self,
+        target: &Target,
+        call: &crate::target::BedrockCall,
+        upstream: reqwest::Response,
+        request_id: String,
+        received: Instant,
+        ticket: Option<&Ticket>,
+    ) -> Response {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut answer = ConverseStream::new(call.asked, &call.model, &request_id, created);
+        let (app, ticket, served) = (self.clone(), ticket.cloned(), target.served.clone());
+        let label = target.label.clone();
+        let mut upstream_body = upstream.bytes_stream();
+        let stream = async_stream_body(move |tx| async move {
+            let mut first_at: Option<f64> = None;
+            let mut first_report = None;
+            let mut failed = None;
+            let outcome = loop {
+                let bytes = match upstream_body.next().await {
+                    None => match answer.finish() {
+                        Ok(done) => {
+                            let _ = tx.send(Ok(done)).await;
+                            break Outcome::Success;
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break Outcome::Error;
+                        }
+                    },
+                    Some(Err(e)) => {
+                        failed = Some(BedrockError::Answer(e.without_url().to_string()));
+                        break Outcome::Error;
+                    }
+                    Some(Ok(bytes)) => bytes,
+                };
+                let (events, error) = answer.feed(&bytes);
+                if first_at.is_none() && answer.text_started() {
+                    let t = received.elapsed().as_secs_f64();
+                    app.0.metrics.ttft_seconds.observe(t);
+                    first_at = Some(t * 1000.0);
+                    first_report = app.report_first_token(
+                        request_id.clone(),
+                        t * 1000.0,
+                        ticket.as_ref(),
+                        served.as_ref(),
+                    );
+                }
+                if !events.is_empty() && tx.send(Ok(events)).await.is_err() {
+                    break Outcome::Cancelled;
+                }
+                if let Some(e) = error {
+                    failed = Some(e);
+                    break Outcome::Error;
+                }
+            };
+            if let Some(e) = failed {
+                tracing::warn!(target = label, error = %e, "the provider's stream failed");
+                let _ = tx.send(Ok(ConverseStream::error_event(&e))).await;
+            }
+            let used = answer.used();
+            let counted = used.unwrap_or_default();
+            // Not counted: an answer that did not fail keeps its reservation, as does one
+            // that failed after its text began (the provider ran the model).
+            let usage_unknown =
+                used.is_none() && (outcome != Outcome::Error || answer.text_started());
+            app.report_after(
+                first_report,
+                UsageReport {
+                    request_id,
+                    prompt_tokens: counted.prompt_tokens,
+                    completion_tokens: counted.completion_tokens,
+                    observed_ttft_ms: first_at.unwrap_or(0.0),
+                    outcome: outcome.into(),
+                    usage_unknown,
+                    ..Default::default()
+                },
+                ticket.as_ref(),
+                served.as_ref(),
+            );
+        });
+        let mut resp = Response::new(Body::from_stream(stream));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        if let Ok(v) = HeaderValue::from_str(&target.label) {
+            resp.headers_mut().insert(WORKER_HEADER, v);
+        }
+        resp
     }
 
     /// Reports a streamed request's first token (see `UsageReport.first_token`); the handle

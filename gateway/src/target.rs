@@ -215,7 +215,7 @@ async fn bedrock_target(
             source,
         })?;
     Ok(Target {
-        url: crate::bedrock::converse_url(&e.address, &e.model),
+        url: crate::bedrock::converse_url(&e.address, &e.model, asked.stream),
         label: format!("provider:{}", e.provider),
         body: Bytes::from(converse),
         matched_blocks: 0,

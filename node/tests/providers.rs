@@ -333,18 +333,32 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
     );
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
     assert_eq!(body["usage"]["total_tokens"], 8);
-    // Streamed: OpenAI's events, the usage when asked, [DONE].
+    // Streamed (ConverseStream, its event stream): OpenAI's events, the role first, the
+    // text as it came, the finish, the usage when asked, [DONE].
     let r = client.post(&url).json(&ask(true)).send().await.unwrap();
     assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
     let (text, events) = harness::sse_events(r).await;
     assert_eq!(
-        events[0]["choices"][0]["delta"]["content"],
-        "amazon.nova-lite-v1:0 heard: hello"
+        events[0]["choices"][0]["delta"]["role"], "assistant",
+        "{text}"
+    );
+    assert_eq!(
+        deltas(&events),
+        "amazon.nova-lite-v1:0 heard: hello",
+        "{text}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["choices"][0]["finish_reason"] == "stop"),
+        "{text}"
     );
     assert!(
         events.iter().any(|e| e["usage"]["completion_tokens"] == 3),
         "{text}"
     );
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     // Throttled: a 429 keeping the provider's Retry-After. The model failing: a 502.
     let say = |text: &str| json!({"model": "chat", "max_tokens": 4, "messages": [{"role": "user", "content": text}]});
     let r = client.post(&url).json(&say("busy")).send().await.unwrap();
@@ -363,6 +377,103 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
     // A secret key botocore's signer does not agree with: refused there, a clear 502 here.
     std::fs::write(keys.join("aws_secret_access_key"), "not-the-key").unwrap();
     refused_credentials(client.post(&url).json(&ask(false))).await;
+}
+
+/// A stream's JSON events (`[DONE]` left out).
+fn json_events(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// The text of a chat stream's events, joined.
+fn deltas(events: &[serde_json::Value]) -> String {
+    events
+        .iter()
+        .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
+/// A Bedrock stream reaches the client while the provider is still answering: the provider
+/// holds its stream after the first text until the test releases it, and by then the client
+/// has that text and the node the first token's report. An exception Bedrock sends in the
+/// middle of a stream ends the client's with an error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bedrock_stream_reaches_the_client_as_it_arrives_and_its_exception_as_an_error_event() {
+    let work = tempfile::tempdir().unwrap();
+    let b = BedrockFleet::start(work.path(), &[]);
+    b.answers().await;
+    let node = &b.cluster.nodes[0];
+    let say = |text: &str| {
+        json!({"model": "chat", "max_tokens": 4, "stream": true,
+            "messages": [{"role": "user", "content": text}]})
+    };
+    let client = reqwest::Client::new();
+    let mut r = client.post(&b.url).json(&say("hold")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut text = String::new();
+    while !text.contains("heard:") {
+        let chunk = tokio::time::timeout(Duration::from_secs(20), r.chunk())
+            .await
+            .expect("the first text while the provider holds the rest")
+            .unwrap()
+            .expect("the stream is still open");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!text.contains("[DONE]"), "{text}");
+    eventually(
+        "the first token's report, the answer still open",
+        Duration::from_secs(10),
+        || async {
+            let m = node.metrics().await;
+            m.contains(r#"kvplane_usage_reports_total{outcome="first_token"} 1"#)
+                .then_some(())
+        },
+    )
+    .await;
+    let released = client
+        .post(format!("{}/release", b.converse_url))
+        .send()
+        .await
+        .unwrap();
+    assert!(released.status().is_success());
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let events = json_events(&text);
+    assert_eq!(
+        deltas(&events),
+        "amazon.nova-lite-v1:0 heard: hold",
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+
+    let r = client
+        .post(&b.url)
+        .json(&say("break"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "the answer had begun");
+    let text = r.text().await.unwrap();
+    let events = json_events(&text);
+    assert_eq!(deltas(&events), "amazon.nova-lite-v1:0 heard:", "{text}");
+    let error = events.last().unwrap();
+    assert_eq!(
+        error["error"]["message"],
+        "bedrock ended the answer with modelStreamErrorException: The model stopped",
+        "{text}"
+    );
+    assert!(!text.contains("[DONE]"), "{text}");
+    eventually("both answers reported", Duration::from_secs(10), || async {
+        let m = node.metrics().await;
+        (m.contains(r#"kvplane_usage_reports_total{outcome="first_token"} 2"#)
+            && m.contains(r#"kvplane_usage_reports_total{outcome="known"} 3"#))
+        .then_some(())
+    })
+    .await;
 }
 
 /// Two providers: the one picked first (the lower expected TTFT) does not answer; the gateway
@@ -463,7 +574,9 @@ async fn a_stopping_gateway_cuts_open_requests_at_its_drain_deadline() {
 /// and a gateway with `gateway_args` reading the provider's keys from a mounted-Secret layout.
 struct BedrockFleet {
     converse: std::process::Child,
-    _cluster: Cluster,
+    /// The Converse endpoint's base URL.
+    converse_url: String,
+    cluster: Cluster,
     gateway: Proc,
     /// The Secret's directory (its keys' files).
     keys: PathBuf,
@@ -538,7 +651,8 @@ impl BedrockFleet {
         let url = format!("http://{}/v1/chat/completions", gateway.field("http"));
         Self {
             converse,
-            _cluster: cluster,
+            converse_url: format!("http://127.0.0.1:{port}"),
+            cluster,
             gateway,
             keys,
             url,

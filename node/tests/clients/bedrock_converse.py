@@ -7,22 +7,59 @@ of its path and echoing its last message - unless that message is `busy` (429 wi
 `Retry-After: 7`, as a throttled provider), `fail` (424, the model failed) or `slow` (answered
 after 30 s).
 
+ConverseStream (`/model/<id>/converse-stream`) answers the same text as an event stream
+(`application/vnd.amazon.eventstream`): messageStart, the text in two contentBlockDeltas,
+contentBlockStop, messageStop, metadata with the usage. Every frame is read back by botocore's
+own event-stream parser before it is sent. The last message `hold` stops the stream after its
+first delta until `POST /release`; `break` sends a modelStreamErrorException after it.
+
 Usage: bedrock_converse.py ACCESS_KEY_ID SECRET_ACCESS_KEY SESSION_TOKEN REGION
 Prints "ready <port>" once listening on 127.0.0.1.
 """
 
 import json
+import struct
 import sys
+import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
+from botocore.eventstream import EventStreamBuffer
 
 AKID, SECRET, TOKEN, REGION = sys.argv[1:5]
 PREFIX = "AWS4-HMAC-SHA256 "
+RELEASE = threading.Event()
+
+
+def frame(headers, payload):
+    """One event-stream frame: string headers, a JSON payload; checked by botocore's parser."""
+    encoded = b""
+    for name, value in headers.items():
+        n, v = name.encode(), value.encode()
+        encoded += struct.pack(">B", len(n)) + n + b"\x07" + struct.pack(">H", len(v)) + v
+    body = json.dumps(payload).encode()
+    total = 12 + len(encoded) + len(body) + 4
+    prelude = struct.pack(">II", total, len(encoded))
+    prelude += struct.pack(">I", zlib.crc32(prelude))
+    message = prelude + encoded + body
+    message += struct.pack(">I", zlib.crc32(message))
+    parser = EventStreamBuffer()
+    parser.add_data(message)
+    [parsed] = list(parser)
+    assert parsed.headers == headers and parsed.payload == body, "botocore reads it back"
+    return message
+
+
+def event(kind, payload):
+    return frame(
+        {":message-type": "event", ":event-type": kind, ":content-type": "application/json"},
+        payload,
+    )
 
 
 class Converse(BaseHTTPRequestHandler):
@@ -39,8 +76,50 @@ class Converse(BaseHTTPRequestHandler):
     def refuse(self, why):
         self.answer(403, {"message": why})
 
+    def stream(self, model, last):
+        """The ConverseStream answer, frame by frame."""
+        self.send_response(200)
+        self.send_header("content-type", "application/vnd.amazon.eventstream")
+        self.end_headers()
+        self.wfile.write(event("messageStart", {"role": "assistant"}))
+        self.wfile.write(
+            event("contentBlockDelta", {"contentBlockIndex": 0, "delta": {"text": "%s heard:" % model}})
+        )
+        self.wfile.flush()
+        if last == "hold":
+            print("holding the stream", file=sys.stderr, flush=True)
+            RELEASE.wait(60)
+        if last == "break":
+            self.wfile.write(
+                frame(
+                    {
+                        ":message-type": "exception",
+                        ":exception-type": "modelStreamErrorException",
+                        ":content-type": "application/json",
+                    },
+                    {"message": "The model stopped"},
+                )
+            )
+            return
+        for kind, payload in [
+            ("contentBlockDelta", {"contentBlockIndex": 0, "delta": {"text": " %s" % last}}),
+            ("contentBlockStop", {"contentBlockIndex": 0}),
+            ("messageStop", {"stopReason": "end_turn"}),
+            (
+                "metadata",
+                {
+                    "usage": {"inputTokens": 5, "outputTokens": 3, "totalTokens": 8},
+                    "metrics": {"latencyMs": 1},
+                },
+            ),
+        ]:
+            self.wfile.write(event(kind, payload))
+
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        if self.path == "/release":
+            RELEASE.set()
+            return self.answer(200, {})
         auth = self.headers.get("authorization", "")
         if not auth.startswith(PREFIX):
             return self.refuse("Missing Authentication Token")
@@ -69,7 +148,7 @@ class Converse(BaseHTTPRequestHandler):
                 "The request signature we calculated does not match the signature you provided."
             )
         path = self.path.split("/")
-        if len(path) != 4 or path[1] != "model" or path[3] != "converse":
+        if len(path) != 4 or path[1] != "model" or path[3] not in ("converse", "converse-stream"):
             return self.answer(404, {"message": "unknown operation %s" % self.path})
         model = unquote(path[2])
         converse = json.loads(body)
@@ -81,6 +160,8 @@ class Converse(BaseHTTPRequestHandler):
         if last == "slow":
             print("slow request received", file=sys.stderr, flush=True)
             time.sleep(30)
+        if path[3] == "converse-stream":
+            return self.stream(model, last)
         self.answer(
             200,
             {

@@ -1,10 +1,12 @@
 //! Amazon Bedrock's Converse API, for providers of `api: Bedrock`: an OpenAI chat (or
-//! completions) body becomes a Converse request, signed with SigV4 by `aws-sigv4` (service
-//! `bedrock`, the provider's region, keys from its Secret), and the Converse answer becomes
-//! OpenAI's: a `chat.completion` (or `text_completion`), or, when the client asked for a
-//! stream, the same as OpenAI server-sent events (the whole text in one chunk, then the finish
-//! and, when asked, the usage). Bedrock's own errors (`{"message": ...}`) come back in OpenAI's
-//! error shape.
+//! completions) body becomes a Converse request (`converse`, or `converse-stream` when the
+//! client asked for a stream), signed with SigV4 by `aws-sigv4` (service `bedrock`, the
+//! provider's region, keys from its Secret), and the answer becomes OpenAI's: a
+//! `chat.completion` (or `text_completion`), or OpenAI's server-sent events told from
+//! ConverseStream's event stream as it arrives ([`stream`]). Bedrock's own errors
+//! (`{"message": ...}`) come back in OpenAI's error shape.
+
+pub(crate) mod stream;
 
 use std::time::SystemTime;
 
@@ -49,6 +51,8 @@ pub(crate) enum BedrockError {
     Sign(String),
     #[error("bedrock's answer cannot be read: {0}")]
     Answer(String),
+    #[error("bedrock ended the answer with {kind}: {message}")]
+    Stream { kind: String, message: String },
 }
 
 /// The Converse request for OpenAI body `body` sent to `path`, and what the client asked.
@@ -189,11 +193,16 @@ const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUME
     .remove(b'.')
     .remove(b'~');
 
-/// The Converse URL of `model` under Bedrock endpoint `base`; a model id may hold `:`
-/// (`...-v1:0`), which goes in the path encoded.
-pub(crate) fn converse_url(base: &str, model: &str) -> String {
+/// The Converse URL of `model` under Bedrock endpoint `base` (ConverseStream's when
+/// `stream`); a model id may hold `:` (`...-v1:0`), which goes in the path encoded.
+pub(crate) fn converse_url(base: &str, model: &str, stream: bool) -> String {
     let id = percent_encoding::utf8_percent_encode(model, UNRESERVED);
-    format!("{}/model/{id}/converse", base.trim_end_matches('/'))
+    let operation = if stream {
+        "converse-stream"
+    } else {
+        "converse"
+    };
+    format!("{}/model/{id}/{operation}", base.trim_end_matches('/'))
 }
 
 /// The headers that sign a `method` request to `url` with `headers` and `body` for AWS
@@ -246,16 +255,16 @@ pub(crate) struct Used {
     pub(crate) completion_tokens: u32,
 }
 
-/// OpenAI's answer for Converse answer `converse` to a request asked as `asked`, served as
-/// `model` under id `id` at `created` (Unix seconds): the body, its content type and what the
-/// request used.
+/// OpenAI's answer for Converse answer `converse` to a request asked as `asked` (not
+/// streamed), served as `model` under id `id` at `created` (Unix seconds): the JSON body and
+/// what the request used.
 pub(crate) fn openai_answer(
     converse: &[u8],
     asked: Asked,
     model: &str,
     id: &str,
     created: u64,
-) -> Result<(Bytes, &'static str, Used), BedrockError> {
+) -> Result<(Bytes, Used), BedrockError> {
     let v: Value =
         serde_json::from_slice(converse).map_err(|e| BedrockError::Answer(e.to_string()))?;
     let text = v["output"]["message"]["content"]
@@ -264,12 +273,6 @@ pub(crate) fn openai_answer(
         .iter()
         .filter_map(|c| c["text"].as_str())
         .collect::<String>();
-    let finish = match v["stopReason"].as_str() {
-        Some("max_tokens") => "length",
-        Some("tool_use") => "tool_calls",
-        Some("content_filtered" | "guardrail_intervened") => "content_filter",
-        _ => "stop",
-    };
     let count = |k: &str| {
         v["usage"][k]
             .as_u64()
@@ -279,64 +282,38 @@ pub(crate) fn openai_answer(
         prompt_tokens: count("inputTokens"),
         completion_tokens: count("outputTokens"),
     };
-    let usage = json!({
-        "prompt_tokens": used.prompt_tokens,
-        "completion_tokens": used.completion_tokens,
-        "total_tokens": count("totalTokens"),
+    let finish = finish_reason(v["stopReason"].as_str());
+    let (object, choice) = if asked.chat {
+        (
+            "chat.completion",
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}),
+        )
+    } else {
+        (
+            "text_completion",
+            json!({"index": 0, "text": text, "finish_reason": finish}),
+        )
+    };
+    let out = json!({
+        "id": id, "object": object, "created": created, "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": used.prompt_tokens,
+            "completion_tokens": used.completion_tokens,
+            "total_tokens": count("totalTokens"),
+        },
     });
-    let (object, chunk_object) = if asked.chat {
-        ("chat.completion", "chat.completion.chunk")
-    } else {
-        ("text_completion", "text_completion")
-    };
-    let choice = |content: Value, finish: Value| {
-        if asked.chat {
-            let key = if asked.stream { "delta" } else { "message" };
-            json!({"index": 0, key: content, "finish_reason": finish})
-        } else {
-            json!({"index": 0, "text": content, "finish_reason": finish})
-        }
-    };
-    let head =
-        |object: &str| json!({"id": id, "object": object, "created": created, "model": model});
-    if !asked.stream {
-        let content = if asked.chat {
-            json!({"role": "assistant", "content": text})
-        } else {
-            json!(text)
-        };
-        let mut out = head(object);
-        out["choices"] = json!([choice(content, json!(finish))]);
-        out["usage"] = usage;
-        return Ok((Bytes::from(out.to_string()), "application/json", used));
+    Ok((Bytes::from(out.to_string()), used))
+}
+
+/// OpenAI's `finish_reason` for Converse's `stopReason`.
+pub(crate) fn finish_reason(stop: Option<&str>) -> &'static str {
+    match stop {
+        Some("max_tokens") => "length",
+        Some("tool_use") => "tool_calls",
+        Some("content_filtered" | "guardrail_intervened") => "content_filter",
+        _ => "stop",
     }
-    let mut events = Vec::new();
-    let content = if asked.chat {
-        json!({"role": "assistant", "content": text})
-    } else {
-        json!(text)
-    };
-    let mut first = head(chunk_object);
-    first["choices"] = json!([choice(content, Value::Null)]);
-    events.push(first);
-    let empty = if asked.chat { json!({}) } else { json!("") };
-    let mut last = head(chunk_object);
-    last["choices"] = json!([choice(empty, json!(finish))]);
-    events.push(last);
-    if asked.include_usage {
-        let mut u = head(chunk_object);
-        u["choices"] = json!([]);
-        u["usage"] = usage;
-        events.push(u);
-    }
-    let mut sse = String::new();
-    for e in events {
-        sse.push_str("data: ");
-        sse.push_str(&e.to_string());
-        sse.push_str("\n\n");
-    }
-    sse.push_str("data: [DONE]\n\n");
-    Ok((Bytes::from(sse), "text/event-stream", used))
 }
 
 /// What Bedrock said in an error answer (`{"message": ...}`), else its body as text.
@@ -468,45 +445,38 @@ mod tests {
         assert_eq!(
             converse_url(
                 "https://bedrock-runtime.us-east-1.amazonaws.com/",
-                "anthropic.claude-3-haiku-20240307-v1:0"
+                "anthropic.claude-3-haiku-20240307-v1:0",
+                false
             ),
             "https://bedrock-runtime.us-east-1.amazonaws.com/model/anthropic.claude-3-haiku-20240307-v1%3A0/converse"
         );
+        assert!(converse_url("https://b.example", "m", true).ends_with("/model/m/converse-stream"));
     }
 
     #[test]
-    fn a_converse_answer_becomes_openais_whole_or_streamed() {
+    fn a_converse_answer_becomes_openais() {
         let converse = br#"{"output":{"message":{"role":"assistant","content":[{"text":"Hello"},{"text":" world"}]}},"stopReason":"max_tokens","usage":{"inputTokens":12,"outputTokens":2,"totalTokens":14},"metrics":{"latencyMs":100}}"#;
         let chat = Asked {
             chat: true,
             stream: false,
             include_usage: false,
         };
-        let (body, ct, used) = openai_answer(converse, chat, "m", "id-1", 7).unwrap();
+        let (body, used) = openai_answer(converse, chat, "m", "id-1", 7).unwrap();
         assert_eq!((used.prompt_tokens, used.completion_tokens), (12, 2));
         let v: Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(ct, "application/json");
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["choices"][0]["message"]["content"], "Hello world");
         assert_eq!(v["choices"][0]["finish_reason"], "length");
         assert_eq!(v["usage"]["total_tokens"], 14);
-        let streamed = Asked {
-            stream: true,
-            include_usage: true,
+        let completion = Asked {
+            chat: false,
             ..chat
         };
-        let (body, ct, _) = openai_answer(converse, streamed, "m", "id-1", 7).unwrap();
-        assert_eq!(ct, "text/event-stream");
-        let text = String::from_utf8(body.to_vec()).unwrap();
-        let events: Vec<&str> = text
-            .split("\n\n")
-            .filter_map(|e| e.strip_prefix("data: "))
-            .collect();
-        assert_eq!(events.len(), 4);
-        assert_eq!(events[3], "[DONE]");
-        let first: Value = serde_json::from_str(events[0]).unwrap();
-        assert_eq!(first["choices"][0]["delta"]["content"], "Hello world");
-        let usage: Value = serde_json::from_str(events[2]).unwrap();
-        assert_eq!(usage["usage"]["prompt_tokens"], 12);
+        let (body, _) = openai_answer(converse, completion, "m", "id-1", 7).unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (v["object"].as_str(), v["choices"][0]["text"].as_str()),
+            (Some("text_completion"), Some("Hello world"))
+        );
     }
 }
