@@ -313,12 +313,15 @@ pub(crate) fn upstream_headers(
                 out.append(k.clone(), v.clone());
             }
         }
-    } else if t.bedrock.is_some() {
-        // Converse answers JSON, whatever the client reads.
-        out.insert(
-            http::header::ACCEPT,
-            http::HeaderValue::from_static("application/json"),
-        );
+    } else if let Some(b) = &t.bedrock {
+        // Converse answers JSON, whatever the client reads; ConverseStream its event stream,
+        // asked for with no Accept (as the AWS SDK asks).
+        if !b.asked.stream {
+            out.insert(
+                http::header::ACCEPT,
+                http::HeaderValue::from_static("application/json"),
+            );
+        }
     } else if let Some(a) = client.get(http::header::ACCEPT) {
         out.insert(http::header::ACCEPT, a.clone());
     }

@@ -222,3 +222,153 @@ async fn a_listed_engine_that_stops_answering_is_not_routed_to_until_it_answers_
     })
     .await;
 }
+
+/// An engine started with `--api-key` (vLLM's flag; Envoy plays that check here, as vLLM
+/// answers it: `/v1/*` only with `Authorization: Bearer <key>`, 401 otherwise, `/health` and
+/// `/metrics` open) behind a worker set's listed address: through the reference gateway a
+/// client holding the key is answered, and the engine's own record shows the key, the client's
+/// request id, trace context and tenant arrived with the request; a client without the key
+/// gets the engine's 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_key_and_trace_headers_reach_an_engine_that_checks_its_api_key() {
+    const KEY: &str = "engine-key-1";
+    let dir = tempfile::tempdir().unwrap();
+    let sim = Engine::sim(&dir.path().join("fleet"), "keyed", [0; 3], &[]);
+    let (port, admin) = (harness::free_port(), harness::free_port());
+    let (host, backend) = sim
+        .field("http")
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_owned(), p.to_owned()))
+        .unwrap();
+    let log = dir.path().join("engine-access.log");
+    let config = format!(
+        r#"
+admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
+static_resources:
+  listeners:
+  - name: engine
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: engine
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: {log}
+              log_format: {{text_format_source: {{inline_string: "%REQ(:PATH)% %RESPONSE_CODE% auth=%REQ(AUTHORIZATION)% id=%REQ(X-REQUEST-ID)% trace=%REQ(TRACEPARENT)% tenant=%REQ(X-TENANT)%\n"}}}}
+          route_config:
+            virtual_hosts:
+            - name: engine
+              domains: ["*"]
+              routes:
+              - match:
+                  prefix: /v1/
+                  headers: [{{name: authorization, string_match: {{exact: "Bearer {KEY}"}}}}]
+                route: {{cluster: sim, timeout: 60s}}
+              - match: {{prefix: /v1/}}
+                direct_response:
+                  status: 401
+                  body: {{inline_string: '{{"error":"Unauthorized"}}'}}
+              - match: {{prefix: /}}
+                route: {{cluster: sim, timeout: 60s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: sim
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: sim
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: {host}, port_value: {backend}}}}}}}}}]}}]
+"#,
+        log = log.display(),
+    );
+    let mut envoy = harness::spawn_envoy(dir.path(), "engine-envoy", &config);
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    std::fs::write(
+        policies.join("fleet.yaml"),
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: ws}}\nspec:\n  model: sim-8b\n  endpoints:\n  - {{worker: keyed, address: 'http://127.0.0.1:{port}'}}\n"
+        ),
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies),
+            pools: vec![],
+            ..Default::default()
+        },
+    );
+    let gateway = harness::gateway(&cluster.nodes[0].endpoint(), dir.path().join("gateway.log"));
+    let url = format!("http://{}/v1/chat/completions", gateway.field("http"));
+    let body = serde_json::json!({"model": "sim-8b", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hello"}]});
+    let trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let http = reqwest::Client::new();
+    let r = eventually(
+        "the keyed engine answers",
+        Duration::from_secs(30),
+        || async {
+            let r = http
+                .post(&url)
+                .bearer_auth(KEY)
+                .header("x-request-id", "client-req-1")
+                .header("traceparent", trace)
+                .header("x-tenant", "acme")
+                .json(&body)
+                .send()
+                .await
+                .ok()?;
+            r.status().is_success().then_some(r)
+        },
+    )
+    .await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "ws/keyed");
+    let answer: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    let r = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(
+        r.status().as_u16(),
+        401,
+        "the engine's refusal passes through"
+    );
+    // Envoy flushes its access log every second.
+    let lines = eventually(
+        "the engine's access log",
+        Duration::from_secs(10),
+        || async {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<String> = text
+                .lines()
+                .filter(|l| l.starts_with("/v1/"))
+                .map(str::to_owned)
+                .collect();
+            lines.iter().any(|l| l.contains(" 401 ")).then_some(lines)
+        },
+    )
+    .await;
+    let answered = lines
+        .iter()
+        .find(|l| l.contains(" 200 "))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    for want in [
+        format!("auth=Bearer {KEY} "),
+        format!("trace={trace} "),
+        "tenant=acme".to_owned(),
+    ] {
+        assert!(answered.contains(&want), "{want} in {answered}");
+    }
+    let id = harness::field(answered, "id");
+    assert!(id.starts_with("client-req-1"), "{answered}");
+    let refused = lines.iter().find(|l| l.contains(" 401 ")).unwrap();
+    assert!(refused.contains("auth=- "), "{refused}");
+    let _ = envoy.kill();
+    let _ = envoy.wait();
+}
