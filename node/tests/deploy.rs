@@ -9,6 +9,8 @@
 mod cert_manager;
 #[path = "deploy_types/gateway_api.rs"]
 mod gateway_api;
+#[path = "deploy_types/istio.rs"]
+mod istio;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -107,6 +109,7 @@ struct Rendered {
     http_routes: Vec<gateway_api::HttpRoute>,
     issuers: Vec<cert_manager::Issuer>,
     certificates: Vec<cert_manager::Certificate>,
+    destination_rules: Vec<istio::DestinationRule>,
 }
 
 fn parse(docs: &[Value]) -> Rendered {
@@ -144,6 +147,9 @@ fn parse(docs: &[Value]) -> Rendered {
             }
             (Some("cert-manager.io/v1"), Some("Issuer")) => r.issuers.push(strict(d)),
             (Some("cert-manager.io/v1"), Some("Certificate")) => r.certificates.push(strict(d)),
+            (Some("networking.istio.io/v1"), Some("DestinationRule")) => {
+                r.destination_rules.push(strict(d));
+            }
             other => panic!("{}: no strict check for {other:?}", name_of(d)),
         }
     }
@@ -431,6 +437,96 @@ fn the_inference_extension_example_points_its_inference_pool_at_kvplane_and_its_
         .chain(r.http_routes.iter().map(|h| h.metadata.namespace.clone()))
     {
         assert_eq!(ns.as_deref(), Some("kvplane"));
+    }
+}
+
+#[test]
+fn the_istio_example_gives_the_gateways_proxy_a_certificate_kvplane_trusts_and_the_right_to_route()
+{
+    use cert_manager::KeyUsage;
+    let control_plane = parse(&render("overlays/dev"));
+    let r = parse(&render("examples/istio"));
+    assert_eq!(r.gateways[0].spec.gateway_class_name, "istio");
+    let gateway = r.gateways[0].metadata.name.clone().unwrap();
+    // The proxy's client certificate: from the CA the members' certificate comes from (the
+    // node's [tls] ca), for client authentication.
+    let member = control_plane
+        .certificates
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
+        .unwrap();
+    let [client] = &r.certificates[..] else {
+        panic!("one Certificate")
+    };
+    assert_eq!(client.spec.issuer_ref.name, member.spec.issuer_ref.name);
+    assert_eq!(client.spec.issuer_ref.kind, member.spec.issuer_ref.kind);
+    assert!(client.spec.usages.contains(&KeyUsage::ClientAuth));
+    let [identity] = &client.spec.uris[..] else {
+        panic!("one URI: the proxy's identity")
+    };
+    // The AccessPolicy, read by kvplane's own catalog: that identity may route for any tenant
+    // (the picker's right), and nothing more.
+    let mut docs = kvplane_policy::Documents::default();
+    for d in &r.kvplane_objects {
+        docs.add_file("example", &serde_yaml_ng::to_string(d).unwrap());
+    }
+    let (catalog, problems) = docs.check();
+    assert!(problems.is_empty(), "{problems:?}");
+    let grants = catalog.grants(identity);
+    assert!(grants.may_route_for("acme"), "{grants:?}");
+    assert_eq!(
+        grants.rights,
+        BTreeSet::from([kvplane_policy::kinds::Right::Route])
+    );
+    assert!(
+        !catalog
+            .grants("spiffe://cluster.local/ns/kvplane/sa/other")
+            .may_route_for("acme")
+    );
+    // The DestinationRule: only the gateway's proxy, to the InferencePool's endpoint picker
+    // (kvplane's client Service, its picker port), mutual TLS with the certificate's Secret,
+    // checking kvplane's certificate for a name and an identity it holds.
+    let [rule] = &r.destination_rules[..] else {
+        panic!("one DestinationRule")
+    };
+    let picker = &r.inference_pools[0].spec.endpoint_picker_ref;
+    let ns = control_plane.services[0]
+        .metadata
+        .namespace
+        .clone()
+        .unwrap();
+    assert_eq!(
+        rule.spec.host,
+        format!("{}.{ns}.svc.cluster.local", picker.name)
+    );
+    assert_eq!(
+        rule.spec.workload_selector.as_ref().unwrap().match_labels,
+        std::collections::BTreeMap::from([(
+            "gateway.networking.k8s.io/gateway-name".to_owned(),
+            gateway.clone()
+        )])
+    );
+    let [port] = &rule.spec.traffic_policy.port_level_settings[..] else {
+        panic!("one port's settings")
+    };
+    assert_eq!(port.port.number, picker.port.as_ref().unwrap().number);
+    let tls = &port.tls;
+    assert_eq!(tls.mode, istio::TlsMode::Mutual);
+    assert_eq!(tls.credential_name.as_ref(), Some(&client.spec.secret_name));
+    assert_eq!(tls.subject_alt_names, member.spec.uris);
+    let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
+    let sni = tls.sni.as_deref().unwrap();
+    assert!(
+        verifies_for(&member.spec.uris[0], &names, sni).is_ok(),
+        "{sni}"
+    );
+    // The Secret Istio reads is in the proxy's namespace, as is everything else.
+    for n in [
+        &client.metadata.namespace,
+        &rule.metadata.namespace,
+        &r.gateways[0].metadata.namespace,
+    ] {
+        assert_eq!(n.as_deref(), Some(ns.as_str()));
     }
 }
 
