@@ -10,7 +10,7 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually};
+use harness::{Cluster, Engine, EngineOptions, Node, NodeOptions, eventually};
 use kvplane_proto::v1::route_response::Decision;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,25 +145,15 @@ async fn a_listed_engine_that_stops_answering_is_not_routed_to_until_it_answers_
         ),
     )
     .unwrap();
-    let cluster = Cluster::start_with(
-        1,
-        &NodeOptions {
-            policy_dir: Some(policies),
-            pools: vec![],
-            extra_toml: "[endpoint_health]\ninterval_ms = 200\ntimeout_ms = 300\nfailures = 2\n"
-                .into(),
-            ..Default::default()
-        },
-    );
-    let node = &cluster.nodes[0];
-    let routable = || async {
-        node.status()
-            .await
-            .workers
-            .iter()
-            .map(|w| (w.worker_id.clone(), w.up))
-            .collect::<Vec<_>>()
+    let options = NodeOptions {
+        policy_dir: Some(policies),
+        pools: vec![],
+        extra_toml: "[endpoint_health]\ninterval_ms = 200\ntimeout_ms = 300\nfailures = 2\n".into(),
+        ..Default::default()
     };
+    let mut cluster = Cluster::start_with(1, &options);
+    let node = &cluster.nodes[0];
+    let routable = || worker_states(node);
     let s = |v: &str| v.to_owned();
     eventually(
         "both listed engines routable",
@@ -221,6 +211,53 @@ async fn a_listed_engine_that_stops_answering_is_not_routed_to_until_it_answers_
         (routable().await == [(s("e-1"), true), (s("e-2"), true)]).then_some(())
     })
     .await;
+
+    // Out again, then the node restarted with the checks off (`interval_ms = 0`): nothing
+    // checks any more, so the list is trusted - e-1 is routable though it still answers nothing.
+    assert!(engines[0].freeze(true));
+    eventually("e-1 out again", Duration::from_secs(20), || async {
+        (routable().await == [(s("e-1"), false), (s("e-2"), true)]).then_some(())
+    })
+    .await;
+    let node = &mut cluster.nodes[0];
+    let off = NodeOptions {
+        extra_toml: "[endpoint_health]\ninterval_ms = 0\n".into(),
+        ..options
+    };
+    Node::write_config(&node.name, &node.dir, &cluster.nats.url(), &off);
+    node.kill();
+    node.restart();
+    let node = &cluster.nodes[0];
+    eventually(
+        "e-1 routable with the checks off",
+        Duration::from_secs(30),
+        || async {
+            (worker_states(node).await == [(s("e-1"), true), (s("e-2"), true)]).then_some(())
+        },
+    )
+    .await;
+    // By the leader's entry for it (not a restart's side effect).
+    eventually(
+        "the leader's word for it",
+        Duration::from_secs(10),
+        || async {
+            node.log()
+                .contains("health checks are off: listed engines they took out are routable again")
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(engines[0].freeze(false));
+}
+
+/// Each worker's name and whether the node routes to it.
+async fn worker_states(node: &Node) -> Vec<(String, bool)> {
+    node.status()
+        .await
+        .workers
+        .iter()
+        .map(|w| (w.worker_id.clone(), w.up))
+        .collect()
 }
 
 /// An engine started with `--api-key` (vLLM's flag; Envoy plays that check here, as vLLM

@@ -201,7 +201,12 @@ async fn answers(client: &reqwest::Client, address: &str, path: &str) -> bool {
         .is_ok_and(|r| r.status().is_success())
 }
 
-/// Checks the listed engines every interval while this node leads, until `stop`.
+/// How often a leader with the checks off looks for engines earlier checks took out.
+const OFF_EVERY: Duration = Duration::from_secs(1);
+
+/// Checks the listed engines every interval while this node leads, until `stop`. With the
+/// checks off (`interval_ms = 0`) every listed engine counts as answering: one that checks
+/// took out (before a restart with them off) is brought back, and the list is trusted.
 pub async fn run<P: Proposer>(
     cfg: EndpointHealthSection,
     node: Context<P>,
@@ -215,7 +220,13 @@ pub async fn run<P: Proposer>(
             return;
         }
     };
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    let checking = cfg.interval_ms > 0;
+    let every = if checking {
+        Duration::from_millis(cfg.interval_ms)
+    } else {
+        OFF_EVERY
+    };
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing: HashMap<Key, u32> = HashMap::new();
     loop {
@@ -231,16 +242,21 @@ pub async fn run<P: Proposer>(
             failing.clear();
             continue;
         }
-        let answered = futures::future::join_all(
-            engines
-                .iter()
-                .map(|((_, _, address), _)| answers(&client, address, &cfg.path)),
-        )
-        .await;
-        metrics.checks.inc_by(engines.len() as u64);
-        metrics
-            .failed
-            .inc_by(answered.iter().filter(|ok| !**ok).count() as u64);
+        let answered = if checking {
+            let answered = futures::future::join_all(
+                engines
+                    .iter()
+                    .map(|((_, _, address), _)| answers(&client, address, &cfg.path)),
+            )
+            .await;
+            metrics.checks.inc_by(engines.len() as u64);
+            metrics
+                .failed
+                .inc_by(answered.iter().filter(|ok| !**ok).count() as u64);
+            answered
+        } else {
+            vec![true; engines.len()]
+        };
         for update in changes(&engines, &answered, &mut failing, cfg.failures) {
             let pool = update.pool.clone();
             let (up, down): (Vec<_>, Vec<_>) = update.endpoints.iter().partition(|e| e.ready);
@@ -251,13 +267,22 @@ pub async fn run<P: Proposer>(
             match node.log.propose(Command::EndpointHealth(update)).await {
                 Ok(index) => {
                     metrics.changes.inc();
-                    tracing::warn!(
-                        worker_set = pool,
-                        ?down,
-                        ?up,
-                        index,
-                        "listed engines' health changed"
-                    );
+                    if checking {
+                        tracing::warn!(
+                            worker_set = pool,
+                            ?down,
+                            ?up,
+                            index,
+                            "listed engines' health changed"
+                        );
+                    } else {
+                        tracing::warn!(
+                            worker_set = pool,
+                            ?up,
+                            index,
+                            "health checks are off: listed engines they took out are routable again"
+                        );
+                    }
                 }
                 Err(e) => {
                     metrics.errors.inc();
