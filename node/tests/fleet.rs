@@ -63,7 +63,7 @@ async fn complete_with(
 /// Warms `engine` (worker `worker`) directly with a chat whose system prompt is 1,200 words,
 /// waits until kvplane would send a second question under it there, and returns that chat.
 async fn cached_on(node: &harness::Node, engine: &Engine, worker: &str) -> serde_json::Value {
-    let system = words("sys", 1200);
+    let system = words(&format!("sys-{worker}-"), 1200);
     let chat = |q: &str| {
         json!({"model": "sim-8b", "max_tokens": 4, "messages": [
             {"role": "system", "content": system}, {"role": "user", "content": q}]})
@@ -148,6 +148,21 @@ async fn a_request_whose_engine_is_gone_goes_to_the_next_alternative() {
             .any(|l| l == "kvplane_ttft_prediction_ratio_count 0"),
         "no prediction error observed: {m}"
     );
+    // The control: a request its chosen engine serves (engine-2 caches its prompt) is observed.
+    let third = cached_on(node, &engines[1], "engine-2").await;
+    let r = complete(&gw, &third).await;
+    assert_eq!(r.headers()["x-kvplane-worker"], "default/engine-2");
+    eventually(
+        "its prediction error observed",
+        Duration::from_secs(10),
+        || async {
+            let m = node.metrics().await;
+            m.lines()
+                .any(|l| l == "kvplane_ttft_prediction_ratio_count 1")
+                .then_some(())
+        },
+    )
+    .await;
 }
 
 /// With TLS everywhere the gateway and the node speak it: the node's gRPC and HTTP ports, the
