@@ -254,7 +254,7 @@ impl Replica {
         let mut client = self.network.peer(id, addr)?;
         let payload = RaftPayload {
             data: match rpc {
-                Rpc::Propose(c) => encode(c),
+                Rpc::Propose(c) => encode(c)?,
                 Rpc::ReadIndex => Vec::new(),
             },
         };

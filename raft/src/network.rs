@@ -33,8 +33,18 @@ const SNAPSHOT_CHUNK: usize = 1 << 20;
 
 /// MessagePack with structs as arrays, as the log stores entries (no field names: an ingest
 /// entry's messages each repeat a dozen). A peer decodes either form.
-pub(crate) fn encode<T: Serialize>(v: &T) -> Vec<u8> {
-    rmp_serde::to_vec(v).unwrap_or_default()
+pub(crate) fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, PeerError> {
+    rmp_serde::to_vec(v).map_err(|e| PeerError::Encode(Arc::new(e)))
+}
+
+/// A reply to a peer, encoded; a reply that cannot be (a bug, never the peer's doing) is an
+/// internal error to it rather than an empty payload it would misread.
+fn encoded_reply<T: Serialize>(v: &T) -> Result<Response<RaftPayload>, Status> {
+    let data = encode(v).map_err(|e| {
+        tracing::error!(error = %e, "a raft reply cannot be encoded");
+        Status::internal(e.to_string())
+    })?;
+    Ok(Response::new(RaftPayload { data }))
 }
 
 pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, PeerError> {
@@ -54,6 +64,8 @@ pub enum PeerError {
     },
     #[error("undecodable raft message: {0}")]
     Decode(#[source] Arc<rmp_serde::decode::Error>),
+    #[error("unencodable raft message: {0}")]
+    Encode(#[source] Arc<rmp_serde::encode::Error>),
     #[error("peer {peer} at {addr} is unreachable: {message}")]
     Unreachable {
         peer: u64,
@@ -195,7 +207,8 @@ impl Connection {
         Fut: Future<Output = Result<Response<RaftPayload>, Status>>,
     {
         let client = self.client()?;
-        let mut request = addressed(Request::new(RaftPayload { data: encode(req) }), self.target);
+        let data = encode(req).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
+        let mut request = addressed(Request::new(RaftPayload { data }), self.target);
         request.set_timeout(option.soft_ttl());
         let reply = tokio::time::timeout(option.hard_ttl(), f(client, request))
             .await
@@ -254,7 +267,8 @@ impl RaftNetworkV2<TypeConfig> for Connection {
         option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
         let mut client = self.client()?;
-        let header = encode(&(vote, snapshot.meta));
+        let header = encode(&(vote, snapshot.meta))
+            .map_err(|e| StreamingError::Network(NetworkError::from_string(e)))?;
         let data = snapshot.snapshot;
         let mut chunks: Vec<SnapshotChunk> = data
             .chunks(SNAPSHOT_CHUNK)
@@ -361,9 +375,7 @@ impl raft_server::Raft for RaftGrpc {
         if matches!(&result, Ok(r) if !matches!(r, AppendEntriesResponse::HigherVote(_))) {
             self.contact.touch();
         }
-        Ok(Response::new(RaftPayload {
-            data: encode(&result),
-        }))
+        encoded_reply(&result)
     }
 
     async fn vote(&self, request: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
@@ -371,9 +383,7 @@ impl raft_server::Raft for RaftGrpc {
         let rpc: VoteRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.vote(rpc).await;
-        Ok(Response::new(RaftPayload {
-            data: encode(&result),
-        }))
+        encoded_reply(&result)
     }
 
     async fn pre_vote(
@@ -384,9 +394,7 @@ impl raft_server::Raft for RaftGrpc {
         let rpc: VoteRequest<TypeConfig> =
             decode(&request.into_inner().data).map_err(bad_request)?;
         let result = self.raft.pre_vote(rpc).await;
-        Ok(Response::new(RaftPayload {
-            data: encode(&result),
-        }))
+        encoded_reply(&result)
     }
 
     async fn install_snapshot(
@@ -421,9 +429,7 @@ impl raft_server::Raft for RaftGrpc {
         if result.is_ok() {
             self.contact.touch();
         }
-        Ok(Response::new(RaftPayload {
-            data: encode(&result),
-        }))
+        encoded_reply(&result)
     }
 
     async fn propose(
@@ -440,9 +446,7 @@ impl raft_server::Raft for RaftGrpc {
             }
             Err(e) => Err(ForwardError::Failed(e.to_string())),
         };
-        Ok(Response::new(RaftPayload {
-            data: encode(&reply),
-        }))
+        encoded_reply(&reply)
     }
 
     async fn read_index(
@@ -462,8 +466,35 @@ impl raft_server::Raft for RaftGrpc {
             }),
             Err(e) => Err(ForwardError::Failed(e.to_string())),
         };
-        Ok(Response::new(RaftPayload {
-            data: encode(&reply),
-        }))
+        encoded_reply(&reply)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A value whose serialization fails, as a bug in a message type would.
+    struct Unencodable;
+
+    impl Serialize for Unencodable {
+        fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+            Err(serde::ser::Error::custom("no encoding for this"))
+        }
+    }
+
+    #[test]
+    fn a_message_that_cannot_be_encoded_is_an_error_not_an_empty_payload() {
+        let e = encode(&Unencodable).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unencodable raft message: no encoding for this"
+        );
+        let status = encoded_reply(&Unencodable).unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal);
+        let round: u64 = decode(&encode(&7u64).unwrap()).unwrap();
+        assert_eq!(round, 7);
     }
 }
