@@ -26,7 +26,9 @@ fn without_colon(line: &str) -> String {
 }
 
 /// Parses vLLM's metrics text. Gauges are summed over label sets (one engine may expose
-/// several `engine` labels); `vllm:gpu_cache_usage_perc` is accepted for engines before 0.15.
+/// several `engine` labels); `vllm:gpu_cache_usage_perc` is accepted for engines before 0.15,
+/// and the prefix-cache counters under their earlier names (`vllm:gpu_prefix_cache_queries`,
+/// `vllm:gpu_prefix_cache_hits`) as well as the current ones.
 pub fn parse_vllm_metrics(text: &str) -> Result<MetricsMessage, ScrapeError> {
     let lines = text.lines().map(|l| Ok(without_colon(l)));
     let scrape =
@@ -53,13 +55,21 @@ pub fn parse_vllm_metrics(text: &str) -> Result<MetricsMessage, ScrapeError> {
         .ok_or(ScrapeError::Missing("vllm:num_requests_waiting"))?;
     let usage = value(&["vllm_kv_cache_usage_perc", "vllm_gpu_cache_usage_perc"])
         .ok_or(ScrapeError::Missing("vllm:kv_cache_usage_perc"))?;
+    // One name per engine version: an engine exposes one of them, never two.
     let queries = value(&[
         "vllm_prefix_cache_queries_total",
         "vllm_prefix_cache_queries",
+        "vllm_gpu_prefix_cache_queries_total",
+        "vllm_gpu_prefix_cache_queries",
     ])
     .map_or(0.0, |v| v.0);
-    let hits =
-        value(&["vllm_prefix_cache_hits_total", "vllm_prefix_cache_hits"]).map_or(0.0, |v| v.0);
+    let hits = value(&[
+        "vllm_prefix_cache_hits_total",
+        "vllm_prefix_cache_hits",
+        "vllm_gpu_prefix_cache_hits_total",
+        "vllm_gpu_prefix_cache_hits",
+    ])
+    .map_or(0.0, |v| v.0);
     let to_u32 = |v: f64| {
         if v.is_finite() && v > 0.0 {
             v.round().min(f64::from(u32::MAX)) as u32
@@ -129,6 +139,26 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 50.0
         assert_eq!(m.num_requests_waiting, 2);
         assert_eq!(m.kv_cache_usage_perc, 0.25);
         assert_eq!(m.prefix_cache_hit_rate, 0.25);
+    }
+
+    #[test]
+    fn current_and_earlier_metric_names_read_the_same() {
+        let text = |usage: &str, prefix: &str| {
+            format!(
+                "vllm:num_requests_running{{engine=\"0\"}} 1\nvllm:num_requests_waiting{{engine=\"0\"}} 0\n{usage}{{engine=\"0\"}} 0.5\n{prefix}_queries_total{{engine=\"0\"}} 40\n{prefix}_hits_total{{engine=\"0\"}} 10\n"
+            )
+        };
+        for (usage, prefix) in [
+            ("vllm:kv_cache_usage_perc", "vllm:prefix_cache"),
+            ("vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache"),
+        ] {
+            let m = parse_vllm_metrics(&text(usage, prefix)).unwrap();
+            assert_eq!(
+                (m.kv_cache_usage_perc, m.prefix_cache_hit_rate),
+                (0.5, 0.25),
+                "{usage}, {prefix}"
+            );
+        }
     }
 
     #[test]
