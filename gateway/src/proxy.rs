@@ -744,17 +744,15 @@ impl App {
                 match chunk {
                     Ok(bytes) => {
                         if first_at.is_none() {
-                            let t = received.elapsed().as_secs_f64();
-                            app.0.metrics.ttft_seconds.observe(t);
-                            first_at = Some(t * 1000.0);
-                            if streamed {
-                                first_report = app.report_first_token(
-                                    request_id.clone(),
-                                    t * 1000.0,
-                                    ticket.as_ref(),
-                                    served.as_ref(),
-                                );
-                            }
+                            let (ms, report) = app.first_token(
+                                &request_id,
+                                received,
+                                streamed,
+                                ticket.as_ref(),
+                                served.as_ref(),
+                            );
+                            first_at = Some(ms);
+                            first_report = report;
                         }
                         tail.keep(&bytes);
                         if tx.send(Ok(bytes)).await.is_err() {
@@ -821,10 +819,28 @@ impl App {
         ticket: Option<&Ticket>,
     ) -> Response {
         let status = upstream.status();
-        if status.is_success() && call.asked.stream {
-            return self.bedrock_stream(target, call, upstream, request_id, received, ticket);
-        }
         let name = target.provider.as_deref().unwrap_or(&target.label);
+        if status.is_success() && call.asked.stream {
+            let content_type = upstream
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none");
+            if content_type.starts_with(crate::bedrock::stream::CONTENT_TYPE) {
+                return self.bedrock_stream(target, call, upstream, request_id, received, ticket);
+            }
+            let message = format!(
+                "provider {name} answered a stream as {content_type}, not as an event stream"
+            );
+            tracing::warn!(target = target.label, "{message}");
+            self.report_after(
+                None,
+                AnswerTail::default().report(request_id, 0.0, Outcome::Error),
+                ticket,
+                target.served.as_ref(),
+            );
+            return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &message, 0);
+        }
         let body = match upstream.bytes().await {
             Ok(b) => b,
             Err(e) => {
@@ -944,7 +960,12 @@ impl App {
             let mut first_report = None;
             let mut failed = None;
             let outcome = loop {
-                let bytes = match upstream_body.next().await {
+                // A client that left ends the provider's call at once, not at its next chunk.
+                let next = tokio::select! {
+                    next = upstream_body.next() => next,
+                    () = tx.closed() => break Outcome::Cancelled,
+                };
+                let bytes = match next {
                     None => match answer.finish() {
                         Ok(done) => {
                             let _ = tx.send(Ok(done)).await;
@@ -963,15 +984,15 @@ impl App {
                 };
                 let (events, error) = answer.feed(&bytes);
                 if first_at.is_none() && answer.text_started() {
-                    let t = received.elapsed().as_secs_f64();
-                    app.0.metrics.ttft_seconds.observe(t);
-                    first_at = Some(t * 1000.0);
-                    first_report = app.report_first_token(
-                        request_id.clone(),
-                        t * 1000.0,
+                    let (ms, report) = app.first_token(
+                        &request_id,
+                        received,
+                        true,
                         ticket.as_ref(),
                         served.as_ref(),
                     );
+                    first_at = Some(ms);
+                    first_report = report;
                 }
                 if !events.is_empty() && tx.send(Ok(events)).await.is_err() {
                     break Outcome::Cancelled;
@@ -988,9 +1009,8 @@ impl App {
             let used = answer.used();
             let counted = used.unwrap_or_default();
             // Not counted: an answer that did not fail keeps its reservation, as does one
-            // that failed after its text began (the provider ran the model).
-            let usage_unknown =
-                used.is_none() && (outcome != Outcome::Error || answer.text_started());
+            // that failed once Bedrock took the request (a frame came: it counts the tokens).
+            let usage_unknown = used.is_none() && (outcome != Outcome::Error || answer.began());
             app.report_after(
                 first_report,
                 UsageReport {
@@ -1015,6 +1035,24 @@ impl App {
             resp.headers_mut().insert(WORKER_HEADER, v);
         }
         resp
+    }
+
+    /// A request's first token, `received` after it came: observed, and for a streamed
+    /// answer reported at once. Its time in ms and the report's handle.
+    fn first_token(
+        &self,
+        request_id: &str,
+        received: Instant,
+        streamed: bool,
+        ticket: Option<&Ticket>,
+        served: Option<&Endpoint>,
+    ) -> (f64, Option<JoinHandle<()>>) {
+        let t = received.elapsed().as_secs_f64();
+        self.0.metrics.ttft_seconds.observe(t);
+        let report = streamed
+            .then(|| self.report_first_token(request_id.to_owned(), t * 1000.0, ticket, served))
+            .flatten();
+        (t * 1000.0, report)
     }
 
     /// Reports a streamed request's first token (see `UsageReport.first_token`); the handle

@@ -314,14 +314,14 @@ pub(crate) fn upstream_headers(
             }
         }
     } else if let Some(b) = &t.bedrock {
-        // Converse answers JSON, whatever the client reads; ConverseStream its event stream,
-        // asked for with no Accept (as the AWS SDK asks).
-        if !b.asked.stream {
-            out.insert(
-                http::header::ACCEPT,
-                http::HeaderValue::from_static("application/json"),
-            );
-        }
+        // Converse answers JSON, ConverseStream its event stream, whatever the client reads
+        // (Accept is not signed).
+        let accept = if b.asked.stream {
+            crate::bedrock::stream::CONTENT_TYPE
+        } else {
+            "application/json"
+        };
+        out.insert(http::header::ACCEPT, http::HeaderValue::from_static(accept));
     } else if let Some(a) = client.get(http::header::ACCEPT) {
         out.insert(http::header::ACCEPT, a.clone());
     }
@@ -477,6 +477,24 @@ mod tests {
         let sent: serde_json::Value = serde_json::from_slice(&t.body).unwrap();
         assert_eq!(sent["messages"][0]["content"][0]["text"], "hi");
         assert_eq!(sent["inferenceConfig"]["maxTokens"], 3);
+        let client = http::HeaderMap::new();
+        assert_eq!(
+            upstream_headers(&t, &client, "gw-1")["accept"],
+            "application/json"
+        );
+        // Streamed: ConverseStream, asked for its event stream.
+        let body = Bytes::from_static(br#"{"model":"x","prompt":"hi","stream":true}"#);
+        let t = target(&bedrock, "/v1/completions", body, 0, &secrets)
+            .await
+            .unwrap();
+        assert!(
+            t.url
+                .ends_with("/model/amazon.nova-lite-v1%3A0/converse-stream")
+        );
+        assert_eq!(
+            upstream_headers(&t, &client, "gw-1")["accept"],
+            "application/vnd.amazon.eventstream"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -125,8 +125,12 @@ async fn the_openai_sdk_and_grpcio_work_against_kvplane_as_against_any_server() 
         let body: serde_json::Value = r.json().await.unwrap();
         assert_eq!(body["error"]["code"], code, "{body}");
     }
-    let r = client.get(format!("{base}/readyz")).send().await.unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    // The node's gRPC health follows its readiness once a second: ready within that.
+    harness::eventually("the gateway ready", Duration::from_secs(5), || async {
+        let r = client.get(format!("{base}/readyz")).send().await.ok()?;
+        (r.status().as_u16() == 200).then_some(())
+    })
+    .await;
     let metrics = harness::http_get(&format!("{base}/metrics")).await;
     for status in [404, 405, 413] {
         assert_eq!(

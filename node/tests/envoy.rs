@@ -37,13 +37,27 @@ impl Envoy {
     /// The example's config with kvplane at `grpc`, the pool's round robin over `pool`
     /// (`host:port`, two) and free ports, started and ready.
     async fn start(grpc: std::net::SocketAddr, pool: [&str; 2], dir: &std::path::Path) -> Self {
+        Self::start_changed(grpc, pool, dir, ("", "")).await
+    }
+
+    /// As [`Self::start`], with one more change to the example's text (`from` -> `to`).
+    async fn start_changed(
+        grpc: std::net::SocketAddr,
+        pool: [&str; 2],
+        dir: &std::path::Path,
+        (from, to): (&str, &str),
+    ) -> Self {
         let (admin, full_duplex, buffered) = (free_port(), free_port(), free_port());
         let socket = |a: &str| {
             let (host, port) = a.rsplit_once(':').unwrap();
             format!("address: {host}, port_value: {port}")
         };
-        let config = std::fs::read_to_string(EXAMPLE)
-            .unwrap()
+        let mut config = std::fs::read_to_string(EXAMPLE).unwrap();
+        if !from.is_empty() {
+            assert_eq!(config.matches(from).count(), 1, "{from}");
+            config = config.replace(from, to);
+        }
+        let config = config
             .replace("address: 127.0.0.1, port_value: 8001", &socket(pool[0]))
             .replace("address: 127.0.0.1, port_value: 8002", &socket(pool[1]))
             .replace("port_value: 9901", &format!("port_value: {admin}"))
@@ -294,7 +308,7 @@ async fn served(engines: &[&harness::Proc]) -> Vec<f64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_kvplanes_answer_envoy_fails_closed_in_full_duplex_and_open_to_the_pool_when_buffered()
+async fn without_kvplanes_answer_envoy_fails_closed_in_full_duplex_even_if_told_to_fail_open_and_open_to_the_pool_when_buffered()
  {
     let dir = tempfile::tempdir().unwrap();
     let nats = harness::Nats::start();
@@ -313,19 +327,27 @@ async fn without_kvplanes_answer_envoy_fails_closed_in_full_duplex_and_open_to_t
         ..Default::default()
     };
     let mut node = harness::Node::start("n1", &dir.path().join("n1"), &nats.url(), &o);
-    let envoy = Envoy::start(node.grpc, [&a.field("http"), &b.field("http")], dir.path()).await;
+    // The full-duplex listener asked to fail open, which Envoy does not do in that mode.
+    let envoy = Envoy::start_changed(
+        node.grpc,
+        [&a.field("http"), &b.field("http")],
+        dir.path(),
+        ("failure_mode_allow: false", "failure_mode_allow: true"),
+    )
+    .await;
     let body = json!({"model": "sim-8b", "max_tokens": 2,
         "messages": [{"role": "user", "content": "hello"}]});
     let url = |port: u16| format!("http://127.0.0.1:{port}/v1/chat/completions");
 
     for kvplane in ["with no state", "gone"] {
         let before = served(&[&a, &b]).await;
-        // Full duplex: Envoy's own 500, and no engine saw the request.
+        // Full duplex: Envoy's own 500 though failing open, and no engine saw the request.
         let r = post(&url(envoy.full_duplex), &body).await;
         assert_eq!(r.status().as_u16(), 500, "kvplane {kvplane}");
         assert_eq!(served(&[&a, &b]).await, before, "kvplane {kvplane}");
         // Buffered, failing open: an engine of the pool answers, whatever destination the
-        // client named (nothing listens there; the listener dropped the header).
+        // client named (nothing listens there) or the provider (no route to it): the listener
+        // dropped both headers.
         let r = reqwest::Client::new()
             .post(url(envoy.buffered))
             .header(

@@ -379,15 +379,6 @@ async fn the_gateway_calls_a_bedrock_provider_with_a_signature_the_aws_sdk_compu
     refused_credentials(client.post(&url).json(&ask(false))).await;
 }
 
-/// A stream's JSON events (`[DONE]` left out).
-fn json_events(text: &str) -> Vec<serde_json::Value> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect()
-}
-
 /// The text of a chat stream's events, joined.
 fn deltas(events: &[serde_json::Value]) -> String {
     events
@@ -442,7 +433,7 @@ async fn a_bedrock_stream_reaches_the_client_as_it_arrives_and_its_exception_as_
     while let Some(chunk) = r.chunk().await.unwrap() {
         text.push_str(&String::from_utf8_lossy(&chunk));
     }
-    let events = json_events(&text);
+    let events = harness::sse_json(&text);
     assert_eq!(
         deltas(&events),
         "amazon.nova-lite-v1:0 heard: hold",
@@ -458,7 +449,7 @@ async fn a_bedrock_stream_reaches_the_client_as_it_arrives_and_its_exception_as_
         .unwrap();
     assert_eq!(r.status(), 200, "the answer had begun");
     let text = r.text().await.unwrap();
-    let events = json_events(&text);
+    let events = harness::sse_json(&text);
     assert_eq!(deltas(&events), "amazon.nova-lite-v1:0 heard:", "{text}");
     let error = events.last().unwrap();
     assert_eq!(

@@ -4,7 +4,9 @@
 //! each `contentBlockDelta`'s text is a chunk, `messageStop` is the chunk with the
 //! `finish_reason`, `metadata` carries the usage (a chunk of its own when the client asked for
 //! it), and the end of the stream is `[DONE]`. An exception frame ends the answer with an
-//! OpenAI-shaped error event and no `[DONE]`.
+//! OpenAI-shaped error event and no `[DONE]`. Only text is told: a delta of reasoning or of a
+//! tool call is left out (tools are refused before the call), so a reasoning model's first
+//! token is its first text.
 
 use aws_smithy_eventstream::frame::read_message_from;
 use aws_smithy_types::event_stream::{HeaderValue, Message};
@@ -13,8 +15,12 @@ use serde_json::{Value, json};
 
 use super::{Asked, BedrockError, Used, finish_reason};
 
-/// The largest frame read (the event stream format's own limit is 16 MiB).
-const MAX_FRAME_BYTES: usize = 16 << 20;
+/// The content type of ConverseStream's answer.
+pub(crate) const CONTENT_TYPE: &str = "application/vnd.amazon.eventstream";
+
+/// The largest frame read: Converse's events are a text delta or a few counts each, far below
+/// the event stream format's own limit (16 MiB of payload); a larger one is not Bedrock's.
+const MAX_FRAME_BYTES: usize = 1 << 20;
 
 /// One ConverseStream answer being told as OpenAI's events.
 #[derive(Debug)]
@@ -24,6 +30,8 @@ pub(crate) struct ConverseStream {
     asked: Asked,
     /// The events' common fields: id, object, created, model.
     head: Value,
+    /// A frame came: Bedrock took the request (and counts its tokens).
+    began: bool,
     /// The answer's text has begun (its first token).
     text_started: bool,
     stopped: bool,
@@ -43,6 +51,7 @@ impl ConverseStream {
             pending: BytesMut::new(),
             asked,
             head: json!({"id": id, "object": object, "created": created, "model": model}),
+            began: false,
             text_started: false,
             stopped: false,
             used: None,
@@ -52,6 +61,12 @@ impl ConverseStream {
     /// Whether the answer's text has begun.
     pub(crate) fn text_started(&self) -> bool {
         self.text_started
+    }
+
+    /// Whether a frame came, so Bedrock took the request: what it used is then unknown until
+    /// the stream's `metadata` says it, even if the answer fails.
+    pub(crate) fn began(&self) -> bool {
+        self.began
     }
 
     /// What the request used, once the stream's `metadata` said it.
@@ -133,33 +148,34 @@ impl ConverseStream {
                     _ => None,
                 })
         };
+        self.began = true;
+        match header(":message-type").as_deref() {
+            Some("event") => {}
+            Some("exception") => {
+                return Err(BedrockError::Stream {
+                    kind: header(":exception-type").unwrap_or_else(|| "an exception".into()),
+                    message: super::error_message(message.payload()),
+                });
+            }
+            Some("error") => {
+                return Err(BedrockError::Stream {
+                    kind: header(":error-code").unwrap_or_else(|| "an error".into()),
+                    message: header(":error-message").unwrap_or_default(),
+                });
+            }
+            other => {
+                return Err(BedrockError::Answer(format!(
+                    "an event stream message of type {}",
+                    other.unwrap_or("none")
+                )));
+            }
+        }
         let payload: Value = if message.payload().is_empty() {
             Value::Null
         } else {
             serde_json::from_slice(message.payload())
                 .map_err(|e| BedrockError::Answer(format!("an event's payload: {e}")))?
         };
-        match header(":message-type").as_deref() {
-            Some("event") => {}
-            Some("exception") => {
-                let kind = header(":exception-type").unwrap_or_default();
-                return Err(BedrockError::Stream {
-                    kind,
-                    message: super::error_message(message.payload()),
-                });
-            }
-            Some("error") => {
-                return Err(BedrockError::Stream {
-                    kind: header(":error-code").unwrap_or_default(),
-                    message: header(":error-message").unwrap_or_default(),
-                });
-            }
-            other => {
-                return Err(BedrockError::Answer(format!(
-                    "an event stream message of type {other:?}"
-                )));
-            }
-        }
         Ok(match header(":event-type").as_deref() {
             Some("messageStart") if self.asked.chat => {
                 Some(self.chunk(json!({"role": "assistant", "content": ""}), Value::Null))
@@ -384,6 +400,21 @@ mod tests {
         let error: Value =
             serde_json::from_str(&events(&ConverseStream::error_event(&e))[0]).unwrap();
         assert_eq!(error["error"]["code"], "bad_gateway");
+        // Not JSON, and no type: still the exception, in words.
+        let message = Message::new("throttled, slow down").add_header(Header::new(
+            ":message-type",
+            HeaderValue::String("exception".into()),
+        ));
+        let mut bare = Vec::new();
+        write_message_to(&message, &mut bare).unwrap();
+        let e = ConverseStream::new(CHAT, "m", "id-7", 7)
+            .feed(&bare)
+            .1
+            .unwrap();
+        assert_eq!(
+            e.to_string(),
+            "bedrock ended the answer with an exception: throttled, slow down"
+        );
         let mut half = ConverseStream::new(CHAT, "m", "id-5", 7);
         let whole = answer();
         assert!(half.feed(&whole[..whole.len() - 3]).1.is_none());

@@ -213,14 +213,16 @@ pub async fn run<P: Proposer>(
     metrics: Arc<EndpointHealthMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let checking = cfg.interval_ms > 0;
+    // With the checks off no engine is asked: no client is needed.
     let client = match cfg.client() {
-        Ok(c) => c,
+        Ok(c) => Some(c),
+        Err(_) if !checking => None,
         Err(e) => {
             tracing::error!(error = %e, "no http client for the listed engines' health checks");
             return;
         }
     };
-    let checking = cfg.interval_ms > 0;
     let every = if checking {
         Duration::from_millis(cfg.interval_ms)
     } else {
@@ -242,11 +244,11 @@ pub async fn run<P: Proposer>(
             failing.clear();
             continue;
         }
-        let answered = if checking {
+        let answered = if let Some(client) = client.as_ref().filter(|_| checking) {
             let answered = futures::future::join_all(
                 engines
                     .iter()
-                    .map(|((_, _, address), _)| answers(&client, address, &cfg.path)),
+                    .map(|((_, _, address), _)| answers(client, address, &cfg.path)),
             )
             .await;
             metrics.checks.inc_by(engines.len() as u64);

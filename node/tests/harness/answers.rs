@@ -13,13 +13,17 @@ pub async fn sse_events(r: reqwest::Response) -> (String, Vec<serde_json::Value>
     );
     let text = r.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    let events = text
-        .lines()
+    let events = sse_json(&text);
+    (text, events)
+}
+
+/// The JSON events of an SSE text (`[DONE]` left out).
+pub fn sse_json(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
         .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
-    (text, events)
+        .collect()
 }
 
 /// The test venv's python (`scripts/install-test-python`: the OpenAI SDK, grpcio, botocore).
