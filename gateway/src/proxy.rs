@@ -914,15 +914,7 @@ impl App {
                     ticket,
                     target.served.as_ref(),
                 );
-                let mut resp = Response::new(Body::from(bytes));
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                );
-                if let Ok(v) = HeaderValue::from_str(&target.label) {
-                    resp.headers_mut().insert(WORKER_HEADER, v);
-                }
-                resp
+                provider_answer(Body::from(bytes), "application/json", &target.label)
             }
             Err(resp) => {
                 self.report_after(
@@ -1026,15 +1018,11 @@ impl App {
                 served.as_ref(),
             );
         });
-        let mut resp = Response::new(Body::from_stream(stream));
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream"),
-        );
-        if let Ok(v) = HeaderValue::from_str(&target.label) {
-            resp.headers_mut().insert(WORKER_HEADER, v);
-        }
-        resp
+        provider_answer(
+            Body::from_stream(stream),
+            "text/event-stream",
+            &target.label,
+        )
     }
 
     /// A request's first token, `received` after it came: observed, and for a streamed
@@ -1109,6 +1097,17 @@ impl App {
         report.served = served.cloned();
         self.send_report(report, ticket, first);
     }
+}
+
+/// A provider's answer told in OpenAI's shape: `body` of `content_type`, naming the target.
+fn provider_answer(body: Body, content_type: &'static str, label: &str) -> Response {
+    let mut resp = Response::new(body);
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    if let Ok(v) = HeaderValue::from_str(label) {
+        resp.headers_mut().insert(WORKER_HEADER, v);
+    }
+    resp
 }
 
 /// A body fed by a task through a small channel.

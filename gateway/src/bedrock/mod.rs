@@ -255,6 +255,28 @@ pub(crate) struct Used {
     pub(crate) completion_tokens: u32,
 }
 
+impl Used {
+    /// Converse's `usage` (`inputTokens`, `outputTokens`, `totalTokens`): what it counts and
+    /// OpenAI's `usage` for it.
+    pub(crate) fn from_converse(usage: &Value) -> (Used, Value) {
+        let count = |k: &str| {
+            usage[k]
+                .as_u64()
+                .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
+        };
+        let used = Used {
+            prompt_tokens: count("inputTokens"),
+            completion_tokens: count("outputTokens"),
+        };
+        let openai = json!({
+            "prompt_tokens": used.prompt_tokens,
+            "completion_tokens": used.completion_tokens,
+            "total_tokens": count("totalTokens"),
+        });
+        (used, openai)
+    }
+}
+
 /// OpenAI's answer for Converse answer `converse` to a request asked as `asked` (not
 /// streamed), served as `model` under id `id` at `created` (Unix seconds): the JSON body and
 /// what the request used.
@@ -273,15 +295,7 @@ pub(crate) fn openai_answer(
         .iter()
         .filter_map(|c| c["text"].as_str())
         .collect::<String>();
-    let count = |k: &str| {
-        v["usage"][k]
-            .as_u64()
-            .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
-    };
-    let used = Used {
-        prompt_tokens: count("inputTokens"),
-        completion_tokens: count("outputTokens"),
-    };
+    let (used, usage) = Used::from_converse(&v["usage"]);
     let finish = finish_reason(v["stopReason"].as_str());
     let (object, choice) = if asked.chat {
         (
@@ -297,11 +311,7 @@ pub(crate) fn openai_answer(
     let out = json!({
         "id": id, "object": object, "created": created, "model": model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": used.prompt_tokens,
-            "completion_tokens": used.completion_tokens,
-            "total_tokens": count("totalTokens"),
-        },
+        "usage": usage,
     });
     Ok((Bytes::from(out.to_string()), used))
 }

@@ -203,24 +203,12 @@ impl ConverseStream {
                 Some(self.chunk(empty, json!(finish)))
             }
             Some("metadata") => {
-                let count = |k: &str| {
-                    payload["usage"][k]
-                        .as_u64()
-                        .map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
-                };
-                let used = Used {
-                    prompt_tokens: count("inputTokens"),
-                    completion_tokens: count("outputTokens"),
-                };
+                let (used, usage) = Used::from_converse(&payload["usage"]);
                 self.used = Some(used);
                 self.asked.include_usage.then(|| {
                     let mut e = self.head.clone();
                     e["choices"] = json!([]);
-                    e["usage"] = json!({
-                        "prompt_tokens": used.prompt_tokens,
-                        "completion_tokens": used.completion_tokens,
-                        "total_tokens": count("totalTokens"),
-                    });
+                    e["usage"] = usage;
                     e
                 })
             }
