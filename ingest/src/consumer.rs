@@ -192,7 +192,8 @@ impl<P: Proposer> Ingestor<P> {
             .instrument(span.clone())
             .await?;
         span.record("index", index);
-        self.metrics.batch(last_seq, batch.pending);
+        self.metrics
+            .batch(&self.cfg.source, last_seq, batch.pending);
         Ok(())
     }
 

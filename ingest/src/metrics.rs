@@ -1,5 +1,8 @@
 //! Ingest counters, exported in Prometheus text by the node.
 
+use std::sync::Mutex;
+
+use kvplane_state::Source;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -62,6 +65,11 @@ struct KindLabel {
     kind: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: String,
+}
+
 /// Counters of one node's ingest.
 #[derive(Debug, Default)]
 pub struct IngestMetrics {
@@ -74,6 +82,12 @@ pub struct IngestMetrics {
     /// Stream messages past the applied position, as the leader last measured (-1: not yet
     /// this term).
     lag: Gauge,
+    /// The same three for other clusters' streams (`[[ingest.clusters]]`), by source name.
+    source_pending: Family<SourceLabel, Gauge>,
+    source_last_sequence: Family<SourceLabel, Gauge>,
+    source_lag: Family<SourceLabel, Gauge>,
+    /// Those sources' labels.
+    sources: Mutex<Vec<SourceLabel>>,
 }
 
 impl IngestMetrics {
@@ -125,6 +139,35 @@ impl IngestMetrics {
             "Stream sequence of the last consumed message",
             self.last_sequence.clone(),
         );
+        registry.register(
+            "kvplane_ingest_source_pending_messages",
+            "Messages of another cluster's stream not yet consumed, as its server last reported, by source",
+            self.source_pending.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_source_lag_messages",
+            "Messages of another cluster's stream past the applied position, measured by the leader every second, by source (-1: not known yet)",
+            self.source_lag.clone(),
+        );
+        registry.register(
+            "kvplane_ingest_source_last_consumed_sequence",
+            "Sequence of the last message consumed from another cluster's stream, by source",
+            self.source_last_sequence.clone(),
+        );
+    }
+
+    /// Registers the series of another cluster's source `name` (at -1 lag, 0 otherwise), so
+    /// it is there before its first message.
+    pub fn add_source(&self, name: &str) {
+        let label = SourceLabel {
+            source: name.to_owned(),
+        };
+        let _pending = self.source_pending.get_or_create(&label);
+        let _last = self.source_last_sequence.get_or_create(&label);
+        self.source_lag.get_or_create(&label).set(-1);
+        if let Ok(mut sources) = self.sources.lock() {
+            sources.push(label);
+        }
     }
 
     pub(crate) fn message(&self, kind: &'static str) {
@@ -145,11 +188,21 @@ impl IngestMetrics {
             .inc();
     }
 
-    pub(crate) fn batch(&self, last_seq: u64, pending: u64) {
+    pub(crate) fn batch(&self, source: &Source, last_seq: u64, pending: u64) {
         self.batches.inc();
-        self.last_sequence
-            .set(i64::try_from(last_seq).unwrap_or(i64::MAX));
-        self.pending.set(i64::try_from(pending).unwrap_or(i64::MAX));
+        let (last_seq, pending) = (gauge(last_seq), gauge(pending));
+        if *source == Source::stream() {
+            self.last_sequence.set(last_seq);
+            self.pending.set(pending);
+        } else {
+            let label = SourceLabel {
+                source: source.as_str().to_owned(),
+            };
+            self.source_last_sequence
+                .get_or_create(&label)
+                .set(last_seq);
+            self.source_pending.get_or_create(&label).set(pending);
+        }
     }
 
     /// Rejections so far, by reason (all reasons, zeros included).
@@ -186,16 +239,33 @@ impl IngestMetrics {
     pub fn stopped(&self) {
         self.pending.set(0);
         self.lag.set(0);
+        if let Ok(sources) = self.sources.lock() {
+            for label in sources.iter() {
+                self.source_pending.get_or_create(label).set(0);
+                self.source_lag.get_or_create(label).set(0);
+            }
+        }
     }
 
-    /// Messages the stream holds past the applied position (`None`: not measured yet).
+    /// Messages the node's own stream holds past the applied position (`None`: not measured
+    /// yet).
     pub fn lag(&self) -> Option<u64> {
         u64::try_from(self.lag.get()).ok()
     }
 
-    pub fn set_lag(&self, lag: Option<u64>) {
-        self.lag
-            .set(lag.map_or(-1, |l| i64::try_from(l).unwrap_or(i64::MAX)));
+    /// Messages of `source`'s stream past the applied position, as just measured (`None`: not
+    /// known).
+    pub fn set_lag(&self, source: &Source, lag: Option<u64>) {
+        let lag = lag.map_or(-1, gauge);
+        if *source == Source::stream() {
+            self.lag.set(lag);
+        } else {
+            self.source_lag
+                .get_or_create(&SourceLabel {
+                    source: source.as_str().to_owned(),
+                })
+                .set(lag);
+        }
     }
 
     /// Last consumed stream sequence plus the server's pending count: the stream's end as
@@ -203,6 +273,11 @@ impl IngestMetrics {
     pub fn stream_end(&self) -> u64 {
         u64::try_from(self.last_sequence.get() + self.pending.get()).unwrap_or(0)
     }
+}
+
+/// A count as a gauge's value.
+fn gauge(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

@@ -136,6 +136,46 @@ pub struct IngestSection {
     /// The leader is not ready while its consumer is more than this many messages behind the
     /// stream; 0: no bound.
     pub ready_max_pending_messages: u64,
+    /// Other clusters' streams (`[[ingest.clusters]]`), each consumed as an ingest source of
+    /// its own beside this one.
+    pub clusters: Vec<ClusterSource>,
+}
+
+/// Another cluster's ingest stream: its engines' bridges publish to that cluster's NATS, and
+/// the leader consumes the stream there from the position the state keeps under `name`, so a
+/// cut link delays that cluster's events (the stream keeps them) and no other's.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSource {
+    /// The source's name in the state, its position's key: letters, digits, - or _.
+    pub name: String,
+    pub nats_url: String,
+    /// The stream there (default `KVPLANE`).
+    #[serde(default = "default_stream")]
+    pub stream: String,
+    /// Credentials and TLS for that NATS (absent: anonymous, plaintext).
+    #[serde(default)]
+    pub nats: kvplane_ingest::NatsAuth,
+}
+
+fn default_stream() -> String {
+    "KVPLANE".into()
+}
+
+/// Whether `name` may name a stream or a source: letters, digits, - or _.
+fn plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// Why `url` is not a NATS URL, if it is not.
+fn nats_url_problem(key: &str, url: &str) -> Option<String> {
+    (!["nats://", "tls://", "ws://", "wss://"]
+        .iter()
+        .any(|s| url.starts_with(s)))
+    .then(|| format!("{key} {url:?} must start with nats://, tls://, ws:// or wss://"))
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -239,6 +279,7 @@ impl Default for IngestSection {
             max_message_bytes: 1 << 20,
             worker_lease_ms: 30_000,
             ready_max_pending_messages: 100_000,
+            clusters: Vec::new(),
         }
     }
 }
@@ -327,26 +368,41 @@ impl Config {
                 p.push(format!("{name} {v:?} is not an ip:port address"));
             }
         }
-        if !["nats://", "tls://", "ws://", "wss://"]
-            .iter()
-            .any(|s| self.nats_url.starts_with(s))
-        {
-            p.push(format!(
-                "nats_url {:?} must start with nats://, tls://, ws:// or wss://",
-                self.nats_url
-            ));
-        }
-        if self.ingest.stream.is_empty()
-            || !self
-                .ingest
-                .stream
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        {
+        p.extend(nats_url_problem("nats_url", &self.nats_url));
+        if !plain_name(&self.ingest.stream) {
             p.push(format!(
                 "ingest.stream {:?} must be letters, digits, - or _",
                 self.ingest.stream
             ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, c) in self.ingest.clusters.iter().enumerate() {
+            let key = |k: &str| format!("ingest.clusters[{i}].{k}");
+            if !plain_name(&c.name) {
+                p.push(format!(
+                    "{} {:?} must be letters, digits, - or _",
+                    key("name"),
+                    c.name
+                ));
+            } else if !names.insert(c.name.as_str()) {
+                p.push(format!(
+                    "{} {:?} names another cluster too",
+                    key("name"),
+                    c.name
+                ));
+            }
+            p.extend(nats_url_problem(&key("nats_url"), &c.nats_url));
+            if !plain_name(&c.stream) {
+                p.push(format!(
+                    "{} {:?} must be letters, digits, - or _",
+                    key("stream"),
+                    c.stream
+                ));
+            }
+            p.extend(
+                c.nats
+                    .problems(|k| format!("ingest.clusters[{i}].nats.{k}")),
+            );
         }
         if self.ingest.max_batch_messages == 0 {
             p.push("ingest.max_batch_messages must be at least 1".into());
@@ -477,6 +533,35 @@ mod tests {
         .unwrap();
         let p = cfg.problems();
         assert_eq!(p.len(), 6, "{p:#?}");
+    }
+
+    #[test]
+    fn other_clusters_streams_are_named_once_and_reachable() {
+        let cfg: Config = toml::from_str(
+            r#"
+            nats_url = "nats://127.0.0.1:4222"
+            [[ingest.clusters]]
+            name = "cluster-b"
+            nats_url = "nats://b:4222"
+            [[ingest.clusters]]
+            name = "cluster-b"
+            nats_url = "http://c:4222"
+            stream = "has space"
+            [ingest.clusters.nats]
+            user = "kvplane"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.ingest.clusters[0].stream, "KVPLANE");
+        assert_eq!(
+            cfg.problems(),
+            [
+                r#"ingest.clusters[1].name "cluster-b" names another cluster too"#,
+                r#"ingest.clusters[1].nats_url "http://c:4222" must start with nats://, tls://, ws:// or wss://"#,
+                r#"ingest.clusters[1].stream "has space" must be letters, digits, - or _"#,
+                "ingest.clusters[1].nats.user and ingest.clusters[1].nats.password_file go together",
+            ]
+        );
     }
 
     #[test]

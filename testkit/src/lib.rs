@@ -7,6 +7,7 @@
 //!   each on free loopback ports in its own directory, killed when dropped. These panic with
 //!   the process's log on failure: they are for tests.
 //! - [`eventually`]: one way to wait, on a condition polled until it holds.
+//! - [`link`]: a TCP link between a client and a server that a test can cut and heal.
 //! - [`ext_proc`]: an ext_proc stream's messages as Envoy sends them (the picker's clients).
 //! - [`state`]: a fleet in a state ([`state::TestFleet`]): policies, workers, metrics and KV
 //!   events applied as a node's log would, and the real routing service over it - for the
@@ -20,6 +21,8 @@ pub mod eventually;
 pub mod ext_proc;
 #[cfg(feature = "fleet")]
 pub mod fleet;
+#[cfg(feature = "fleet")]
+pub mod link;
 #[cfg(feature = "fleet")]
 pub mod pki;
 pub mod process;

@@ -8,7 +8,7 @@ use kvplane_ingest::IngestConfig;
 use tokio::sync::watch;
 
 use super::grpc;
-use super::ingest::LeadIngest;
+use super::ingest::{LeadIngest, StreamSource};
 use super::parts::Parts;
 use super::ready::Ready;
 use super::tasks::Tasks;
@@ -115,18 +115,30 @@ pub(super) fn config_sources(p: &mut Parts, tasks: &mut Tasks) -> Option<watch::
     synced
 }
 
-/// The leader's ingest of the stream.
+/// The leader's ingest of the node's stream and other clusters' (connected to here, each
+/// through its own NATS).
 pub(super) fn ingest(p: &Parts, tasks: &mut Tasks, config_synced: Option<watch::Receiver<u64>>) {
+    let config = |stream: &str, source: kvplane_state::Source| IngestConfig {
+        stream: stream.to_owned(),
+        max_batch_messages: p.cfg.ingest.max_batch_messages,
+        max_batch_delay: Duration::from_millis(p.cfg.ingest.max_batch_delay_ms),
+        max_message_bytes: p.cfg.ingest.max_message_bytes,
+        source,
+    };
+    let mut sources = vec![StreamSource {
+        js: async_nats::jetstream::new(p.nats.clone()),
+        config: config(&p.cfg.ingest.stream, kvplane_state::Source::stream()),
+    }];
+    for (c, nats) in p.cfg.ingest.clusters.iter().zip(&p.cluster_nats) {
+        p.metrics.ingest.add_source(&c.name);
+        sources.push(StreamSource {
+            js: async_nats::jetstream::new(nats.clone()),
+            config: config(&c.stream, kvplane_state::Source::named(c.name.clone())),
+        });
+    }
     let lead = LeadIngest {
         member: p.member.clone(),
-        stream: async_nats::jetstream::new(p.nats.clone()),
-        config: IngestConfig {
-            stream: p.cfg.ingest.stream.clone(),
-            max_batch_messages: p.cfg.ingest.max_batch_messages,
-            max_batch_delay: Duration::from_millis(p.cfg.ingest.max_batch_delay_ms),
-            max_message_bytes: p.cfg.ingest.max_message_bytes,
-            source: kvplane_state::Source::stream(),
-        },
+        sources,
         metrics: p.metrics.ingest.clone(),
         lease: (p.cfg.ingest.worker_lease_ms > 0)
             .then(|| Duration::from_millis(p.cfg.ingest.worker_lease_ms)),

@@ -1,7 +1,8 @@
-//! Ingest while leading: declare the configured pools, then consume the stream from the
-//! recorded position. Consuming stops as soon as leadership is lost; the next leader resumes
-//! from the position in the replicated state, and replayed messages are dropped by `apply`.
-//! A consumer that ends while this member still leads is started again.
+//! Ingest while leading: declare the configured pools, then consume every stream - the
+//! node's own and other clusters' (`[[ingest.clusters]]`) - each from the position the state
+//! records for it. Consuming stops as soon as leadership is lost; the next leader resumes
+//! from the positions in the replicated state, and replayed messages are dropped by `apply`.
+//! A consumer that ends while this member still leads is started again, with the others.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,11 +14,18 @@ use tokio::sync::watch;
 
 use crate::config::PoolSection;
 
+/// One stream the leader consumes, through its NATS connection.
+pub(super) struct StreamSource {
+    pub js: async_nats::jetstream::Context,
+    pub config: IngestConfig,
+}
+
 /// What the leader's ingest needs.
 pub(super) struct LeadIngest {
     pub member: Arc<RaftMember>,
-    pub stream: async_nats::jetstream::Context,
-    pub config: IngestConfig,
+    /// The node's own stream, then other clusters'. Each cluster's stream is consumed on its
+    /// own: one that cannot be reached delays only its own events.
+    pub sources: Vec<StreamSource>,
     pub metrics: Arc<IngestMetrics>,
     /// Workers' lease, when they have one.
     pub lease: Option<Duration>,
@@ -59,29 +67,34 @@ impl LeadIngest {
                     tracing::warn!(error = %e, "could not declare the configured pools");
                 }
             }
-            let (term_tx, term_rx) = watch::channel(false);
-            let ingestor = Ingestor::new(
-                self.stream.clone(),
-                self.config.clone(),
-                log.clone(),
-                self.metrics.clone(),
-            );
-            let (h, source) = (handle.clone(), self.config.source.clone());
-            let mut task = tokio::spawn(async move {
-                ingestor
-                    .run(
-                        move || h.load().positions.get(&source).copied().unwrap_or(0),
-                        term_rx,
-                    )
-                    .await
-            });
-            let lag = tokio::spawn(super::lag::watch(
-                self.stream.clone(),
-                self.config.stream.clone(),
-                (handle.clone(), self.config.source.clone()),
-                self.metrics.clone(),
-                term_tx.subscribe(),
-            ));
+            let (term_tx, _) = watch::channel(false);
+            let mut consumers = Vec::new();
+            let mut lags = Vec::new();
+            for s in &self.sources {
+                let ingestor = Ingestor::new(
+                    s.js.clone(),
+                    s.config.clone(),
+                    log.clone(),
+                    self.metrics.clone(),
+                );
+                let (h, source, term) =
+                    (handle.clone(), s.config.source.clone(), term_tx.subscribe());
+                consumers.push(tokio::spawn(async move {
+                    ingestor
+                        .run(
+                            move || h.load().positions.get(&source).copied().unwrap_or(0),
+                            term,
+                        )
+                        .await
+                }));
+                lags.push(tokio::spawn(super::lag::watch(
+                    s.js.clone(),
+                    s.config.stream.clone(),
+                    (handle.clone(), s.config.source.clone()),
+                    self.metrics.clone(),
+                    term_tx.subscribe(),
+                )));
+            }
             let leases = self.lease.map(|lease| {
                 tokio::spawn(super::lease::expire(
                     log.clone(),
@@ -101,14 +114,26 @@ impl LeadIngest {
             // stream until the next election.
             let ended = tokio::select! {
                 () = self.member.wait_lost_leadership(&mut stop) => None,
-                ended = &mut task => Some(ended),
+                (ended, i, _) = futures::future::select_all(consumers.iter_mut()) => Some((ended, i)),
             };
             let _ = term_tx.send(true);
+            let mut first = None;
+            for (i, task) in consumers.into_iter().enumerate() {
+                match ended {
+                    Some((_, j)) if i == j => {}
+                    _ => {
+                        let result = task.await;
+                        first.get_or_insert(result);
+                    }
+                }
+            }
             let ended = match ended {
-                Some(ended) => ended,
-                None => task.await,
+                Some((ended, _)) => ended,
+                None => first.unwrap_or(Ok(Ok(()))),
             };
-            let _ = lag.await;
+            for lag in lags {
+                let _ = lag.await;
+            }
             let _ = retire.await;
             if let Some(t) = leases {
                 let _ = t.await;

@@ -1,7 +1,7 @@
-//! The leader's ingest lag: every second, the stream's last sequence against the position the
-//! state has applied. Readiness and the workers' leases read it: a leader far behind the
-//! stream is not ready, and does not expire leases (a worker whose messages wait unconsumed
-//! in the stream has not gone silent).
+//! The leader's ingest lag: every second, a stream's last sequence against the position the
+//! state has applied for it. Readiness and the workers' leases read the node's own stream's: a
+//! leader far behind it is not ready, and does not expire leases (a worker whose messages wait
+//! unconsumed in the stream has not gone silent). Another cluster's is a gauge of its own.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +19,7 @@ pub(super) async fn watch(
     metrics: Arc<IngestMetrics>,
     term_end: watch::Receiver<bool>,
 ) {
-    metrics.set_lag(None);
+    metrics.set_lag(&source, None);
     let mut ticks = super::ticks::TermTicks::new(Duration::from_secs(1), term_end);
     while ticks.next().await {
         let last = tokio::select! {
@@ -29,7 +29,7 @@ pub(super) async fn watch(
         match last {
             Ok(last) => {
                 let applied = handle.load().positions.get(&source).copied().unwrap_or(0);
-                metrics.set_lag(Some(last.saturating_sub(applied)));
+                metrics.set_lag(&source, Some(last.saturating_sub(applied)));
             }
             Err(e) => tracing::debug!(error = %e, stream, "cannot read the stream's info"),
         }

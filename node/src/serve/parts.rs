@@ -20,6 +20,8 @@ pub(super) struct Parts {
     pub member: Arc<RaftMember>,
     pub metrics: NodeMetrics,
     pub nats: async_nats::Client,
+    /// Other clusters' NATS (`[[ingest.clusters]]`, in order).
+    pub cluster_nats: Vec<async_nats::Client>,
     pub tokenizers: Arc<Tokenizers>,
     pub predictor: Arc<Predictor>,
     /// Every component's metrics.
@@ -94,35 +96,26 @@ impl Parts {
             "Snapshot builds that failed (the state could not be captured or encoded, or the disk refused the file); the previous snapshot stays",
             member.snapshot_failures.clone(),
         );
-        let url = cfg.nats_url.clone();
-        let options = async_nats::ConnectOptions::new()
-            .name(format!("kvplane-{}", cfg.node_id))
-            .retry_on_initial_connect()
-            // async-nats names no server in its own messages: these name the URL.
-            .event_callback(move |event| {
-                let url = url.clone();
-                async move {
-                    match event {
-                        async_nats::Event::Connected => tracing::info!(%url, "nats connected"),
-                        async_nats::Event::Disconnected => {
-                            tracing::warn!(%url, "nats unreachable; not ready until it is back");
-                        }
-                        other => tracing::warn!(%url, event = %other, "nats"),
-                    }
-                }
-            });
-        let nats = cfg
-            .nats
-            .apply(options)
-            .await?
-            .connect(cfg.nats_url.as_str())
-            .await
-            .with_context(|| format!("cannot use nats_url {}", cfg.nats_url))?;
+        let name = format!("kvplane-{}", cfg.node_id);
+        let nats = connect_nats(
+            &name,
+            (&cfg.nats_url, &cfg.nats),
+            "nats_url",
+            "not ready until it is back",
+        )
+        .await?;
+        let mut cluster_nats = Vec::new();
+        for (i, c) in cfg.ingest.clusters.iter().enumerate() {
+            let key = format!("ingest.clusters[{i}].nats_url");
+            let then = "its engines' events wait in its stream until it is back";
+            cluster_nats.push(connect_nats(&name, (&c.nats_url, &c.nats), &key, then).await?);
+        }
         Ok(Self {
             cfg,
             member,
             metrics,
             nats,
+            cluster_nats,
             tokenizers,
             predictor,
             registry: Arc::new(registry),
@@ -149,6 +142,38 @@ impl Parts {
             ),
         )
     }
+}
+
+/// A connection to the NATS at `url` with `auth`, retried in the background from the start;
+/// its log lines name the URL (async-nats's own name no server), and a lost connection says
+/// what follows (`then`). `key` names the setting in errors.
+async fn connect_nats(
+    name: &str,
+    (url, auth): (&str, &kvplane_ingest::NatsAuth),
+    key: &str,
+    then: &'static str,
+) -> anyhow::Result<async_nats::Client> {
+    let logged = url.to_owned();
+    let options = async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .event_callback(move |event| {
+            let url = logged.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => tracing::info!(%url, "nats connected"),
+                    async_nats::Event::Disconnected => {
+                        tracing::warn!(%url, "nats unreachable; {then}");
+                    }
+                    other => tracing::warn!(%url, event = %other, "nats"),
+                }
+            }
+        });
+    auth.apply(options)
+        .await?
+        .connect(url)
+        .await
+        .with_context(|| format!("cannot use {key} {url}"))
 }
 
 /// The members' identities (default: this node's own), which the other members' certificates
