@@ -324,7 +324,9 @@ impl pb::admin_server::Admin for AdminService {
             ));
         }
         let c = self.cluster()?;
-        c.add(r.id, r.addr).await.map_err(cluster_status)?;
+        c.add(r.id, r.addr, r.learner)
+            .await
+            .map_err(cluster_status)?;
         Ok(Response::new(c.status()))
     }
 

@@ -26,6 +26,10 @@ pub enum ClusterCmd {
         /// The new node's gRPC address (host:port).
         #[arg(long = "member-addr")]
         member_addr: String,
+        /// Keep it a learner: it serves reads from its own state and never votes (a replica
+        /// in another cluster, near its gateways).
+        #[arg(long)]
+        learner: bool,
     },
     /// Remove a node (its id must never come back without its data).
     Remove {
@@ -79,11 +83,16 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             .cluster_status(StatusRequest::default())
             .await?
             .into_inner(),
-        ClusterCmd::Add { id, member_addr } => leader(&a.node.tls, &a.node.addr)
+        ClusterCmd::Add {
+            id,
+            member_addr,
+            learner,
+        } => leader(&a.node.tls, &a.node.addr)
             .await?
             .add_member(AddMemberRequest {
                 id,
                 addr: member_addr,
+                learner,
             })
             .await?
             .into_inner(),

@@ -237,3 +237,68 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
     last = last.max(publish_chains(&js, 20, 30).await);
     cluster.all_agree(&[0, 1, 3], last).await;
 }
+
+/// A learner (`[raft] learner = true`, added through `join`): it applies the same entries as
+/// the voters and answers Route from its own state, it stays a learner, and it never counts
+/// toward a quorum - cut off, with one voter gone, the two voters left still commit (as four
+/// voters they could not) - it catches up when healed, and with every voter gone it still
+/// routes from what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_replicates_and_routes_but_never_counts_toward_a_quorum() {
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let mut last = publish_chains(&js, 0, 10).await;
+    let addr = format!("127.0.0.1:{}", harness::free_port());
+    let o = NodeOptions {
+        grpc_listen: addr.clone(),
+        raft: Some(harness::RaftOptions {
+            id: 4,
+            peers: vec![(4, addr.clone())],
+            join: vec![cluster.nodes[0].grpc.to_string()],
+            learner: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    cluster.add_node("learner", &o);
+    let any = cluster.nodes[0].endpoint();
+    eventually(
+        "the learner in the membership",
+        Duration::from_secs(30),
+        || async {
+            let s = kvplane_ok(&["cluster", "status", "--addr", &any]);
+            s.lines()
+                .any(|l| l.starts_with("member") && l.contains(" 4 ") && l.ends_with("learner"))
+                .then_some(())
+        },
+    )
+    .await;
+    last = last.max(publish_chains(&js, 10, 20).await);
+    cluster.all_agree(&[0, 1, 2, 3], last).await;
+    for i in [3u64, 17] {
+        let (w, matched) = routed_worker(&cluster.nodes[3], &prompt(i)).await.unwrap();
+        assert_eq!((w, matched), (format!("w{}", i % 3), 3));
+    }
+    let s = kvplane_ok(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
+    let voters = s.lines().filter(|l| l.ends_with(" voter")).count();
+    assert_eq!(voters, 3, "it asked once and stays a learner:\n{s}");
+
+    // The learner cut off and a voter gone: two voters of three still commit (two of four
+    // would not); healed, the learner catches up.
+    cluster.isolate(3).await;
+    let gone = cluster.leader(&[0, 1, 2]).await.map_or(2, |l| (l + 1) % 3);
+    cluster.nodes[gone].kill();
+    let left: Vec<usize> = (0..3).filter(|i| *i != gone).collect();
+    last = last.max(publish_chains(&js, 20, 30).await);
+    cluster.all_agree(&left, last).await;
+    cluster.heal().await;
+    cluster.all_agree(&[left[0], left[1], 3], last).await;
+
+    // Every voter gone: the learner routes from the state it holds.
+    for i in &left {
+        cluster.nodes[*i].kill();
+    }
+    for i in [3u64, 17, 25] {
+        let (w, matched) = routed_worker(&cluster.nodes[3], &prompt(i)).await.unwrap();
+        assert_eq!((w, matched), (format!("w{}", i % 3), 3));
+    }
+}

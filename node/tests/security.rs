@@ -300,6 +300,7 @@ async fn config_membership_and_raft_calls_need_their_rights() {
             c.add_member(kvplane_proto::v1::AddMemberRequest {
                 id: 9,
                 addr: "127.0.0.1:9".into(),
+                ..Default::default()
             })
             .await
             .map(|_| ()),
@@ -456,6 +457,7 @@ async fn a_member_whose_certificate_another_ca_signed_receives_no_entries() {
             .add_member(kvplane_proto::v1::AddMemberRequest {
                 id: 3,
                 addr: peers[2].1.clone(),
+                ..Default::default()
             })
             .await
             .map(|_| ()),

@@ -245,6 +245,7 @@ async fn a_node_recorded_at_a_wildcard_address_refuses_to_grow() {
         .add_member(kvplane_proto::v1::AddMemberRequest {
             id: 2,
             addr: "127.0.0.1:1".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -274,6 +275,7 @@ async fn adding_a_node_that_is_a_cluster_of_its_own_is_refused_and_it_keeps_its_
         .add_member(kvplane_proto::v1::AddMemberRequest {
             id: 2,
             addr: b.grpc.to_string(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -59,7 +59,8 @@ pub enum ClusterError {
 /// Raft membership, as the Admin service drives it.
 pub trait ClusterControl: Send + Sync {
     fn status(&self) -> ClusterStatusResponse;
-    fn add(&self, id: u64, addr: String) -> BoxFuture<'_, Result<(), ClusterError>>;
+    /// Adds member `id` at `addr`: a voter once it caught up, or a learner for good.
+    fn add(&self, id: u64, addr: String, learner: bool) -> BoxFuture<'_, Result<(), ClusterError>>;
     fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
     /// Test-only fault layer: the peers this node stops sending Raft traffic to.
     fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;

@@ -262,14 +262,20 @@ impl RaftMember {
         let mut attempt = 0u32;
         // Until a voter, not merely a member: the leader may have added this node as a learner
         // and then failed to promote it (another membership change in flight, or this call
-        // timed out), and only another ask promotes it.
-        while !self.is_voter() && !*stop.borrow() {
+        // timed out), and only another ask promotes it. A learner for good: until a member.
+        let learner = self.membership.learner;
+        while !(if learner {
+            self.is_member()
+        } else {
+            self.is_voter()
+        }) && !*stop.borrow()
+        {
             for target in &targets {
                 match add_through(
                     &self.dialer,
                     target,
-                    self.membership.id,
-                    &self.membership.addr,
+                    (self.membership.id, &self.membership.addr),
+                    learner,
                 )
                 .await
                 {
@@ -490,6 +496,7 @@ impl crate::ClusterControl for RaftMember {
         &self,
         id: u64,
         addr: String,
+        learner: bool,
     ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
             self.leader_only()?;
@@ -512,12 +519,16 @@ impl crate::ClusterControl for RaftMember {
                 .add_learner(id, BasicNode::new(addr.clone()), true)
                 .await
                 .map_err(membership_error)?;
-            let ids: std::collections::BTreeSet<u64> = [id].into();
-            self.raft
-                .change_membership(openraft::ChangeMembers::AddVoterIds(ids), false)
-                .await
-                .map_err(membership_error)?;
-            tracing::info!(id, addr, "member added");
+            if learner {
+                tracing::info!(id, addr, "learner added");
+            } else {
+                let ids: std::collections::BTreeSet<u64> = [id].into();
+                self.raft
+                    .change_membership(openraft::ChangeMembers::AddVoterIds(ids), false)
+                    .await
+                    .map_err(membership_error)?;
+                tracing::info!(id, addr, "member added");
+            }
             // An earlier incarnation at the same address (a pod back with a new volume) is gone
             // for good: it leaves the membership, so it never counts toward a quorum again.
             let stale = {
@@ -679,8 +690,8 @@ pub enum MemberError {
 async fn add_through(
     dialer: &kvplane_tls::Dialer,
     via: &str,
-    id: u64,
-    addr: &str,
+    (id, addr): (u64, &str),
+    learner: bool,
 ) -> Result<(), tonic::Status> {
     use kvplane_proto::v1::admin_client::AdminClient;
     let connect = |a: String| async move {
@@ -701,6 +712,7 @@ async fn add_through(
     c.add_member(kvplane_proto::v1::AddMemberRequest {
         id,
         addr: addr.to_owned(),
+        learner,
     })
     .await?;
     Ok(())

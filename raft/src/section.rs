@@ -33,9 +33,14 @@ pub struct RaftSection {
     #[serde(default)]
     pub bootstrap: bool,
     /// Members to ask for membership when this node's log is empty and it does not bootstrap:
-    /// it is added as a learner, catches up, then becomes a voter.
+    /// it is added as a learner, catches up, then becomes a voter (unless `learner`).
     #[serde(default)]
     pub join: Vec<String>,
+    /// Stay a learner once added through `join`: a replica that applies every entry and serves
+    /// reads (Route, Explain, Status) from its own state, and never votes or counts toward a
+    /// quorum - a replica in another cluster, near its gateways.
+    #[serde(default)]
+    pub learner: bool,
     /// This node's address as its peers reach it (default: its entry in `peers`, else
     /// `grpc_listen`).
     #[serde(default)]
@@ -156,6 +161,8 @@ pub struct Membership {
     /// A StatefulSet member: its set and ordinal (its id is then chosen once per volume, see
     /// [`crate::identity`]).
     pub pod: Option<Pod>,
+    /// Asks to be added as a learner, and stays one.
+    pub learner: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +191,7 @@ impl Default for RaftSection {
             peers: Vec::new(),
             bootstrap: false,
             join: Vec::new(),
+            learner: false,
             advertise_addr: None,
             kubernetes: None,
             fault_injection: false,
@@ -272,6 +280,7 @@ impl RaftSection {
                     set: set.to_owned(),
                     ordinal,
                 }),
+                learner: false,
             });
         }
         let id = match self.id {
@@ -307,6 +316,7 @@ impl RaftSection {
             initial,
             join: self.join.clone(),
             pod: None,
+            learner: self.learner,
         })
     }
 
@@ -345,6 +355,19 @@ impl RaftSection {
         for (i, a) in self.join.iter().enumerate() {
             if !is_host_port(a) {
                 p.push(format!("raft.join[{i}] {a:?} is not host:port"));
+            }
+        }
+        if self.learner {
+            if self.bootstrap {
+                p.push("raft.learner cannot bootstrap a cluster: it never votes".into());
+            }
+            if self.join.is_empty() {
+                p.push("raft.learner needs raft.join: the members that add it".into());
+            }
+            if self.kubernetes.is_some() {
+                p.push(
+                    "raft.learner is not supported with raft.kubernetes yet: give raft.join".into(),
+                );
             }
         }
         if self.forward_timeout_ms == 0 {
@@ -403,6 +426,23 @@ mod tests {
         section(&format!(
             "[kubernetes]\npod_name = \"{pod}\"\nservice = \"kvplane-peers\"\nnamespace = \"infra\"\n"
         ))
+    }
+
+    #[test]
+    fn a_learner_joins_and_can_neither_bootstrap_nor_go_without_members_to_ask() {
+        let m = section("id = 5\njoin = [\"10.0.0.1:7070\"]\nlearner = true\n")
+            .membership("10.1.0.5:7070")
+            .unwrap();
+        assert!(m.learner && m.initial.is_empty());
+        let mut p = Vec::new();
+        section("id = 5\nbootstrap = true\nlearner = true\n").problems("10.1.0.5:7070", &mut p);
+        assert_eq!(
+            p,
+            [
+                "raft.learner cannot bootstrap a cluster: it never votes",
+                "raft.learner needs raft.join: the members that add it",
+            ]
+        );
     }
 
     #[test]

@@ -177,6 +177,8 @@ pub struct RaftOptions {
     pub compaction: Option<(u64, u64)>,
     /// `(election_timeout_min_ms, election_timeout_max_ms)` when not 400-800 ms.
     pub election_timeout_ms: Option<(u64, u64)>,
+    /// Added through `join` as a learner, for good.
+    pub learner: bool,
 }
 
 impl Default for NodeOptions {
@@ -251,11 +253,12 @@ impl Node {
             join,
             compaction: _,
             election_timeout_ms,
+            learner,
         }) = &o.raft
         {
             let (election_min, election_max) = election_timeout_ms.unwrap_or((400, 800));
             toml.push_str(&format!(
-                "id = {id}\nbootstrap = {bootstrap}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\npeers = [{}]\njoin = [{}]\n",
+                "id = {id}\nbootstrap = {bootstrap}\nlearner = {learner}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\npeers = [{}]\njoin = [{}]\n",
                 peers
                     .iter()
                     .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
