@@ -531,6 +531,104 @@ fn the_istio_example_gives_the_gateways_proxy_a_certificate_kvplane_trusts_and_t
 }
 
 #[test]
+fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certificate_holds() {
+    let r = parse(&render("overlays/remote-learner"));
+    let [set] = &r.statefulsets[..] else {
+        panic!("one StatefulSet")
+    };
+    let spec = set.spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(1), "its raft id is fixed: one pod");
+    assert!(
+        r.pdbs.is_empty(),
+        "a learner is not part of the quorum's budget"
+    );
+    // No root of its own: its certificate comes from the copied CA of cluster A.
+    assert!(r.issuers.iter().all(|i| i.spec.self_signed.is_none()));
+    assert!(r.issuers.iter().any(|i| {
+        i.spec
+            .ca
+            .as_ref()
+            .is_some_and(|c| c.secret_name == "kvplane-ca")
+    }));
+    assert!(
+        r.certificates
+            .iter()
+            .all(|c| c.metadata.name.as_deref() != Some("kvplane-ca"))
+    );
+    // Its configuration, as the node reads it: valid, a learner that joins, no StatefulSet
+    // identity, and the StatefulSet mounts this very ConfigMap.
+    let [map] = &r.config_maps[..] else {
+        panic!("one ConfigMap")
+    };
+    let text = map.data.as_ref().unwrap()["kvplane.toml"].clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvplane.toml");
+    std::fs::write(&path, &text).unwrap();
+    let mut cfg = kvplane_node::config::Config::from_file(&path).unwrap();
+    cfg.node_id = "kvplane-0".into();
+    assert_eq!(cfg.problems(), Vec::<String>::new());
+    assert!(cfg.raft.kubernetes.is_none());
+    let m = cfg.raft.membership(&cfg.grpc_listen).unwrap();
+    assert!(
+        m.learner && m.initial.is_empty() && !m.join.is_empty(),
+        "{m:?}"
+    );
+    let volumes = spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .volumes
+        .as_ref()
+        .unwrap();
+    assert!(volumes.iter().any(|v| {
+        v.config_map.as_ref().map(|c| c.name.as_str()) == map.metadata.name.as_deref()
+    }));
+    // The members in A dial it at its advertised name: the member certificate holds it.
+    let member = r
+        .certificates
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
+        .unwrap();
+    let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
+    let host = m.addr.rsplit_once(':').unwrap().0;
+    assert!(
+        verifies_for(&member.spec.uris[0], &names, host).is_ok(),
+        "{host} in {names:?}"
+    );
+    // ...published by a load balancer on the grpc port of the StatefulSet's pods.
+    let external = r
+        .services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("kvplane-external"))
+        .unwrap()
+        .spec
+        .as_ref()
+        .unwrap();
+    assert_eq!(external.type_.as_deref(), Some("LoadBalancer"));
+    let labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    for (k, v) in external.selector.as_ref().unwrap() {
+        assert_eq!(labels.get(k), Some(v), "the pods lack label {k}");
+    }
+    let port = m.addr.rsplit_once(':').unwrap().1.parse::<i32>().unwrap();
+    assert!(
+        external
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|p| p.port == port)
+    );
+}
+
+#[test]
 fn the_node_configuration_in_the_config_map_is_valid() {
     for overlay in ["overlays/dev", "overlays/prod"] {
         let r = parse(&render(overlay));
