@@ -346,6 +346,7 @@ fn cluster_status(e: ClusterError) -> Status {
     match e {
         ClusterError::NotLeader { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::UnreachableSelf(_)
+        | ClusterError::AlreadyVoter(_)
         | ClusterError::UnreachableTarget(_)
         | ClusterError::AnotherCluster { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Raft(_) => Status::aborted(e.to_string()),

@@ -27,6 +27,9 @@ pub struct IngestConfig {
     pub max_message_bytes: usize,
     /// The state's name for this stream: its position is kept under it.
     pub source: kvplane_state::Source,
+    /// Create the stream when it is missing (the node's own); another cluster's is that
+    /// cluster's to create, and only read here.
+    pub create_stream: bool,
 }
 
 impl Default for IngestConfig {
@@ -37,6 +40,7 @@ impl Default for IngestConfig {
             max_batch_delay: Duration::from_millis(5),
             max_message_bytes: 1 << 20,
             source: kvplane_state::Source::stream(),
+            create_stream: true,
         }
     }
 }
@@ -95,12 +99,29 @@ impl<P: Proposer> Ingestor<P> {
                 return Ok(());
             }
             let start = resume_after() + 1;
+            let mut stop = shutdown.clone();
             let attempt = async {
-                let stream = ensure_stream(&self.js, &self.cfg.stream).await?;
+                let stream = if self.cfg.create_stream {
+                    ensure_stream(&self.js, &self.cfg.stream).await?
+                } else {
+                    self.js
+                        .get_stream(&self.cfg.stream)
+                        .await
+                        .map_err(|e| IngestError::Stream {
+                            stream: self.cfg.stream.clone(),
+                            reason: e.to_string(),
+                        })?
+                };
                 backoff = Duration::from_millis(100);
                 self.consume_from(&stream, start, &mut shutdown).await
             };
-            match attempt.await {
+            // Reaching a server that is away can take its requests' timeouts: a term that
+            // ends does not wait for them.
+            let attempt = tokio::select! {
+                a = attempt => a,
+                _ = stop.wait_for(|s| *s) => return Ok(()),
+            };
+            match attempt {
                 Ok(()) => return Ok(()),
                 Err(IngestError::Propose(e)) => return Err(IngestError::Propose(e)),
                 Err(e) => {

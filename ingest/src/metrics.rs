@@ -253,6 +253,21 @@ impl IngestMetrics {
         u64::try_from(self.lag.get()).ok()
     }
 
+    /// Other clusters' sources whose measured lag is unknown (not read yet, or the last read
+    /// failed) or above `max`.
+    pub fn sources_behind(&self, max: u64) -> Vec<String> {
+        let Ok(sources) = self.sources.lock() else {
+            return Vec::new();
+        };
+        sources
+            .iter()
+            .filter(|label| {
+                u64::try_from(self.source_lag.get_or_create(label).get()).map_or(true, |l| l > max)
+            })
+            .map(|label| label.source.clone())
+            .collect()
+    }
+
     /// Messages of `source`'s stream past the applied position, as just measured (`None`: not
     /// known).
     pub fn set_lag(&self, source: &Source, lag: Option<u64>) {

@@ -375,7 +375,7 @@ impl Config {
                 self.ingest.stream
             ));
         }
-        let mut names = std::collections::BTreeSet::new();
+        let mut names = std::collections::BTreeMap::new();
         for (i, c) in self.ingest.clusters.iter().enumerate() {
             let key = |k: &str| format!("ingest.clusters[{i}].{k}");
             if !plain_name(&c.name) {
@@ -384,9 +384,9 @@ impl Config {
                     key("name"),
                     c.name
                 ));
-            } else if !names.insert(c.name.as_str()) {
+            } else if let Some(j) = names.insert(c.name.as_str(), i) {
                 p.push(format!(
-                    "{} {:?} names another cluster too",
+                    "{} {:?} is also ingest.clusters[{j}].name",
                     key("name"),
                     c.name
                 ));
@@ -556,7 +556,7 @@ mod tests {
         assert_eq!(
             cfg.problems(),
             [
-                r#"ingest.clusters[1].name "cluster-b" names another cluster too"#,
+                r#"ingest.clusters[1].name "cluster-b" is also ingest.clusters[0].name"#,
                 r#"ingest.clusters[1].nats_url "http://c:4222" must start with nats://, tls://, ws:// or wss://"#,
                 r#"ingest.clusters[1].stream "has space" must be letters, digits, - or _"#,
                 "ingest.clusters[1].nats.user and ingest.clusters[1].nats.password_file go together",

@@ -281,6 +281,28 @@ async fn a_learner_replicates_and_routes_but_never_counts_toward_a_quorum() {
     let s = kvplane_ok(&["cluster", "status", "--addr", &cluster.nodes[3].endpoint()]);
     let voters = s.lines().filter(|l| l.ends_with(" voter")).count();
     assert_eq!(voters, 3, "it asked once and stays a learner:\n{s}");
+    // A voter is not made a learner by asking: it is refused, and stays a voter.
+    let voter = cluster.nodes[1].grpc.to_string();
+    let id = cluster.nodes[1].raft_id.unwrap().to_string();
+    let out = std::process::Command::new(harness::process::kvplane_binary())
+        .args([
+            "cluster",
+            "add",
+            "--addr",
+            &any,
+            "--id",
+            &id,
+            "--member-addr",
+            &voter,
+        ])
+        .arg("--learner")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains(&format!("member {id} is a voter")),
+        "{said}"
+    );
 
     // The learner cut off and a voter gone: two voters of three still commit (two of four
     // would not); healed, the learner catches up.

@@ -79,6 +79,14 @@ async fn another_clusters_stream_is_a_source_of_its_own_and_a_cut_link_delays_on
         m.contains(r#"kvplane_ingest_source_last_consumed_sequence{source="cluster-b"} 1"#),
         "{m}"
     );
+    // The cut shows as B's lag unknown; the node stays ready (its own stream is consumed).
+    eventually("b's lag unknown", Duration::from_secs(30), || async {
+        let m = node.metrics().await;
+        m.contains(r#"kvplane_ingest_source_lag_messages{source="cluster-b"} -1"#)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(node.readyz().await.0, 200);
 
     // Healed: B's waiting events arrive, once, and each source's position is its stream's end.
     link.heal();
@@ -95,10 +103,16 @@ async fn another_clusters_stream_is_a_source_of_its_own_and_a_cut_link_delays_on
     let state = exported_state(node).await;
     assert_eq!(state.position(&Source::named("cluster-b")), 3);
     assert_eq!(state.position(&Source::stream()), 2);
-    eventually("b's lag measured at 0", Duration::from_secs(10), || async {
+    eventually("b's lag measured at 0", Duration::from_secs(30), || async {
         let m = node.metrics().await;
         m.contains(r#"kvplane_ingest_source_lag_messages{source="cluster-b"} 0"#)
             .then_some(())
     })
     .await;
+    // Each of the five messages consumed once: none read again after the heal.
+    let m = node.metrics().await;
+    assert!(
+        m.contains(r#"kvplane_ingest_messages_total{kind="kv"} 5"#),
+        "{m}"
+    );
 }

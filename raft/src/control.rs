@@ -31,6 +31,8 @@ pub enum ClusterError {
         "this member is recorded at {0}, which other members cannot reach: set raft.advertise_addr first"
     )]
     UnreachableSelf(String),
+    #[error("member {0} is a voter: remove it before adding it again as a learner")]
+    AlreadyVoter(u64),
     #[error("{0} is not an address other members can reach")]
     UnreachableTarget(String),
     #[error(

@@ -152,11 +152,14 @@ pub fn stale_members<'a>(
         .collect()
 }
 
-/// Members of StatefulSet `set` whose ordinal is at least `replicas` (it was scaled down).
-/// Nothing when `replicas` is 0 (a paused set keeps its membership).
+/// Members of StatefulSet `set` whose ordinal is at least `replicas` (it was scaled down):
+/// addressed `<set>-<ordinal><rest>` with the same `rest` (`.<service>.<namespace>.svc.
+/// <domain>:<port>`) as the member asking, so a member elsewhere (a learner in another cluster
+/// whose pods are named alike) is never one of them. Nothing when `replicas` is 0 (a paused
+/// set keeps its membership).
 pub fn departed<'a>(
     nodes: impl IntoIterator<Item = (u64, &'a str)>,
-    set: &str,
+    (set, rest): (&str, &str),
     replicas: u64,
 ) -> Vec<u64> {
     if replicas == 0 {
@@ -167,7 +170,7 @@ pub fn departed<'a>(
         .into_iter()
         .filter(|(_, addr)| {
             addr.strip_prefix(&prefix)
-                .and_then(|rest| rest.split(['.', ':']).next())
+                .and_then(|tail| tail.strip_suffix(rest))
                 .and_then(|n| n.parse::<u64>().ok())
                 .is_some_and(|ordinal| ordinal >= replicas)
         })
@@ -211,10 +214,13 @@ mod tests {
             (3, "kv-2.peers.ns.svc.cluster.local:7070"),
             (4, "kv-3.peers.ns.svc.cluster.local:7070"),
             (9, "other-4.peers.ns.svc.cluster.local:7070"),
+            // A learner in another cluster, its pods named alike.
+            (101, "kv-5.peers.ns.svc.cluster-b.example:7070"),
         ];
-        assert_eq!(departed(nodes, "kv", 3), vec![4]);
-        assert_eq!(departed(nodes, "kv", 2), vec![3, 4]);
-        assert!(departed(nodes, "kv", 0).is_empty());
+        let rest = ".peers.ns.svc.cluster.local:7070";
+        assert_eq!(departed(nodes, ("kv", rest), 3), vec![4]);
+        assert_eq!(departed(nodes, ("kv", rest), 2), vec![3, 4]);
+        assert!(departed(nodes, ("kv", rest), 0).is_empty());
         assert_eq!(
             stale_members(nodes, 7, "kv-1.peers.ns.svc.cluster.local:7070"),
             vec![2]

@@ -227,14 +227,20 @@ impl RaftMember {
 
     /// Whether this node is a voter (its own log says so).
     fn is_voter(&self) -> bool {
+        let id = self.raft.metrics().borrow_watched().id;
+        self.is_voter_id(id)
+    }
+
+    /// Whether member `id` votes.
+    fn is_voter_id(&self, id: u64) -> bool {
         let m = self.raft.metrics().borrow_watched().clone();
         m.membership_config
             .membership()
             .voter_ids()
-            .any(|v| v == m.id)
+            .any(|v| v == id)
     }
 
-    /// Until this node is a voter: asks the `join` addresses (following leader hints) to add
+    /// Until this node is a voter (a member, for a learner for good): asks the `join` addresses (following leader hints) to add
     /// it. Returns at once for a node that already is one or has nowhere to ask. A StatefulSet's
     /// ordinal 0 first asks whether a cluster exists, and starts one when none does.
     pub async fn join(&self, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -515,6 +521,9 @@ impl crate::ClusterControl for RaftMember {
                 return Err(crate::ClusterError::UnreachableTarget(addr));
             }
             self.refuse_another_cluster(&addr).await?;
+            if learner && self.is_voter_id(id) {
+                return Err(crate::ClusterError::AlreadyVoter(id));
+            }
             self.raft
                 .add_learner(id, BasicNode::new(addr.clone()), true)
                 .await

@@ -43,9 +43,15 @@ pub async fn run(
             }
         };
         let members = member.members();
+        // What follows the pod's name in its address: the same for every pod of this set.
+        let rest = member
+            .membership
+            .addr
+            .find('.')
+            .map_or("", |at| &member.membership.addr[at..]);
         let gone = crate::identity::departed(
             members.iter().map(|(i, a)| (*i, a.as_str())),
-            &set,
+            (&set, rest),
             u64::try_from(replicas).unwrap_or(0),
         );
         if let Some(&id) = gone.first() {

@@ -31,7 +31,14 @@ pub(super) async fn watch(
                 let applied = handle.load().positions.get(&source).copied().unwrap_or(0);
                 metrics.set_lag(&source, Some(last.saturating_sub(applied)));
             }
-            Err(e) => tracing::debug!(error = %e, stream, "cannot read the stream's info"),
+            Err(e) => {
+                tracing::debug!(error = %e, stream, "cannot read the stream's info");
+                // Another cluster's stream unread is of unknown lag (a cut link shows); the
+                // node's own keeps its last measurement (readiness reads NATS's state).
+                if source != Source::stream() {
+                    metrics.set_lag(&source, None);
+                }
+            }
         }
     }
 }

@@ -6,9 +6,12 @@
 //! The state decides who expires, from the entry's timestamp (the only clock it reads); the
 //! leader only decides when to propose. It waits one lease into its term first (a worker whose
 //! messages were applied by the previous leader has had a whole lease to be heard again), and
-//! proposes only while its ingest is caught up with the stream (at most [`MAX_LAG`] messages
-//! behind, as [`super::lag`] measured): while NATS is away or a backlog drains, a worker's
-//! messages may be waiting in the stream, so its silence proves nothing.
+//! proposes only while its ingest is caught up with every stream it consumes - its own and
+//! other clusters' (at most [`MAX_LAG`] messages behind each, as [`super::lag`] measured; a
+//! stream it cannot read counts as behind): while NATS or a link to another cluster is away or
+//! a backlog drains, a worker's messages may be waiting in a stream, so its silence proves
+//! nothing. The entry expires every silent worker at once, so one cluster cut off holds every
+//! lease, not only its own workers'.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -60,6 +63,14 @@ pub(super) async fn expire(
                 );
                 continue;
             }
+        }
+        let behind = ingest.sources_behind(MAX_LAG);
+        if !behind.is_empty() {
+            tracing::info!(
+                ?behind,
+                "a lease ran out, but another cluster's stream is behind or unreachable: not expiring"
+            );
+            continue;
         }
         match log.propose(Command::ExpireLeases { lease_ms }).await {
             Ok(index) => tracing::info!(index, lease_ms, "workers' leases expired"),
