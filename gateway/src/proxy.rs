@@ -467,13 +467,9 @@ impl App {
                             Err(e) => {
                                 // Routed, and nowhere it may go: settled at once.
                                 tracing::warn!(request_id, error = %e, "no target can be called");
-                                self.report_after(
-                                    None,
-                                    AnswerTail::default().report(
-                                        request_id.to_owned(),
-                                        0.0,
-                                        Outcome::Error,
-                                    ),
+                                self.report_failed(
+                                    request_id.to_owned(),
+                                    0.0,
                                     ticket.as_ref(),
                                     None,
                                 );
@@ -705,12 +701,7 @@ impl App {
         let (target, upstream) = match self.send(&targets, headers, upstream_id).await {
             Ok(sent) => sent,
             Err(r) => {
-                self.report_after(
-                    None,
-                    AnswerTail::default().report(request_id, 0.0, Outcome::Error),
-                    ticket.as_ref(),
-                    None,
-                );
+                self.report_failed(request_id, 0.0, ticket.as_ref(), None);
                 return r;
             }
         };
@@ -833,23 +824,13 @@ impl App {
                 "provider {name} answered a stream as {content_type}, not as an event stream"
             );
             tracing::warn!(target = target.label, "{message}");
-            self.report_after(
-                None,
-                AnswerTail::default().report(request_id, 0.0, Outcome::Error),
-                ticket,
-                target.served.as_ref(),
-            );
+            self.report_failed(request_id, 0.0, ticket, target.served.as_ref());
             return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &message, 0);
         }
         let body = match upstream.bytes().await {
             Ok(b) => b,
             Err(e) => {
-                self.report_after(
-                    None,
-                    AnswerTail::default().report(request_id, 0.0, Outcome::Error),
-                    ticket,
-                    target.served.as_ref(),
-                );
+                self.report_failed(request_id, 0.0, ticket, target.served.as_ref());
                 return error_response(
                     StatusCode::BAD_GATEWAY,
                     "bad_gateway",
@@ -861,10 +842,7 @@ impl App {
         let ttft_ms = received.elapsed().as_secs_f64() * 1000.0;
         self.0.metrics.ttft_seconds.observe(ttft_ms / 1000.0);
         let answer = if status.is_success() {
-            let created = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            crate::bedrock::openai_answer(&body, call.asked, &call.model, &request_id, created)
+            crate::bedrock::openai_answer(&body, call.asked, &call.model, &request_id, unix_s())
                 .map_err(|e| {
                     error_response(
                         StatusCode::BAD_GATEWAY,
@@ -917,12 +895,7 @@ impl App {
                 provider_answer(Body::from(bytes), "application/json", &target.label)
             }
             Err(resp) => {
-                self.report_after(
-                    None,
-                    AnswerTail::default().report(request_id, ttft_ms, Outcome::Error),
-                    ticket,
-                    target.served.as_ref(),
-                );
+                self.report_failed(request_id, ttft_ms, ticket, target.served.as_ref());
                 resp
             }
         }
@@ -940,10 +913,7 @@ impl App {
         received: Instant,
         ticket: Option<&Ticket>,
     ) -> Response {
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let mut answer = ConverseStream::new(call.asked, &call.model, &request_id, created);
+        let mut answer = ConverseStream::new(call.asked, &call.model, &request_id, unix_s());
         let (app, ticket, served) = (self.clone(), ticket.cloned(), target.served.clone());
         let label = target.label.clone();
         let mut upstream_body = upstream.bytes_stream();
@@ -1086,6 +1056,18 @@ impl App {
         }))
     }
 
+    /// Settles a request that failed before any usage: an error, nothing used.
+    fn report_failed(
+        &self,
+        request_id: String,
+        ttft_ms: f64,
+        ticket: Option<&Ticket>,
+        served: Option<&Endpoint>,
+    ) {
+        let report = AnswerTail::default().report(request_id, ttft_ms, Outcome::Error);
+        self.report_after(None, report, ticket, served);
+    }
+
     /// Sends a request's final report (its usage and outcome) after its first-token report.
     fn report_after(
         &self,
@@ -1097,6 +1079,13 @@ impl App {
         report.served = served.cloned();
         self.send_report(report, ticket, first);
     }
+}
+
+/// Now, in Unix seconds (an answer's `created`).
+fn unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// A provider's answer told in OpenAI's shape: `body` of `content_type`, naming the target.
