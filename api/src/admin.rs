@@ -324,7 +324,7 @@ impl pb::admin_server::Admin for AdminService {
             ));
         }
         let c = self.cluster()?;
-        c.add(r.id, r.addr, r.learner)
+        c.add(r.id, r.addr, r.learner, r.relay)
             .await
             .map_err(cluster_status)?;
         Ok(Response::new(c.status()))
@@ -350,6 +350,7 @@ fn cluster_status(e: ClusterError) -> Status {
         | ClusterError::UnreachableTarget(_)
         | ClusterError::AnotherCluster { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Raft(_) => Status::aborted(e.to_string()),
+        ClusterError::Relay { code, .. } => Status::new(code, e.to_string()),
         ClusterError::FaultsDisabled => Status::failed_precondition(e.to_string()),
         ClusterError::Failpoint(_) => Status::invalid_argument(e.to_string()),
     }

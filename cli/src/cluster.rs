@@ -93,6 +93,7 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
                 id,
                 addr: member_addr,
                 learner,
+                relay: false,
             })
             .await?
             .into_inner(),

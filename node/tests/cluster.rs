@@ -324,3 +324,118 @@ async fn a_learner_replicates_and_routes_but_never_counts_toward_a_quorum() {
         assert_eq!((w, matched), (format!("w{}", i % 3), 3));
     }
 }
+
+/// A learner that cannot reach the members at their recorded addresses - as one in another
+/// cluster cannot resolve cluster A's pod names; here the fault layer cuts every call it makes
+/// to a member by id - joins, writes and reads linearizably through the one address it can
+/// reach (`relay_through_join`: a cuttable link to a follower, which passes each ask on to its
+/// leader). The same write from a learner that does not relay fails; with the link cut the
+/// relaying learner's write fails within its forward timeout; healed, it writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_that_cannot_reach_the_leader_joins_writes_and_reads_through_a_relay() {
+    use kvplane_proto::v1::{PutConfigRequest, ReadConsistency, StatusRequest};
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let last = publish_chains(&js, 0, 10).await;
+    cluster.all_agree(&[0, 1, 2], last).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let follower = (leader + 1) % 3;
+    let link = kvplane_testkit::link::Link::start(cluster.nodes[follower].grpc.port()).await;
+    let voters: Vec<u64> = (0..3).map(|i| cluster.nodes[i].raft_id.unwrap()).collect();
+    let learner = |id: u64, relay: bool| {
+        let addr = format!("127.0.0.1:{}", harness::free_port());
+        NodeOptions {
+            grpc_listen: addr.clone(),
+            raft: Some(harness::RaftOptions {
+                id,
+                peers: vec![(id, addr)],
+                join: vec![format!("127.0.0.1:{}", link.port)],
+                learner: true,
+                relay_through_join: relay,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    };
+    cluster.add_node("relaying", &learner(4, true));
+    cluster.nodes[3].block(voters.clone()).await;
+    let pool = |name: &str| PutConfigRequest {
+        kind: "pool".into(),
+        name: name.into(),
+        value: br#"{"block_size":16,"models":["m"]}"#.to_vec(),
+    };
+    // Joined through the relay, and caught up.
+    cluster.all_agree(&[0, 1, 2, 3], last).await;
+    let mut admin = cluster.nodes[3].admin().await;
+    let written = admin
+        .put_config(pool("relayed"))
+        .await
+        .unwrap()
+        .into_inner()
+        .index;
+    let s = admin
+        .status(StatusRequest {
+            consistency: Some(ReadConsistency {
+                min_applied_index: written,
+                linearizable: true,
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        s.applied_index >= written && s.config_index == written,
+        "{s:?}"
+    );
+    let on_leader = cluster.nodes[leader].status().await;
+    assert_eq!(
+        on_leader.config_index, written,
+        "the leader holds the write"
+    );
+
+    // The link cut: no other way to the leader, so the write fails, within its timeout.
+    link.cut();
+    let started_at = Instant::now();
+    let err = admin.put_config(pool("cut")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(err.message().contains("relay"), "{err}");
+    assert!(started_at.elapsed() < Duration::from_secs(6));
+    link.heal();
+    let again = admin.put_config(pool("healed")).await.unwrap().into_inner();
+    assert!(again.index > written);
+
+    // A learner that does not relay, cut off the same way, cannot write.
+    let plain = learner(5, false);
+    let plain_addr = plain.grpc_listen.clone();
+    let direct = cluster.nodes[follower].grpc.to_string();
+    let plain = NodeOptions {
+        raft: plain.raft.map(|r| harness::RaftOptions {
+            join: vec![direct],
+            ..r
+        }),
+        ..plain
+    };
+    cluster.add_node("plain", &plain);
+    let any = cluster.nodes[leader].endpoint();
+    eventually(
+        "the plain learner joined",
+        Duration::from_secs(30),
+        || async {
+            kvplane_ok(&["cluster", "status", "--addr", &any])
+                .contains(&plain_addr)
+                .then_some(())
+        },
+    )
+    .await;
+    cluster.nodes[4].block(voters).await;
+    let err = cluster.nodes[4]
+        .admin()
+        .await
+        .put_config(pool("plain"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(
+        err.message().contains("cut off by fault injection"),
+        "{err}"
+    );
+}

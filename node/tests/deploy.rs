@@ -555,8 +555,9 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
             .iter()
             .all(|c| c.metadata.name.as_deref() != Some("kvplane-ca"))
     );
-    // Its configuration, as the node reads it: valid, a learner that joins, no StatefulSet
-    // identity, and the StatefulSet mounts this very ConfigMap.
+    // Its configuration, as the node reads it: valid, a learner that joins and relays through
+    // A's published name, no StatefulSet identity, and the StatefulSet mounts this very
+    // ConfigMap.
     let [map] = &r.config_maps[..] else {
         panic!("one ConfigMap")
     };
@@ -570,7 +571,7 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
     assert!(cfg.raft.kubernetes.is_none());
     let m = cfg.raft.membership(&cfg.grpc_listen).unwrap();
     assert!(
-        m.learner && m.initial.is_empty() && !m.join.is_empty(),
+        m.learner && m.relay_through_join && m.initial.is_empty() && !m.join.is_empty(),
         "{m:?}"
     );
     let volumes = spec

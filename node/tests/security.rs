@@ -319,6 +319,7 @@ async fn config_membership_and_raft_calls_need_their_rights() {
     // Raft RPCs: members only, refused before the message is read.
     let raft = kvplane_proto::v1::raft_client::RaftClient::new(gw.connect(&addr).await.unwrap())
         .append_entries(kvplane_proto::v1::RaftPayload {
+            relay: false,
             data: vec![1, 2, 3],
         })
         .await

@@ -52,6 +52,13 @@ pub enum ClusterError {
             >,
         >,
     ),
+    /// A relayed ask the leader did not carry out (its answer).
+    #[error("the leader at {leader} did not add the member: {message}")]
+    Relay {
+        leader: String,
+        code: tonic::Code,
+        message: String,
+    },
     #[error("fault injection is disabled on this node (set raft.fault_injection, tests only)")]
     FaultsDisabled,
     #[error(transparent)]
@@ -61,8 +68,15 @@ pub enum ClusterError {
 /// Raft membership, as the Admin service drives it.
 pub trait ClusterControl: Send + Sync {
     fn status(&self) -> ClusterStatusResponse;
-    /// Adds member `id` at `addr`: a voter once it caught up, or a learner for good.
-    fn add(&self, id: u64, addr: String, learner: bool) -> BoxFuture<'_, Result<(), ClusterError>>;
+    /// Adds member `id` at `addr`: a voter once it caught up, or a learner for good. With
+    /// `relay`, a member that does not lead asks its leader (once) instead of refusing.
+    fn add(
+        &self,
+        id: u64,
+        addr: String,
+        learner: bool,
+        relay: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>>;
     fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
     /// Test-only fault layer: the peers this node stops sending Raft traffic to.
     fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;

@@ -1,6 +1,9 @@
 //! Writes and linearizable reads from any member: the leader proposes or confirms itself; a
 //! follower forwards to the leader over `kvplane.v1.Raft` and then waits until it has applied
-//! the result locally, so the caller reads its own write on the replica it asked.
+//! the result locally, so the caller reads its own write on the replica it asked. A replica
+//! that cannot reach the leader's recorded address (a learner in another cluster) sends
+//! through a member it can reach, which passes the request on to its leader once
+//! ([`Replica::relay_write`], [`Replica::relay_read_index`]).
 
 use std::time::{Duration, Instant};
 
@@ -33,14 +36,27 @@ pub struct Replica {
     network: Network,
     timeout: Duration,
     failures: crate::ProposeFailures,
+    /// Members to relay through instead of calling the leader (empty: call it).
+    via: Vec<String>,
 }
 
 impl std::fmt::Debug for Replica {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Replica")
             .field("timeout", &self.timeout)
+            .field("via", &self.via)
             .finish_non_exhaustive()
     }
+}
+
+/// Where one attempt goes.
+enum Route {
+    /// This member leads.
+    Here,
+    /// The leader, at its recorded address.
+    Leader(u64, String),
+    /// A member at this address, which passes the request on to its leader.
+    Relay(String),
 }
 
 /// What one attempt against the current leader came to.
@@ -63,6 +79,23 @@ impl Replica {
             network,
             timeout,
             failures,
+            via: Vec::new(),
+        }
+    }
+
+    /// The same replica sending every write and read barrier it does not serve itself through
+    /// `via` (any of them, in turn), never to the leader's recorded address.
+    pub fn relaying_through(mut self, via: Vec<String>) -> Self {
+        self.via = via;
+        self
+    }
+
+    /// The same replica calling the leader itself: what a relaying member uses, so that a
+    /// relayed request takes one hop at most.
+    pub(crate) fn direct(&self) -> Self {
+        Self {
+            via: Vec::new(),
+            ..self.clone()
         }
     }
 
@@ -73,17 +106,7 @@ impl Replica {
     }
 
     async fn write_through_leader(&self, command: Command) -> Result<u64, ProposeError> {
-        let result = self
-            .with_leader("write", |leader| {
-                let command = command.clone();
-                async move {
-                    match leader {
-                        None => self.write_here(command).await,
-                        Some((id, addr)) => self.write_at(id, &addr, command).await,
-                    }
-                }
-            })
-            .await?;
+        let result = self.apply_through_leader("write", command).await?;
         match result.rejected {
             None => Ok(result.index),
             Some(reason) => Err(ProposeError::Refused {
@@ -91,6 +114,43 @@ impl Replica {
                 reason,
             }),
         }
+    }
+
+    async fn apply_through_leader(
+        &self,
+        what: &'static str,
+        command: Command,
+    ) -> Result<ApplyResult, ProposeError> {
+        self.with_leader(what, |route| {
+            let command = command.clone();
+            async move {
+                match route {
+                    Route::Here => self.write_here(command).await,
+                    Route::Leader(id, addr) => self.write_at(Some(id), &addr, command).await,
+                    Route::Relay(addr) => self.write_at(None, &addr, command).await,
+                }
+            }
+        })
+        .await
+    }
+
+    /// A write another member relayed here: committed through this member's leader. Nothing
+    /// done (no leader reached in time) answers as a member that does not lead, so the sender
+    /// may try again; anything else that failed (the outcome may be unknown) it may not.
+    pub(crate) async fn relay_write(&self, command: Command) -> ForwardReply {
+        let result = self.apply_through_leader("relayed write", command).await;
+        self.failures
+            .count("relay_write", result)
+            .map_err(relay_error)
+    }
+
+    /// A read barrier another member relayed here: the leader's read index, once this member
+    /// applied that far.
+    pub(crate) async fn relay_read_index(&self) -> ReadIndexReply {
+        let result = self.barrier().await;
+        self.failures
+            .count("relay_read_barrier", result)
+            .map_err(relay_error)
     }
 
     /// Resolves with an index once this replica has applied everything committed before the
@@ -101,47 +161,60 @@ impl Replica {
     }
 
     async fn barrier(&self) -> Result<u64, ProposeError> {
-        self.with_leader("linearizable read", |leader| async move {
-            match leader {
-                None => match self
-                    .raft
-                    .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
-                    .await
-                {
-                    Ok(read) => Ok(Attempt::Done(read.log_id().index)),
-                    Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(_))) => {
-                        Ok(Attempt::Retry("leadership moved".into()))
-                    }
-                    Err(e) => Err(ProposeError::Unavailable(Unavailable::NotConfirmed(
-                        std::sync::Arc::new(e),
-                    ))),
-                },
-                Some((id, addr)) => {
-                    let reply: ReadIndexReply = match self.call(id, &addr, Rpc::ReadIndex).await {
-                        Ok(r) => r,
-                        Err(e) => return Ok(Attempt::Retry(e.to_string())),
-                    };
-                    match reply {
-                        Ok(index) => Ok(Attempt::Done(index)),
-                        Err(ForwardError::NotLeader { .. }) => {
-                            Ok(Attempt::Retry(format!("node {id} no longer leads")))
-                        }
-                        Err(ForwardError::Failed(message)) => {
-                            Err(ProposeError::Unavailable(Unavailable::LeaderNotConfirmed {
-                                leader: id,
-                                message,
-                            }))
-                        }
-                    }
+        self.with_leader("linearizable read", |route| async move {
+            let (id, addr) = match route {
+                Route::Here => return self.read_index_here().await,
+                Route::Leader(id, addr) => (Some(id), addr),
+                Route::Relay(addr) => (None, addr),
+            };
+            let reply: ReadIndexReply = match self.call(id, &addr, Rpc::ReadIndex).await {
+                Ok(r) => r,
+                Err(e) => return Ok(Attempt::Retry(e.to_string())),
+            };
+            match (reply, id) {
+                (Ok(index), _) => Ok(Attempt::Done(index)),
+                (Err(ForwardError::NotLeader { .. }), Some(id)) => {
+                    Ok(Attempt::Retry(format!("node {id} no longer leads")))
+                }
+                (Err(ForwardError::NotLeader { .. }), None) => Ok(Attempt::Retry(format!(
+                    "{addr} reached no leader to relay the read to"
+                ))),
+                (Err(ForwardError::Failed(message)), Some(leader)) => {
+                    Err(ProposeError::Unavailable(Unavailable::LeaderNotConfirmed {
+                        leader,
+                        message,
+                    }))
+                }
+                (Err(ForwardError::Failed(message)), None) => {
+                    Err(ProposeError::Unavailable(Unavailable::RelayNotConfirmed {
+                        via: addr,
+                        message,
+                    }))
                 }
             }
         })
         .await
     }
 
-    /// Runs `attempt` against the current leader (`None` when this node leads), retrying while
-    /// no leader is known or the leader moved, until the timeout; then waits until this
-    /// replica's applied index reaches the result's.
+    async fn read_index_here(&self) -> Result<Attempt<u64>, ProposeError> {
+        match self
+            .raft
+            .ensure_linearizable(openraft::ReadPolicy::ReadIndex)
+            .await
+        {
+            Ok(read) => Ok(Attempt::Done(read.log_id().index)),
+            Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(_))) => {
+                Ok(Attempt::Retry("leadership moved".into()))
+            }
+            Err(e) => Err(ProposeError::Unavailable(Unavailable::NotConfirmed(
+                std::sync::Arc::new(e),
+            ))),
+        }
+    }
+
+    /// Runs `attempt` against the current leader (here, at its address, or through a relay),
+    /// retrying while no leader is known or the leader moved, until the timeout; then waits
+    /// until this replica's applied index reaches the result's.
     async fn with_leader<T, F, Fut>(
         &self,
         what: &'static str,
@@ -149,29 +222,35 @@ impl Replica {
     ) -> Result<T, ProposeError>
     where
         T: Indexed,
-        F: FnMut(Option<(u64, String)>) -> Fut,
+        F: FnMut(Route) -> Fut,
         Fut: std::future::Future<Output = Result<Attempt<T>, ProposeError>>,
     {
         let deadline = Instant::now() + self.timeout;
         let mut why = String::from("no leader is known");
+        let mut turn = 0usize;
         loop {
             let m = self.raft.metrics().borrow_watched().clone();
-            let leader = m.current_leader.map(|l| {
-                let addr = m
-                    .membership_config
-                    .membership()
-                    .get_node(&l)
-                    .map(|n| n.addr.clone())
-                    .unwrap_or_default();
-                (l, addr)
-            });
-            let outcome = match leader {
-                Some((l, _)) if l == m.id => {
-                    tokio::time::timeout_at(deadline.into(), attempt(None)).await
+            let route = match m.current_leader {
+                Some(l) if l == m.id => Some(Route::Here),
+                // A relaying replica relays even before it has heard from a leader (a learner
+                // just added): its relay knows one.
+                _ if !self.via.is_empty() => {
+                    turn += 1;
+                    Some(Route::Relay(self.via[(turn - 1) % self.via.len()].clone()))
                 }
-                Some(remote) => {
-                    tokio::time::timeout_at(deadline.into(), attempt(Some(remote))).await
+                Some(l) => {
+                    let addr = m
+                        .membership_config
+                        .membership()
+                        .get_node(&l)
+                        .map(|n| n.addr.clone())
+                        .unwrap_or_default();
+                    Some(Route::Leader(l, addr))
                 }
+                None => None,
+            };
+            let outcome = match route {
+                Some(route) => tokio::time::timeout_at(deadline.into(), attempt(route)).await,
                 None => Ok(Ok(Attempt::Retry("no leader is known".into()))),
             };
             match outcome {
@@ -221,9 +300,10 @@ impl Replica {
         }
     }
 
+    /// A write sent to leader `id` at `addr`, or (no id) to the relay at `addr`.
     async fn write_at(
         &self,
-        id: u64,
+        id: Option<u64>,
         addr: &str,
         command: Command,
     ) -> Result<Attempt<ApplyResult>, ProposeError> {
@@ -231,32 +311,44 @@ impl Replica {
             Ok(r) => r,
             Err(e) => return Ok(Attempt::Retry(e.to_string())),
         };
-        match reply {
-            Ok(r) => Ok(Attempt::Done(r)),
-            Err(ForwardError::NotLeader { .. }) => {
+        match (reply, id) {
+            (Ok(r), _) => Ok(Attempt::Done(r)),
+            (Err(ForwardError::NotLeader { .. }), Some(id)) => {
                 Ok(Attempt::Retry(format!("node {id} no longer leads")))
             }
-            Err(ForwardError::Failed(message)) => Err(ProposeError::Log(LogFailure::Leader {
-                leader: id,
-                message,
-            })),
+            (Err(ForwardError::NotLeader { .. }), None) => Ok(Attempt::Retry(format!(
+                "{addr} reached no leader to relay the write to"
+            ))),
+            (Err(ForwardError::Failed(message)), Some(leader)) => {
+                Err(ProposeError::Log(LogFailure::Leader { leader, message }))
+            }
+            (Err(ForwardError::Failed(message)), None) => {
+                Err(ProposeError::Log(LogFailure::Relay {
+                    via: addr.to_owned(),
+                    message,
+                }))
+            }
         }
     }
 
-    /// One RPC to the leader. An error means the request did not reach it (so retrying cannot
-    /// apply a command twice).
+    /// One RPC to the leader `id` at `addr`, or (no id) to a member at `addr` that relays it.
+    /// An error means the request did not reach it (so retrying cannot apply a command twice).
     async fn call<R: serde::de::DeserializeOwned>(
         &self,
-        id: u64,
+        id: Option<u64>,
         addr: &str,
         rpc: Rpc<'_>,
     ) -> Result<R, PeerError> {
-        let mut client = self.network.peer(id, addr)?;
+        let mut client = match id {
+            Some(id) => self.network.peer(id, addr)?,
+            None => self.network.relay(addr)?,
+        };
         let payload = RaftPayload {
             data: match rpc {
                 Rpc::Propose(c) => encode(c)?,
                 Rpc::ReadIndex => Vec::new(),
             },
+            relay: id.is_none(),
         };
         let reply = match rpc {
             Rpc::Propose(_) => client.propose(payload).await,
@@ -266,6 +358,17 @@ impl Replica {
             Ok(r) => decode(&r.into_inner().data),
             Err(s) => Err(PeerError::from_status(id, addr, &s)),
         }
+    }
+}
+
+/// A relayed request's failure as its sender reads it: nothing done (no leader reached in
+/// time) may be tried again, anything else may not.
+fn relay_error(e: ProposeError) -> ForwardError {
+    match e {
+        ProposeError::Unavailable(Unavailable::NoLeader { .. }) => {
+            ForwardError::NotLeader { leader: None }
+        }
+        e => ForwardError::Failed(e.to_string()),
     }
 }
 

@@ -200,7 +200,12 @@ impl RaftMember {
                 network,
                 Duration::from_millis(r.forward_timeout_ms),
                 failures.clone(),
-            ),
+            )
+            .relaying_through(if membership.relay_through_join {
+                membership.join.clone()
+            } else {
+                Vec::new()
+            }),
             failures,
             log_writes,
             snapshot_failures: state.snapshot_failures(),
@@ -216,7 +221,9 @@ impl RaftMember {
 
     /// The `kvplane.v1.Raft` service peers call, recording when a leader was last heard from.
     pub fn grpc_service(&self) -> kvplane_proto::v1::raft_server::RaftServer<RaftGrpc> {
-        RaftGrpc::new(self.raft.clone(), self.contact.clone()).into_service()
+        RaftGrpc::new(self.raft.clone(), self.contact.clone())
+            .relaying(&self.replica)
+            .into_service()
     }
 
     /// Whether this node belongs to a membership (its own log says so).
@@ -282,6 +289,7 @@ impl RaftMember {
                     target,
                     (self.membership.id, &self.membership.addr),
                     learner,
+                    self.membership.relay_through_join,
                 )
                 .await
                 {
@@ -503,8 +511,25 @@ impl crate::ClusterControl for RaftMember {
         id: u64,
         addr: String,
         learner: bool,
+        relay: bool,
     ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
+            if relay && !self.is_leader() {
+                let leader = match self.leader_only() {
+                    Err(crate::ClusterError::NotLeader {
+                        leader: Some(leader),
+                    }) => leader,
+                    Err(e) => return Err(e),
+                    Ok(()) => unreachable!("checked: this member does not lead"),
+                };
+                return add_through(&self.dialer, &leader, (id, &addr), learner, false)
+                    .await
+                    .map_err(|s| crate::ClusterError::Relay {
+                        leader,
+                        code: s.code(),
+                        message: s.message().to_owned(),
+                    });
+            }
             self.leader_only()?;
             // Members reach each other at the addresses the membership records: a wildcard
             // one (a node that listens on 0.0.0.0 and advertises nothing) reaches no one.
@@ -694,13 +719,15 @@ pub enum MemberError {
     Start(#[from] openraft::errors::Fatal<crate::TypeConfig>),
 }
 
-/// Asks the cluster reachable at `via` (following its leader hint) to add node `id` at `addr`:
-/// learner, then voter.
+/// Asks the cluster reachable at `via` to add node `id` at `addr`: learner, then voter (or a
+/// learner for good). It follows `via`'s leader hint, or with `relay` has `via` pass the ask on
+/// to its leader.
 async fn add_through(
     dialer: &kvplane_tls::Dialer,
     via: &str,
     (id, addr): (u64, &str),
     learner: bool,
+    relay: bool,
 ) -> Result<(), tonic::Status> {
     use kvplane_proto::v1::admin_client::AdminClient;
     let connect = |a: String| async move {
@@ -711,17 +738,20 @@ async fn add_through(
             .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))
     };
     let mut c = connect(via.to_owned()).await?;
-    let s = c
-        .cluster_status(kvplane_proto::v1::StatusRequest::default())
-        .await?
-        .into_inner();
-    if s.leader != s.node && !s.leader_addr.is_empty() {
-        c = connect(s.leader_addr.clone()).await?;
+    if !relay {
+        let s = c
+            .cluster_status(kvplane_proto::v1::StatusRequest::default())
+            .await?
+            .into_inner();
+        if s.leader != s.node && !s.leader_addr.is_empty() {
+            c = connect(s.leader_addr.clone()).await?;
+        }
     }
     c.add_member(kvplane_proto::v1::AddMemberRequest {
         id,
         addr: addr.to_owned(),
         learner,
+        relay,
     })
     .await?;
     Ok(())

@@ -44,7 +44,7 @@ fn encoded_reply<T: Serialize>(v: &T) -> Result<Response<RaftPayload>, Status> {
         tracing::error!(error = %e, "a raft reply cannot be encoded");
         Status::internal(e.to_string())
     })?;
-    Ok(Response::new(RaftPayload { data }))
+    Ok(Response::new(RaftPayload { data, relay: false }))
 }
 
 pub(crate) fn decode<T: DeserializeOwned>(b: &[u8]) -> Result<T, PeerError> {
@@ -79,12 +79,26 @@ pub enum PeerError {
         code: tonic::Code,
         message: String,
     },
+    /// A call to a member that relays to its leader ended: no answer came back.
+    #[error("the relay at {addr} answered {code:?}: {message}")]
+    Relay {
+        addr: String,
+        code: tonic::Code,
+        message: String,
+    },
 }
 
 impl PeerError {
-    /// The error of a call to `peer` at `addr` that `status` ended.
-    pub(crate) fn from_status(peer: u64, addr: &str, status: &Status) -> Self {
+    /// The error of a call to `peer` at `addr` (no peer: the relay there) that `status` ended.
+    pub(crate) fn from_status(peer: Option<u64>, addr: &str, status: &Status) -> Self {
         let (addr, message) = (addr.to_owned(), status.message().to_owned());
+        let Some(peer) = peer else {
+            return Self::Relay {
+                addr,
+                code: status.code(),
+                message,
+            };
+        };
         match status.code() {
             tonic::Code::Unavailable => Self::Unreachable {
                 peer,
@@ -123,6 +137,13 @@ impl Network {
         if self.faults.is_blocked(peer) {
             return Err(PeerError::CutOff { peer });
         }
+        self.channel(addr).map(RaftClient::new)
+    }
+
+    /// A client for the member at `addr` that relays requests to its leader. It is no peer of
+    /// this node's Raft traffic (the fault layer does not cut it): a published name of the
+    /// cluster, not one member's recorded address.
+    pub(crate) fn relay(&self, addr: &str) -> Result<RaftClient<Channel>, PeerError> {
         self.channel(addr).map(RaftClient::new)
     }
 
@@ -208,7 +229,10 @@ impl Connection {
     {
         let client = self.client()?;
         let data = encode(req).map_err(|e| RPCError::Network(NetworkError::from_string(e)))?;
-        let mut request = addressed(Request::new(RaftPayload { data }), self.target);
+        let mut request = addressed(
+            Request::new(RaftPayload { data, relay: false }),
+            self.target,
+        );
         request.set_timeout(option.soft_ttl());
         let reply = tokio::time::timeout(option.hard_ttl(), f(client, request))
             .await
@@ -328,13 +352,27 @@ pub struct RaftGrpc {
     raft: KvRaft,
     id: u64,
     contact: LeaderContact,
+    /// Passes relayed writes and reads on to the leader (none: refuses them as a follower).
+    relay: Option<crate::Replica>,
 }
 
 impl RaftGrpc {
     /// Records every accepted AppendEntries in `contact`.
     pub fn new(raft: KvRaft, contact: LeaderContact) -> Self {
         let id = raft.metrics().borrow_watched().id;
-        Self { raft, id, contact }
+        Self {
+            raft,
+            id,
+            contact,
+            relay: None,
+        }
+    }
+
+    /// The same service passing relayed requests on through `replica` (which calls the leader
+    /// itself, so a request takes one hop at most).
+    pub fn relaying(mut self, replica: &crate::Replica) -> Self {
+        self.relay = Some(replica.direct());
+        self
     }
 
     /// Refuses an RPC meant for another Raft node (an earlier incarnation at this address).
@@ -436,7 +474,13 @@ impl raft_server::Raft for RaftGrpc {
         &self,
         request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
-        let command = decode(&request.into_inner().data).map_err(bad_request)?;
+        let payload = request.into_inner();
+        let command = decode(&payload.data).map_err(bad_request)?;
+        if payload.relay
+            && let Some(relay) = &self.relay
+        {
+            return encoded_reply(&relay.relay_write(command).await);
+        }
         let reply: ForwardReply = match self.raft.client_write(Proposal::now(command)).await {
             Ok(r) => Ok(r.data),
             Err(RaftError::APIError(openraft::errors::ClientWriteError::ForwardToLeader(f))) => {
@@ -451,8 +495,13 @@ impl raft_server::Raft for RaftGrpc {
 
     async fn read_index(
         &self,
-        _request: Request<RaftPayload>,
+        request: Request<RaftPayload>,
     ) -> Result<Response<RaftPayload>, Status> {
+        if request.get_ref().relay
+            && let Some(relay) = &self.relay
+        {
+            return encoded_reply(&relay.relay_read_index().await);
+        }
         let reply: ReadIndexReply = match self
             .raft
             .ensure_linearizable(openraft::ReadPolicy::ReadIndex)

@@ -24,7 +24,7 @@ impl ProposeFailures {
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "kvplane_raft_propose_failures",
-            "Writes and read barriers that failed, by path (log, replica_write, read_barrier) and reason",
+            "Writes and read barriers that failed, by path (log, replica_write, read_barrier, relay_write, relay_read_barrier) and reason",
             (*self.0).clone(),
         );
     }

@@ -41,6 +41,11 @@ pub struct RaftSection {
     /// quorum - a replica in another cluster, near its gateways.
     #[serde(default)]
     pub learner: bool,
+    /// Send writes, linearizable reads and this node's own join through the `join` addresses,
+    /// whose member passes each on to its leader, rather than to the leader's recorded address:
+    /// for a replica in another cluster, which reaches the members only at a published name.
+    #[serde(default)]
+    pub relay_through_join: bool,
     /// This node's address as its peers reach it (default: its entry in `peers`, else
     /// `grpc_listen`).
     #[serde(default)]
@@ -163,6 +168,8 @@ pub struct Membership {
     pub pod: Option<Pod>,
     /// Asks to be added as a learner, and stays one.
     pub learner: bool,
+    /// Reaches the leader through `join` (see [`RaftSection::relay_through_join`]).
+    pub relay_through_join: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,6 +199,7 @@ impl Default for RaftSection {
             bootstrap: false,
             join: Vec::new(),
             learner: false,
+            relay_through_join: false,
             advertise_addr: None,
             kubernetes: None,
             fault_injection: false,
@@ -281,6 +289,7 @@ impl RaftSection {
                     ordinal,
                 }),
                 learner: false,
+                relay_through_join: false,
             });
         }
         let id = match self.id {
@@ -317,6 +326,7 @@ impl RaftSection {
             join: self.join.clone(),
             pod: None,
             learner: self.learner,
+            relay_through_join: self.relay_through_join,
         })
     }
 
@@ -369,6 +379,9 @@ impl RaftSection {
                     "raft.learner is not supported with raft.kubernetes yet: give raft.join".into(),
                 );
             }
+        }
+        if self.relay_through_join && self.join.is_empty() {
+            p.push("raft.relay_through_join needs raft.join: the members to relay through".into());
         }
         if self.forward_timeout_ms == 0 {
             p.push("raft.forward_timeout_ms must be at least 1".into());
@@ -442,6 +455,22 @@ mod tests {
                 "raft.learner cannot bootstrap a cluster: it never votes",
                 "raft.learner needs raft.join: the members that add it",
             ]
+        );
+    }
+
+    #[test]
+    fn relaying_through_join_needs_members_to_relay_through() {
+        let m = section(
+            "id = 5\njoin = [\"a.example:7070\"]\nlearner = true\nrelay_through_join = true\n",
+        )
+        .membership("10.1.0.5:7070")
+        .unwrap();
+        assert!(m.relay_through_join && m.join == ["a.example:7070"]);
+        let mut p = Vec::new();
+        section("id = 5\nrelay_through_join = true\n").problems("10.1.0.5:7070", &mut p);
+        assert_eq!(
+            p,
+            ["raft.relay_through_join needs raft.join: the members to relay through"]
         );
     }
 

@@ -61,6 +61,9 @@ pub enum Unavailable {
     /// The leader a read was forwarded to could not confirm its leadership.
     #[error("leader {leader} could not confirm its leadership: {message}")]
     LeaderNotConfirmed { leader: u64, message: String },
+    /// The member a read was relayed through could not get it confirmed by its leader.
+    #[error("the read relayed through {via} was not confirmed: {message}")]
+    RelayNotConfirmed { via: String, message: String },
 }
 
 /// The log itself failed a write or an export.
@@ -71,6 +74,9 @@ pub enum LogFailure {
     /// The leader a write was forwarded to failed it (its message, as it sent it).
     #[error("leader {leader} failed the write: {message}")]
     Leader { leader: u64, message: String },
+    /// The member a write was relayed through failed it, or lost track of it (its message).
+    #[error("the write relayed through {via} failed: {message}")]
+    Relay { via: String, message: String },
     #[error("the state could not be exported: {0}")]
     Export(#[source] Cause),
 }

@@ -179,6 +179,8 @@ pub struct RaftOptions {
     pub election_timeout_ms: Option<(u64, u64)>,
     /// Added through `join` as a learner, for good.
     pub learner: bool,
+    /// Writes, read barriers and the join go through `join`'s members, which relay them.
+    pub relay_through_join: bool,
 }
 
 impl Default for NodeOptions {
@@ -254,11 +256,12 @@ impl Node {
             compaction: _,
             election_timeout_ms,
             learner,
+            relay_through_join,
         }) = &o.raft
         {
             let (election_min, election_max) = election_timeout_ms.unwrap_or((400, 800));
             toml.push_str(&format!(
-                "id = {id}\nbootstrap = {bootstrap}\nlearner = {learner}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\npeers = [{}]\njoin = [{}]\n",
+                "id = {id}\nbootstrap = {bootstrap}\nlearner = {learner}\nrelay_through_join = {relay_through_join}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\npeers = [{}]\njoin = [{}]\n",
                 peers
                     .iter()
                     .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
