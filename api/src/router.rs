@@ -33,6 +33,8 @@ pub struct RouterService {
     forwarder: Option<Arc<crate::usage_forward::Forwarder>>,
     access: Option<crate::Access>,
     pub(crate) limits: crate::Limits,
+    /// Where this replica's gateways are (see [`kvplane_policy::locality`]).
+    pub(crate) origin: kvplane_policy::Origin,
 }
 
 impl RouterService {
@@ -50,7 +52,16 @@ impl RouterService {
             forwarder: None,
             access: None,
             limits: crate::Limits::default(),
+            origin: kvplane_policy::Origin::default(),
         }
+    }
+
+    /// Where the gateways that ask this replica are, and the round trip from there to other
+    /// clusters' engines: what a decision adds to a remote candidate's predicted TTFT and what
+    /// `filter.sameLocality` compares with.
+    pub fn with_origin(mut self, origin: kvplane_policy::Origin) -> Self {
+        self.origin = origin;
+        self
     }
 
     /// Bounds on what a call may carry (and on the requests remembered as routed).
@@ -282,6 +293,7 @@ impl RouterService {
                     target: kvplane_policy::target_name(&c.target),
                     tenant: d.tenant.clone(),
                     predicted_ttft_ms: c.prediction.ttft_ms,
+                    network_ms: c.prediction.network_ms,
                     at: Instant::now(),
                     reservations: reservations.clone(),
                     worker,
@@ -350,6 +362,7 @@ impl RouterService {
             if let Start::First {
                 worker: Some((ws, w)),
                 predicted_ttft_ms,
+                network_ms,
             } = &start
             {
                 match served_elsewhere(report.served.as_ref(), (ws, w), &self.state) {
@@ -359,7 +372,7 @@ impl RouterService {
                             w,
                             &report.request_id,
                             *predicted_ttft_ms,
-                            report.observed_ttft_ms,
+                            report.observed_ttft_ms - network_ms,
                         );
                         self.predictor.decoding(ws, w, &report.request_id);
                     }
@@ -405,6 +418,7 @@ impl RouterService {
         if let Some(Routed {
             worker: Some((ws, w)),
             predicted_ttft_ms,
+            network_ms,
             started,
             ..
         }) = &routed
@@ -420,7 +434,7 @@ impl RouterService {
                     w,
                     &report.request_id,
                     *predicted_ttft_ms,
-                    report.observed_ttft_ms,
+                    report.observed_ttft_ms - network_ms,
                 );
             }
         }

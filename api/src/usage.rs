@@ -11,7 +11,11 @@ pub(crate) struct Routed {
     pub(crate) target: String,
     /// The tenant it was routed for: only a caller that may route for it may report its usage.
     pub(crate) tenant: String,
+    /// The engine's predicted time to first token (without the network's).
     pub(crate) predicted_ttft_ms: f64,
+    /// The round trip between the asking gateway and the engine, which the gateway's observed
+    /// time to first token includes and the engine's does not.
+    pub(crate) network_ms: f64,
     pub(crate) at: Instant,
     /// What tenant limits hold for it until its usage is reported. An unreported request
     /// stays charged at its reservation (the entry expires after `ttl`).
@@ -33,6 +37,7 @@ pub(crate) enum Start {
     First {
         worker: Option<(String, String)>,
         predicted_ttft_ms: f64,
+        network_ms: f64,
     },
 }
 
@@ -129,6 +134,7 @@ impl UsageBook {
                 Start::First {
                     worker: r.worker.clone(),
                     predicted_ttft_ms: r.predicted_ttft_ms,
+                    network_ms: r.network_ms,
                 }
             }
         }
@@ -229,6 +235,7 @@ mod tests {
             target: String::new(),
             tenant: tenant.into(),
             predicted_ttft_ms: 0.0,
+            network_ms: 0.0,
             at: Instant::now(),
             reservations: Vec::new(),
             worker: None,

@@ -183,6 +183,7 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
                     "overlap_blocks": c.overlap_blocks, "uncached_blocks": c.uncached_blocks,
                     "running": c.running, "waiting": c.waiting, "kv_cache_usage": c.kv_cache_usage,
                     "prefill_cost": c.prefill_cost, "load_cost": c.load_cost, "cost": c.cost,
+                    "network_ms": c.network_ms,
                     "filtered_reason": c.filtered_reason, "filtered_by": c.filtered_by,
                     "chosen": c.chosen,
                 })
@@ -203,7 +204,7 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
     println!("prompt from  {}", x.prompt_source);
     println!();
     println!(
-        "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10} {:>10} {:>10} {:>10}  filtered",
+        "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10}  filtered",
         "",
         "pool/worker",
         "overlap",
@@ -212,13 +213,14 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
         "wait",
         "prefill_ms",
         "load_ms",
+        "network_ms",
         "ttft_ms",
         "objective"
     );
     for c in &x.candidates {
         let e = c.endpoint.clone().unwrap_or_default();
         println!(
-            "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {}",
+            "{:<3} {:<24} {:>8} {:>8} {:>5} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1}  {}",
             if c.chosen { "->" } else { "" },
             target(&e),
             c.overlap_blocks,
@@ -227,6 +229,7 @@ pub(crate) fn print_explain(x: &ExplainResponse, as_json: bool) -> anyhow::Resul
             c.waiting,
             c.prefill_cost,
             c.load_cost,
+            c.network_ms,
             c.predicted_ttft_ms,
             c.cost,
             if c.filtered_by.is_empty() {

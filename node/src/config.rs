@@ -100,6 +100,12 @@ pub struct Config {
     /// Bounds on what a caller may send (message, body and name sizes, tags, headers, call
     /// time, requests remembered in flight); each hit counted in `kvplane_limit_hits_total`.
     pub limits: kvplane_api::Limits,
+    /// Where this replica and the gateways that ask it are (`cluster`, `region`, `zone`), and
+    /// the round trip from here to other clusters' engines (`rtt_ms = { a = 40 }`,
+    /// `default_rtt_ms`): a candidate in another cluster (its worker set's `kvplane.io/cluster`
+    /// label) adds that round trip to its predicted TTFT, and `filter.sameLocality` keeps a
+    /// rule's candidates here.
+    pub locality: kvplane_policy::Origin,
 }
 
 /// `[access]`: identities (a client certificate's URI name, else its DNS name; a trailing `*`
@@ -244,6 +250,7 @@ impl Default for Config {
             tls: None,
             access: AccessSection::default(),
             limits: kvplane_api::Limits::default(),
+            locality: kvplane_policy::Origin::default(),
         }
     }
 }
@@ -369,6 +376,7 @@ impl Config {
             }
         }
         p.extend(nats_url_problem("nats_url", &self.nats_url));
+        p.extend(self.locality.problems("locality"));
         if !plain_name(&self.ingest.stream) {
             p.push(format!(
                 "ingest.stream {:?} must be letters, digits, - or _",
@@ -562,6 +570,35 @@ mod tests {
                 "ingest.clusters[1].nats.user and ingest.clusters[1].nats.password_file go together",
             ]
         );
+    }
+
+    #[test]
+    fn a_replicas_locality_is_read_and_its_problems_reported() {
+        let cfg: Config = toml::from_str(
+            r#"
+            [locality]
+            cluster = "b"
+            region = "eu-west"
+            rtt_ms = { c = 40, b = 1 }
+            default_rtt_ms = -1
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.locality.cluster.as_deref(), Some("b"));
+        assert_eq!(cfg.locality.rtt_ms.get("c"), Some(&40.0));
+        assert_eq!(
+            cfg.problems(),
+            [
+                "locality.rtt_ms names b, this replica's own cluster (always 0)",
+                "locality.default_rtt_ms must be a finite number >= 0, not -1",
+            ]
+        );
+        let err = toml::from_str::<Config>(
+            "[locality]
+cluster_name = \"b\"",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
     }
 
     #[test]

@@ -574,6 +574,8 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
         m.learner && m.relay_through_join && m.initial.is_empty() && !m.join.is_empty(),
         "{m:?}"
     );
+    assert_eq!(cfg.locality.cluster.as_deref(), Some("cluster-b"));
+    assert!(cfg.locality.rtt_ms.contains_key("cluster-a"));
     let volumes = spec
         .template
         .spec

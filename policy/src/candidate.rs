@@ -70,6 +70,9 @@ pub struct Prediction {
     pub load_ms: f64,
     /// What the request's prefill would delay the requests after it there.
     pub displaced_ms: f64,
+    /// Not of it: the round trip from the asking gateway's cluster to the target's (see
+    /// [`crate::locality`]), which the client waits for besides the engine's time.
+    pub network_ms: f64,
     /// What the worker's own time was predicted from: 1 (a step), uncached prompt tokens in
     /// thousands, requests running there, requests waiting there that this replica did not
     /// route (what a first token's report teaches the engine model).
@@ -138,6 +141,12 @@ pub struct Candidate<'v> {
 impl<'v> Candidate<'v> {
     pub fn predicted_ttft_ms(&self) -> f64 {
         self.prediction.ttft_ms
+    }
+
+    /// The time to first token the asking client is predicted to see: the engine's, and the
+    /// network between them.
+    pub fn client_ttft_ms(&self) -> f64 {
+        self.prediction.ttft_ms + self.prediction.network_ms
     }
 
     pub fn worker(&self) -> Option<(&'v str, &WorkerState<'v>)> {

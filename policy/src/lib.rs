@@ -12,6 +12,7 @@
 //!   [`Catalog::select_rule`], [`Catalog::candidates`], [`filters`], [`objectives`], [`pick`];
 //!   `kvplane-api`'s pipeline runs them in order.
 //! - [`classify`]: the built-in prompt taggers (`pii`, `complexity`).
+//! - [`locality`]: where targets and the asking gateway are, and the network time between.
 //! - [`admit`]: objects submitted one by one (Kubernetes) to the largest consistent catalog,
 //!   with the reason each refused object is refused.
 
@@ -25,6 +26,7 @@ mod expansion;
 pub mod filters;
 pub mod kinds;
 mod limits;
+pub mod locality;
 mod object;
 pub mod objectives;
 pub mod pick;
@@ -39,5 +41,6 @@ pub use catalog::Check;
 pub use catalog::{Catalog, Problem};
 pub use documents::{Documents, FileBounds, Located, Source};
 pub use limits::{LimitKey, MatchedLimit};
+pub use locality::Origin;
 pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
 pub use resolve::{Attached, Request, Resolved, RuleChoice, SetRef, Via};

@@ -32,7 +32,18 @@ pub struct Request<'a> {
     /// Only workers at these `host:port` endpoints may be chosen (empty: any); see
     /// [`crate::filters::ENDPOINT_SUBSET`].
     pub endpoint_subset: &'a [String],
+    /// Where the asking gateway is, and the network time from there (see [`crate::locality`]).
+    pub origin: &'a crate::Origin,
 }
+
+#[cfg(test)]
+static NOWHERE: crate::Origin = crate::Origin {
+    cluster: None,
+    region: None,
+    zone: None,
+    rtt_ms: BTreeMap::new(),
+    default_rtt_ms: 0.0,
+};
 
 #[cfg(test)]
 impl Request<'static> {
@@ -46,6 +57,7 @@ impl Request<'static> {
             max_output_tokens: 0,
             tie_break: 0,
             endpoint_subset: &[],
+            origin: &NOWHERE,
         }
     }
 }
@@ -362,13 +374,17 @@ impl Catalog {
             let price = spec
                 .cost
                 .map_or(0.0, |c| c.of(req.prompt_tokens, req.max_output_tokens));
+            let network_ms = req.origin.network_ms(&spec.labels);
             fleet.workers(name, signals, &mut workers);
             out.reserve(workers.len());
             for w in workers.drain(..) {
-                let prediction = if signals.prediction {
-                    fleet.predict(name, spec, &w)
-                } else {
-                    Prediction::default()
+                let prediction = Prediction {
+                    network_ms,
+                    ..if signals.prediction {
+                        fleet.predict(name, spec, &w)
+                    } else {
+                        Prediction::default()
+                    }
                 };
                 out.push(Candidate {
                     external: false,

@@ -66,7 +66,7 @@ pub(crate) fn response(
                 &d.view.catalog,
                 &d.model,
             )));
-            out.predicted_ttft_ms = c.prediction.ttft_ms;
+            out.predicted_ttft_ms = c.client_ttft_ms();
             out.model.clone_from(&d.model);
             if let Target::Worker { state, .. } = &c.target {
                 out.matched_blocks = state.overlap_blocks;
@@ -130,7 +130,8 @@ pub(crate) fn explanation(d: &Decision<'_>, body: &[u8]) -> ExplainResponse {
                 prefill_cost: c.prediction.prefill_ms,
                 load_cost: c.prediction.load_ms,
                 cost: c.objective,
-                predicted_ttft_ms: c.prediction.ttft_ms,
+                predicted_ttft_ms: c.client_ttft_ms(),
+                network_ms: c.prediction.network_ms,
                 filtered_reason: c
                     .filtered
                     .as_ref()

@@ -263,6 +263,7 @@ impl RouterService {
             max_output_tokens: req.max_output_tokens,
             tie_break: pick::tie_break(&req.request_id),
             endpoint_subset: &req.endpoint_subset,
+            origin: &self.origin,
         };
         let fleet = signals::ViewFleet::new(
             view,

@@ -212,6 +212,7 @@ impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
                 prefill_ms: prefill,
                 load_ms: w.pending_ms + load,
                 displaced_ms: prefill,
+                network_ms: 0.0,
                 inputs,
             };
         }
@@ -224,6 +225,7 @@ impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
             prefill_ms: uncached_ms * calibration,
             load_ms: w.pending_ms + load * calibration,
             displaced_ms: uncached_ms * calibration,
+            network_ms: 0.0,
             inputs,
         }
     }
@@ -244,7 +246,10 @@ pub(crate) fn complete<'v>(
     let mut all = Vec::new();
     fleet.workers(worker_set, Signals::ALL, &mut all);
     if let Some(w) = all.into_iter().find(|w| w.worker == state.worker) {
-        c.prediction = fleet.predict(worker_set, spec, &w);
+        c.prediction = kvplane_policy::Prediction {
+            network_ms: c.prediction.network_ms,
+            ..fleet.predict(worker_set, spec, &w)
+        };
         *state = w;
     }
 }

@@ -55,7 +55,8 @@ pub(super) fn services(
         .with_routed_sink(shared.routed)
         .with_cluster(member.clone() as Arc<dyn ClusterControl>)
         .with_access(access.clone())
-        .with_limits(cfg.limits);
+        .with_limits(cfg.limits)
+        .with_origin(cfg.locality.clone());
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: {

@@ -1,7 +1,7 @@
 //! `filter.labels`: only candidates whose worker set or provider carries every label.
 
 use super::{CandidateFilter, Words};
-use crate::candidate::{Candidate, FilterId, Target};
+use crate::candidate::{Candidate, FilterId};
 use crate::catalog::{Catalog, Check};
 use crate::kinds::Filter;
 use crate::resolve::Request;
@@ -24,12 +24,7 @@ impl CandidateFilter for LabelsMatch {
         if f.labels.is_empty() {
             return false;
         }
-        let labels = match &c.target {
-            Target::Worker { worker_set, .. } => {
-                catalog.worker_sets.get(*worker_set).map(|w| &w.labels)
-            }
-            Target::Provider { name, .. } => catalog.providers.get(*name).map(|p| &p.labels),
-        };
+        let labels = super::labels_of(catalog, c);
         let Some((k, v)) = f
             .labels
             .iter()

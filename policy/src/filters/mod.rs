@@ -11,6 +11,7 @@ mod exclude_external;
 mod labels;
 mod max_kv_cache_usage;
 mod max_queued;
+mod same_locality;
 mod worker_down;
 
 use std::fmt::Write as _;
@@ -46,6 +47,18 @@ impl Words {
     }
 }
 
+/// The labels of `c`'s worker set or provider (none when the catalog lacks it).
+fn labels_of<'c>(catalog: &'c Catalog, c: &Candidate<'_>) -> Option<&'c crate::kinds::Labels> {
+    match &c.target {
+        crate::candidate::Target::Worker { worker_set, .. } => {
+            catalog.worker_sets.get(*worker_set).map(|w| &w.labels)
+        }
+        crate::candidate::Target::Provider { name, .. } => {
+            catalog.providers.get(*name).map(|p| &p.labels)
+        }
+    }
+}
+
 /// One eligibility check.
 pub trait CandidateFilter: Sync {
     fn id(&self) -> FilterId;
@@ -77,6 +90,7 @@ pub static REGISTERED: &[&dyn CandidateFilter] = &[
     &endpoint_subset::EndpointSubset,
     &exclude_external::ExcludeExternal,
     &labels::LabelsMatch,
+    &same_locality::SameLocality,
     &max_queued::MaxQueued,
     &max_kv_cache_usage::MaxKvCacheUsage,
 ];

@@ -135,6 +135,13 @@ pub struct Filter {
     /// Drop external providers.
     #[serde(default)]
     pub exclude_external: bool,
+    /// Keep only candidates at the asking gateway's `Cluster`, `Region` or `Zone` (the
+    /// replica's `[locality]`; a target's from its labels `kvplane.io/cluster`,
+    /// `topology.kubernetes.io/region`, `topology.kubernetes.io/zone`). A target without the
+    /// label, and every candidate when the replica's place at that level is not configured,
+    /// is dropped: the rule never crosses the boundary by mistake.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_locality: Option<crate::locality::Level>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, Default)]

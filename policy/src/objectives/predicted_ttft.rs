@@ -1,6 +1,7 @@
-//! `minimize: PredictedTTFT`: the predicted time to first token plus what the request's
-//! uncached prefill delays the requests after it there, so that a cached prefix is not given
-//! away for a slightly shorter queue.
+//! `minimize: PredictedTTFT`: the predicted time to first token as the client sees it (the
+//! engine's, and the round trip to another cluster) plus what the request's uncached prefill
+//! delays the requests after it there, so that a cached prefix is not given away for a
+//! slightly shorter queue, nor a local engine for a remote cache that the link's delay eats.
 
 use super::ObjectiveUnit;
 use crate::candidate::{Candidate, Signals};
@@ -22,6 +23,6 @@ impl ObjectiveUnit for PredictedTtft {
     }
 
     fn score(&self, c: &Candidate) -> f64 {
-        c.prediction.ttft_ms + c.prediction.displaced_ms
+        c.client_ttft_ms() + c.prediction.displaced_ms
     }
 }

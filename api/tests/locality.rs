@@ -1,0 +1,138 @@
+//! Locality in the decision: a candidate in another cluster adds the round trip from the
+//! asking gateway's cluster to its predicted TTFT, so a remote engine's cache wins when it saves
+//! more than the link costs and loses when it does not; `filter.sameLocality` keeps a rule
+//! (here: tagged `pii`) inside the gateway's cluster whatever is cached elsewhere, and refuses
+//! when the replica does not know its own cluster.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::sync::Arc;
+
+use kvplane_api::predict::Predictor;
+use kvplane_policy::Origin;
+use support::{TestFleet, explain, report_first_token, request, route, target, tokens};
+
+/// Worker set `near` in cluster b and `far` in cluster c, one engine each, both slow to
+/// prefill (2,000 tokens/s: 4,096 uncached tokens take about two seconds); `far` caches the
+/// prompt. A policy keeps `pii` requests in the asking gateway's cluster.
+fn fleet(prompt: &[u32]) -> TestFleet {
+    let mut f = TestFleet::with_yaml(concat!(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: near}\n",
+        "spec: {model: m, prefillTokensPerSecond: 2000, labels: {kvplane.io/cluster: b}}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: far}\n",
+        "spec: {model: m, prefillTokensPerSecond: 2000, labels: {kvplane.io/cluster: c}}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferencePool\nmetadata: {name: all}\n",
+        "spec: {workerSets: [near, far]}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata: {name: m}\n",
+        "spec: {publicModel: m, backends: [{pool: all}], policies: [local-pii]}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: local-pii}\n",
+        "spec:\n  rules:\n  - name: stay\n    match: {tags: [pii]}\n",
+        "    filter: {sameLocality: Cluster}\n",
+    ));
+    f.up("near", &["n0"])
+        .up("far", &["f0"])
+        .caches("far", "f0", prompt, 16, None, None);
+    f
+}
+
+fn in_cluster_b(rtt_to_c_ms: f64) -> Origin {
+    Origin {
+        cluster: Some("b".into()),
+        rtt_ms: [("c".to_owned(), rtt_to_c_ms)].into(),
+        ..Origin::default()
+    }
+}
+
+#[test]
+fn a_remote_cache_wins_when_it_saves_more_than_the_link_costs_and_loses_when_not() {
+    let prompt = tokens(21, 4096);
+    let f = fleet(&prompt);
+    let cheap_link = f.service().with_origin(in_cluster_b(20.0));
+    let r = route(&cheap_link, request("a", "m", &[], prompt.clone()));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("far/f0", 256));
+    let x = explain(&cheap_link, request("x", "m", &[], prompt.clone()));
+    let far = x
+        .candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().pool == "far")
+        .unwrap();
+    let near = x
+        .candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().pool == "near")
+        .unwrap();
+    assert_eq!((far.network_ms, near.network_ms), (20.0, 0.0));
+    assert!(far.predicted_ttft_ms >= 20.0, "{far:?}");
+    assert!(near.predicted_ttft_ms > 1500.0, "{near:?}");
+    // A link slower than the whole prefill: the local engine.
+    let slow_link = f.service().with_origin(in_cluster_b(10_000.0));
+    let r = route(&slow_link, request("b", "m", &[], prompt.clone()));
+    assert_eq!(target(&r), "near/n0");
+    // Asked from cluster c itself, the cache is local.
+    let from_c = f.service().with_origin(Origin {
+        cluster: Some("c".into()),
+        default_rtt_ms: 10_000.0,
+        ..Origin::default()
+    });
+    assert_eq!(
+        target(&route(&from_c, request("c", "m", &[], prompt))),
+        "far/f0"
+    );
+}
+
+#[test]
+fn a_pii_request_stays_in_the_gateways_cluster_and_an_unplaced_replica_refuses_it() {
+    let prompt = tokens(22, 4096);
+    let f = fleet(&prompt);
+    let s = f.service().with_origin(in_cluster_b(20.0));
+    let r = route(&s, request("p", "m", &["pii"], prompt.clone()));
+    assert_eq!(
+        target(&r),
+        "near/n0",
+        "the remote cache does not pull it out"
+    );
+    let x = explain(&s, request("px", "m", &["pii"], prompt.clone()));
+    let far = x
+        .candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().pool == "far")
+        .unwrap();
+    assert_eq!(far.filtered_by, "same_locality");
+    assert_eq!(
+        far.filtered_reason,
+        "in cluster c, not the asking gateway's b"
+    );
+    // A replica that does not know its cluster cannot keep the promise: it refuses.
+    let unplaced = f.service();
+    let r = route(&unplaced, request("u", "m", &["pii"], prompt));
+    assert!(
+        target(&r).starts_with("rejected(REJECT_CODE_POLICY)"),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn the_engines_time_is_learned_without_the_links() {
+    let prompt = tokens(23, 4096);
+    let f = fleet(&prompt);
+    let predictor = Arc::new(Predictor::new(kvplane_api::predict::wall_clock()));
+    let s = f
+        .service()
+        .with_origin(in_cluster_b(40.0))
+        .with_predictor(predictor.clone());
+    let r = route(&s, request("t", "m", &[], prompt));
+    assert_eq!(target(&r), "far/f0");
+    // The gateway saw exactly what was predicted for it, round trip included.
+    report_first_token(&s, "t", r.predicted_ttft_ms);
+    let (predicted, observed) = predictor.outcome("t").unwrap();
+    assert!(
+        (r.predicted_ttft_ms - predicted - 40.0).abs() < 1e-6,
+        "{r:?}"
+    );
+    assert!(
+        (observed - predicted).abs() < 1e-6,
+        "the engine is judged on its own time: {predicted} vs {observed}"
+    );
+}

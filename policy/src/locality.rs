@@ -1,0 +1,162 @@
+//! Where things run: a worker set's or provider's cluster, region and zone are its labels under
+//! the well-known keys below; a decision's origin is where the asking gateway is (the replica's
+//! `[locality]`, which its gateways share), with the round trip from there to each other
+//! cluster. A candidate in another cluster adds that round trip to its predicted TTFT; a
+//! rule's `filter.sameLocality` keeps only candidates at the origin's cluster, region or zone.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::kinds::Labels;
+
+/// The label naming a worker set's (or provider's) cluster.
+pub const CLUSTER_LABEL: &str = "kvplane.io/cluster";
+/// Kubernetes' well-known region and zone labels.
+pub const REGION_LABEL: &str = "topology.kubernetes.io/region";
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// A level of place, for `filter.sameLocality`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Level {
+    Cluster,
+    Region,
+    Zone,
+}
+
+impl Level {
+    /// The label that names a target's place at this level.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Cluster => CLUSTER_LABEL,
+            Self::Region => REGION_LABEL,
+            Self::Zone => ZONE_LABEL,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cluster => "cluster",
+            Self::Region => "region",
+            Self::Zone => "zone",
+        }
+    }
+}
+
+/// Where a decision is asked from, and the round trip from there to other clusters.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Origin {
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default)]
+    pub region: Option<String>,
+    #[serde(default)]
+    pub zone: Option<String>,
+    /// Round trip in ms from here to an engine in each named cluster.
+    #[serde(default)]
+    pub rtt_ms: BTreeMap<String, f64>,
+    /// Round trip to a cluster `rtt_ms` does not name (0: not told, nothing added).
+    #[serde(default)]
+    pub default_rtt_ms: f64,
+}
+
+impl Origin {
+    /// Its place at `level`, if configured.
+    pub fn at(&self, level: Level) -> Option<&str> {
+        match level {
+            Level::Cluster => self.cluster.as_deref(),
+            Level::Region => self.region.as_deref(),
+            Level::Zone => self.zone.as_deref(),
+        }
+    }
+
+    /// The network time from here to a target with `labels`: nothing to one in this cluster
+    /// or in no named cluster (taken to be here), else the round trip to its cluster.
+    pub fn network_ms(&self, labels: &Labels) -> f64 {
+        match labels.get(CLUSTER_LABEL) {
+            None => 0.0,
+            Some(c) if self.cluster.as_deref() == Some(c.as_str()) => 0.0,
+            Some(c) => self.rtt_ms.get(c).copied().unwrap_or(self.default_rtt_ms),
+        }
+    }
+
+    /// Problems with the configuration, each naming its field under `at` (e.g. `locality`).
+    pub fn problems(&self, at: &str) -> Vec<String> {
+        let mut p = Vec::new();
+        let bad = |v: f64| !v.is_finite() || v < 0.0;
+        for (c, v) in &self.rtt_ms {
+            if bad(*v) {
+                p.push(format!(
+                    "{at}.rtt_ms.{c} must be a finite number >= 0, not {v}"
+                ));
+            }
+            if self.cluster.as_deref() == Some(c.as_str()) {
+                p.push(format!(
+                    "{at}.rtt_ms names {c}, this replica's own cluster (always 0)"
+                ));
+            }
+        }
+        if bad(self.default_rtt_ms) {
+            p.push(format!(
+                "{at}.default_rtt_ms must be a finite number >= 0, not {}",
+                self.default_rtt_ms
+            ));
+        }
+        for (name, v) in [
+            ("cluster", &self.cluster),
+            ("region", &self.region),
+            ("zone", &self.zone),
+        ] {
+            if v.as_deref().is_some_and(str::is_empty) {
+                p.push(format!("{at}.{name} must not be empty"));
+            }
+        }
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(cluster: &str) -> Labels {
+        [(CLUSTER_LABEL.to_owned(), cluster.to_owned())].into()
+    }
+
+    #[test]
+    fn network_time_is_the_round_trip_to_another_named_cluster_and_nothing_here() {
+        let o = Origin {
+            cluster: Some("b".into()),
+            rtt_ms: [("c".to_owned(), 40.0)].into(),
+            default_rtt_ms: 90.0,
+            ..Origin::default()
+        };
+        assert_eq!(o.network_ms(&labels("b")), 0.0);
+        assert_eq!(o.network_ms(&Labels::new()), 0.0, "no cluster named: here");
+        assert_eq!(o.network_ms(&labels("c")), 40.0);
+        assert_eq!(o.network_ms(&labels("a")), 90.0, "not listed: the default");
+        assert_eq!(Origin::default().network_ms(&labels("c")), 0.0, "not told");
+    }
+
+    #[test]
+    fn a_bad_round_trip_or_an_empty_name_is_a_problem() {
+        let o = Origin {
+            cluster: Some("b".into()),
+            zone: Some(String::new()),
+            rtt_ms: [("b".to_owned(), 1.0), ("c".to_owned(), -1.0)].into(),
+            default_rtt_ms: f64::NAN,
+            ..Origin::default()
+        };
+        assert_eq!(
+            o.problems("locality"),
+            [
+                "locality.rtt_ms names b, this replica's own cluster (always 0)",
+                "locality.rtt_ms.c must be a finite number >= 0, not -1",
+                "locality.default_rtt_ms must be a finite number >= 0, not NaN",
+                "locality.zone must not be empty",
+            ]
+        );
+    }
+}
