@@ -93,6 +93,19 @@ pub enum Refusal {
         window_s: u64,
         retry_after_ms: u64,
     },
+    /// This replica holds its equal share of the window's first half (see
+    /// [`kvplane_state::Book::share`]); the rest is for the other replicas until the half.
+    #[error(
+        "{key}: this replica's share of the {what} limit ({share} of {budget} per {window_s} s window) is reached until half the window has passed"
+    )]
+    ShareReached {
+        key: LimitKey,
+        what: &'static str,
+        share: u64,
+        budget: u64,
+        window_s: u64,
+        retry_after_ms: u64,
+    },
     #[error(
         "{key}: no grant within {waited_ms} ms ({why}); this replica spent its escrow and fails closed"
     )]
@@ -118,15 +131,16 @@ pub enum GrantPending {
 impl Refusal {
     pub fn retry_after_ms(&self) -> u64 {
         match self {
-            Refusal::Exhausted { retry_after_ms, .. } | Refusal::NoGrant { retry_after_ms, .. } => {
-                *retry_after_ms
-            }
+            Refusal::Exhausted { retry_after_ms, .. }
+            | Refusal::ShareReached { retry_after_ms, .. }
+            | Refusal::NoGrant { retry_after_ms, .. } => *retry_after_ms,
         }
     }
 
     fn label(&self) -> &'static str {
         match self {
             Refusal::Exhausted { .. } => "exhausted",
+            Refusal::ShareReached { .. } => "share",
             Refusal::NoGrant { .. } => "no_grant",
         }
     }
@@ -134,7 +148,9 @@ impl Refusal {
     /// The limit that refused.
     pub(crate) fn key(&self) -> &LimitKey {
         match self {
-            Refusal::Exhausted { key, .. } | Refusal::NoGrant { key, .. } => key,
+            Refusal::Exhausted { key, .. }
+            | Refusal::ShareReached { key, .. }
+            | Refusal::NoGrant { key, .. } => key,
         }
     }
 }
@@ -401,8 +417,15 @@ impl Escrow {
                     .get(&m.key)
                     .filter(|b| b.window_start_ms == start);
                 let applied = view.quota.replicas.get(&self.cfg.replica).copied();
-                let (held, remaining) = book
-                    .map(|b| (self.held(&view, b), b.remaining()))
+                let (held, remaining, grantable, share) = book
+                    .map(|b| {
+                        (
+                            self.held(&view, b),
+                            b.remaining(),
+                            b.grantable(self.cfg.replica, now),
+                            b.share(self.cfg.replica, now),
+                        )
+                    })
                     .unwrap_or_default();
                 let (aside_tokens, aside_requests) =
                     local.set_aside(applied, self.cfg.incarnation, &m.key, start);
@@ -436,6 +459,28 @@ impl Escrow {
                             budget: l.window_requests().unwrap_or(0),
                             window_s,
                             retry_after_ms,
+                        })
+                    } else if book.is_some()
+                        && (avail_tokens + grantable.tokens < need_tokens
+                            || avail_requests + grantable.requests < need_requests)
+                    {
+                        // Room is left, for the other replicas' shares until the half.
+                        let tokens_short = avail_tokens + grantable.tokens < need_tokens;
+                        Some(Refusal::ShareReached {
+                            key: m.key.clone(),
+                            what: if tokens_short { "token" } else { "request" },
+                            share: if tokens_short {
+                                share.tokens
+                            } else {
+                                share.requests
+                            },
+                            budget: if tokens_short {
+                                l.window_tokens().unwrap_or(0)
+                            } else {
+                                l.window_requests().unwrap_or(0)
+                            },
+                            window_s,
+                            retry_after_ms: (start + window_ms / 2).saturating_sub(now).max(1),
                         })
                     } else {
                         local.wanted.insert(
@@ -566,9 +611,10 @@ impl Escrow {
             let want = wanted.get(&key).copied();
             let low = !current || avail < grant_tokens / 2 || avail_requests < grant_requests / 2;
             let exhausted = book.is_some_and(|b| {
+                let left = b.grantable(self.cfg.replica, now);
                 current
-                    && ((grant_tokens > 0 && b.remaining().tokens == 0)
-                        || (grant_requests > 0 && b.remaining().requests == 0))
+                    && ((grant_tokens > 0 && left.tokens == 0)
+                        || (grant_requests > 0 && left.requests == 0))
             });
             if (want.is_some() || low) && !exhausted {
                 let (t, q) = want.unwrap_or((grant_tokens, grant_requests));

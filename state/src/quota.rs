@@ -5,8 +5,12 @@
 //! multiples of the limit's length on the clock of the entry that opens them (the leader's),
 //! and a window never reopens, so a leader whose clock lags cannot grant a past window's budget
 //! twice. A grant is never more than what is left of the window's budget; when what is left is
-//! less than a full grant for every replica holding some, it is shared equally among them. A
-//! replica gives back what it will not use with a release; nothing is ever taken back by a
+//! less than a full grant for every replica holding some, it is shared equally among them.
+//! Latency decides no race for a scarce budget: while the first half of a window lasts, a
+//! replica holds at most an equal share of the budget among the replicas that asked in this
+//! window or the one before (a replica one WAN round trip from the leader asks later than the
+//! ones beside it, and would otherwise find the budget gone); from the half on, whatever is left
+//! goes to whoever asks ([`Book::grantable`]). A replica gives back what it will not use with a release; nothing is ever taken back by a
 //! timer. Batches are deduplicated by (replica, incarnation, sequence). A replica's new process
 //! (incarnation) starts holding nothing: what its earlier one held stays spent for the window,
 //! since no one knows how much of it was.
@@ -82,6 +86,12 @@ pub struct Book {
     /// spoke, less what its tickets gave back since.
     #[serde(default)]
     pub left_behind: BTreeMap<(u64, u64), u64>,
+    /// Replicas that asked in this window, and in the window just before it: the replicas an
+    /// equal share is reserved for while the window's first half lasts.
+    #[serde(default)]
+    pub askers: BTreeSet<u64>,
+    #[serde(default)]
+    pub previous_askers: BTreeSet<u64>,
 }
 
 impl Book {
@@ -109,6 +119,50 @@ impl Book {
     /// What `replica` holds in this window.
     pub fn held(&self, replica: u64) -> Amount {
         self.holders.get(&replica).copied().unwrap_or_default()
+    }
+
+    /// The most `replica` may hold at time `now_ms`: while the window's first half lasts, an
+    /// equal share of the budget among the replicas that asked in this window or the one
+    /// before (`replica` among them); from the half on, no bound but the budget.
+    pub fn share(&self, replica: u64, now_ms: u64) -> Amount {
+        let unbounded = Amount {
+            tokens: u64::MAX,
+            requests: u64::MAX,
+        };
+        if now_ms >= self.window_start_ms.saturating_add(self.window_ms / 2) {
+            return unbounded;
+        }
+        let mut sharing: BTreeSet<u64> =
+            self.askers.union(&self.previous_askers).copied().collect();
+        sharing.insert(replica);
+        let n = sharing.len() as u64;
+        let of = |budget: u64| {
+            if budget == u64::MAX {
+                u64::MAX
+            } else {
+                budget / n
+            }
+        };
+        Amount {
+            tokens: of(self.budget.tokens),
+            requests: of(self.budget.requests),
+        }
+    }
+
+    /// What can still be granted to `replica` at time `now_ms`: what is left of the budget,
+    /// within its [`Book::share`] less what it holds.
+    pub fn grantable(&self, replica: u64, now_ms: u64) -> Amount {
+        let (share, held, left) = (
+            self.share(replica, now_ms),
+            self.held(replica),
+            self.remaining(),
+        );
+        Amount {
+            tokens: left.tokens.min(share.tokens.saturating_sub(held.tokens)),
+            requests: left
+                .requests
+                .min(share.requests.saturating_sub(held.requests)),
+        }
     }
 }
 
@@ -216,16 +270,26 @@ impl Ledger {
             };
             let book = self.books.entry(a.key.clone()).or_default();
             if start > book.window_start_ms || book.window_ms != window_ms {
+                // Who asked in the window just before shares this one from its start.
+                let previous_askers =
+                    if book.window_ms == window_ms && start == book.window_end_ms() {
+                        std::mem::take(&mut book.askers)
+                    } else {
+                        BTreeSet::new()
+                    };
                 *book = Book {
                     window_start_ms: start,
                     window_ms,
                     budget,
+                    previous_askers,
                     ..Book::default()
                 };
             } else if start < book.window_start_ms {
                 // A past window (a leader whose clock is behind): never reopened.
                 continue;
             }
+            let grantable = book.grantable(b.replica, now_ms);
+            book.askers.insert(b.replica);
             let mut holders = book.holders.len() as u64;
             if !book.holders.contains_key(&b.replica) {
                 holders += 1;
@@ -235,9 +299,11 @@ impl Ledger {
             let g = Amount {
                 tokens: limit.window_tokens().map_or(0, |_| {
                     grant(a.tokens, left.tokens, limit.grant_tokens(), holders)
+                        .min(grantable.tokens)
                 }),
                 requests: limit.window_requests().map_or(0, |_| {
                     grant(a.requests, left.requests, limit.grant_requests(), holders)
+                        .min(grantable.requests)
                 }),
             };
             if g == Amount::default() {
@@ -335,6 +401,17 @@ impl Ledger {
             if !b.left_behind.is_empty() {
                 b.hash_left_behind(h);
             }
+            // Hashed only when present, as above.
+            if !b.askers.is_empty() || !b.previous_askers.is_empty() {
+                h.str("askers").u64(b.askers.len() as u64);
+                for r in &b.askers {
+                    h.u64(*r);
+                }
+                h.u64(b.previous_askers.len() as u64);
+                for r in &b.previous_askers {
+                    h.u64(*r);
+                }
+            }
         }
         h.u64(self.replicas.len() as u64);
         for (r, (inc, seq)) in &self.replicas {
@@ -411,15 +488,77 @@ pub(crate) mod tests {
         // 600 left is less than a full grant for each of two holders: half each.
         assert_eq!(l.apply(&ask(2, 1, 1000), 6, &c).granted.tokens, 300);
         assert_eq!(l.apply(&ask(3, 1, 1000), 7, &c).granted.tokens, 100);
-        // 200 left, three holders: a third each (rounded up), never more than is left.
-        assert_eq!(l.apply(&ask(1, 2, 1000), 8, &c).granted.tokens, 67);
-        let mut seq = 3;
-        while l.apply(&ask(1 + seq % 3, seq, 1000), 9, &c).granted.tokens > 0 {
+        // Replica 1 holds more than a third of the budget: nothing more in the first half.
+        assert_eq!(l.apply(&ask(1, 2, 1000), 8, &c).granted.tokens, 0);
+        // From the half on, 200 left, three holders: a third each (rounded up), never more
+        // than is left.
+        assert_eq!(l.apply(&ask(1, 3, 1000), 30_000, &c).granted.tokens, 67);
+        let mut seq = 4;
+        while l
+            .apply(&ask(1 + seq % 3, seq, 1000), 30_001, &c)
+            .granted
+            .tokens
+            > 0
+        {
             seq += 1;
         }
         assert_eq!(l.books[&key()].granted.tokens, 1000);
-        // The next window starts afresh.
-        assert_eq!(l.apply(&ask(1, 100, 1000), 60_000, &c).granted.tokens, 400);
+        // The next window starts afresh, its first half shared by the three that asked before.
+        assert_eq!(l.apply(&ask(1, 100, 1000), 60_000, &c).granted.tokens, 333);
+    }
+
+    /// Replicas asking in turn for a window whose budget is far below their demand, some of
+    /// them late (as one a WAN round trip from the leader asks): in the first half each gets
+    /// at most its equal share among this window's and the last window's askers, so a late
+    /// replica that asked in the window before still finds its share; from the half on the
+    /// rest goes to whoever asks, and the budget is never exceeded. The expected shares come
+    /// from a plain model: budget / replicas.
+    #[test]
+    fn a_late_replica_finds_its_equal_share_in_the_first_half_and_the_rest_goes_after() {
+        let c = catalog(12_000, 1_000);
+        let mut l = Ledger::default();
+        let mut seq = BTreeMap::<u64, u64>::new();
+        let mut ask_at = |l: &mut Ledger, replica: u64, now: u64| {
+            let s = seq.entry(replica).or_default();
+            *s += 1;
+            l.apply(&ask(replica, *s, 1_000), now, &c).granted.tokens
+        };
+        // Window 0: replicas 1-3 beside the leader ask first and often, replica 4 once, late.
+        for t in 0..30u64 {
+            for r in 1..=3 {
+                ask_at(&mut l, r, t);
+            }
+        }
+        ask_at(&mut l, 4, 100);
+        let book = &l.books[&key()];
+        // Unknown until its first ask: the three before it took a third each, and it found
+        // nothing.
+        for r in 1..=3 {
+            assert_eq!(book.held(r).tokens, 12_000 / 3, "replica {r}: {book:?}");
+        }
+        assert_eq!(book.held(4).tokens, 0);
+        // Window 1 (60 s on): replica 4 is late again, but it asked in window 0, so it is
+        // counted from the start: the others stop at a quarter each.
+        for t in 60_000..60_030u64 {
+            for r in 1..=3 {
+                ask_at(&mut l, r, t);
+            }
+        }
+        let book = &l.books[&key()];
+        for r in 1..=3 {
+            assert_eq!(book.held(r).tokens, 12_000 / 4, "replica {r}: {book:?}");
+        }
+        while ask_at(&mut l, 4, 60_100) > 0 {}
+        assert_eq!(l.books[&key()].held(4).tokens, 12_000 / 4);
+        // From the half on, what a replica does not use is anyone's: all of it is granted, and
+        // never more.
+        let book = l.books.get_mut(&key()).unwrap();
+        let held_4 = book.holders.get_mut(&4).unwrap();
+        held_4.tokens -= 2_000;
+        book.granted.tokens -= 2_000;
+        while ask_at(&mut l, 1, 90_000) > 0 {}
+        assert_eq!(l.books[&key()].granted.tokens, 12_000);
+        assert_eq!(l.books[&key()].held(1).tokens, 5_000);
     }
 
     #[test]
