@@ -40,24 +40,9 @@ impl ForwardError {
     pub(crate) fn not_delivered(&self) -> bool {
         match self {
             Self::NotAMember(_) | Self::Address { .. } => true,
-            Self::Call { status, .. } => connection_refused(status),
+            Self::Call { status, .. } => kvplane_tls::connection_refused(status),
         }
     }
-}
-
-/// Whether `status` comes from a refused connection (an `io::Error` of that kind in its
-/// sources).
-fn connection_refused(status: &tonic::Status) -> bool {
-    let mut cur = std::error::Error::source(status);
-    while let Some(e) = cur {
-        if e.downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
-        {
-            return true;
-        }
-        cur = e.source();
-    }
-    false
 }
 
 /// This replica's id and the cluster's members, to forward reports to the replica that

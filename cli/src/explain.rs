@@ -35,6 +35,14 @@ pub struct ExplainArgs {
     /// rights of the certificate it is asked with.
     #[arg(long)]
     pub identity: Option<String>,
+    /// Offline: decide as a replica in this cluster would (its `[locality] cluster`): what
+    /// `filter.sameLocality` compares with, and where round trips start.
+    #[arg(long, value_name = "CLUSTER")]
+    pub cluster: Option<String>,
+    /// Offline: the round trip from `--cluster` to another cluster's engines, in ms
+    /// (repeatable), as the replica's `[locality] rtt_ms`.
+    #[arg(long = "rtt", value_name = "CLUSTER=MS", value_parser = parse_rtt)]
+    pub rtt: Vec<(String, f64)>,
     /// The request as JSON: `{"tenant", "model", "tags", "headers", "body", "token_ids",
     /// "max_output_tokens"}` (`body` is the OpenAI request body). Else the flags above.
     #[arg(value_name = "REQUEST.json")]
@@ -85,6 +93,10 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             a.identity.is_none(),
             "--identity is for offline explain (give --state and/or --policies); online, Explain shows the rights of the certificate given with --tls-dir"
         );
+        anyhow::ensure!(
+            a.cluster.is_none() && a.rtt.is_empty(),
+            "--cluster and --rtt are for offline explain (give --state and/or --policies); online, the node's [locality] applies"
+        );
         return route::route(a.route, true).await;
     }
     let req = match &a.request {
@@ -98,11 +110,26 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
     if !a.policies.is_empty() {
         apply_policies(&mut sm, &a.policies)?;
     }
+    let origin = kvplane_policy::Origin {
+        cluster: a.cluster.clone(),
+        rtt_ms: a.rtt.iter().cloned().collect(),
+        ..kvplane_policy::Origin::default()
+    };
+    let problems = origin.problems("locality");
+    anyhow::ensure!(
+        problems.is_empty(),
+        "{}",
+        problems
+            .join("; ")
+            .replace("locality.cluster", "--cluster")
+            .replace("locality.rtt_ms", "--rtt")
+    );
     let service = RouterService::new(
         sm.handle(),
         CostModel::default(),
         Arc::new(ApiMetrics::default()),
-    );
+    )
+    .with_origin(origin);
     let mut request = tonic::Request::new(req);
     if let Some(id) = &a.identity {
         let grants = sm.handle().load().catalog.grants(id);
@@ -119,6 +146,17 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
         .map_err(|s| anyhow::anyhow!("{}", s.message()))?
         .into_inner();
     route::print_explain(&x, a.route.json)
+}
+
+/// `CLUSTER=MS`.
+fn parse_rtt(s: &str) -> Result<(String, f64), String> {
+    let (c, ms) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not CLUSTER=MS"))?;
+    let ms: f64 = ms
+        .parse()
+        .map_err(|_| format!("{ms:?} in {s:?} is not a number of milliseconds"))?;
+    Ok((c.to_owned(), ms))
 }
 
 /// Replaces the state's policy catalog with the one in `paths`, through `apply`.

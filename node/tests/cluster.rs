@@ -439,3 +439,84 @@ async fn a_learner_that_cannot_reach_the_leader_joins_writes_and_reads_through_a
         "{err}"
     );
 }
+
+/// A relayed write whose answer is lost on the way back (the link is cut once the leader has
+/// applied it, while the answer is still held by the link's delay) is reported with its outcome
+/// unknown, and is never sent again: healed at once, the link would let a retry through, and
+/// the next write is the entry right after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_write_whose_answer_is_lost_is_reported_unknown_and_never_sent_again() {
+    use kvplane_proto::v1::PutConfigRequest;
+    let (mut cluster, _js) = started(&NodeOptions::default()).await;
+    let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
+    let follower = (leader + 1) % 3;
+    let link = kvplane_testkit::link::Link::start_delayed(
+        cluster.nodes[follower].grpc.port(),
+        Duration::from_millis(400),
+    )
+    .await;
+    let addr = format!("127.0.0.1:{}", harness::free_port());
+    let o = NodeOptions {
+        grpc_listen: addr.clone(),
+        raft: Some(harness::RaftOptions {
+            id: 4,
+            peers: vec![(4, addr)],
+            join: vec![format!("127.0.0.1:{}", link.port)],
+            learner: true,
+            relay_through_join: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    cluster.add_node("relaying", &o);
+    let voters: Vec<u64> = (0..3).map(|i| cluster.nodes[i].raft_id.unwrap()).collect();
+    cluster.nodes[3].block(voters).await;
+    let any = cluster.nodes[leader].endpoint();
+    eventually("the learner joined", Duration::from_secs(30), || async {
+        kvplane_ok(&["cluster", "status", "--addr", &any])
+            .lines()
+            .any(|l| l.contains(" 4 ") && l.ends_with("learner"))
+            .then_some(())
+    })
+    .await;
+    let before = cluster.nodes[leader].status().await.config_index;
+    let mut admin = cluster.nodes[3].admin().await;
+    let write = tokio::spawn(async move {
+        admin
+            .put_config(PutConfigRequest {
+                kind: "pool".into(),
+                name: "once".into(),
+                value: br#"{"block_size":16,"models":["m"]}"#.to_vec(),
+            })
+            .await
+    });
+    let written = eventually(
+        "the leader applied the write",
+        Duration::from_secs(10),
+        || async {
+            let i = cluster.nodes[leader].status().await.config_index;
+            (i > before).then_some(i)
+        },
+    )
+    .await;
+    link.cut();
+    link.heal();
+    let err = write.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(err.message().contains("outcome is unknown"), "{err}");
+    // A retry would have been applied well within this: the link passes writes again.
+    let probe = cluster.nodes[3]
+        .admin()
+        .await
+        .put_config(PutConfigRequest {
+            kind: "pool".into(),
+            name: "after".into(),
+            value: br#"{"block_size":16,"models":["m"]}"#.to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .index;
+    // Nothing else writes to this cluster: the probe is the next entry after the write.
+    assert_eq!(probe, written + 1, "the lost write was sent again");
+}

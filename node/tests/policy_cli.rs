@@ -124,3 +124,65 @@ fn explain_shows_what_an_identity_may_do_and_whether_it_may_route_the_tenant() {
         "{b}"
     );
 }
+
+/// Offline explain decides as a replica in `--cluster` would: a `sameLocality` rule drops the
+/// other cluster's worker set with its words, `--rtt` adds the round trip to its predicted
+/// TTFT, and a round trip with no cluster of one's own is refused.
+#[test]
+fn explain_decides_as_a_replica_in_the_cluster_it_is_told() {
+    let dir = tempfile::tempdir().unwrap();
+    let set = |name: &str, cluster: &str, ip: &str| {
+        format!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: {name}}}\nspec:\n  model: m\n  labels: {{kvplane.io/cluster: {cluster}}}\n  endpoints: [{{worker: {name}0, address: \"http://{ip}:8000\"}}]\n---\n"
+        )
+    };
+    let yaml = set("near", "b", "10.0.0.1")
+        + &set("far", "c", "10.0.1.1")
+        + "apiVersion: kvplane.io/v1alpha1\nkind: InferencePool\nmetadata: {name: all}\nspec: {workerSets: [near, far]}\n---\n"
+        + "apiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata: {name: m}\nspec: {publicModel: m, backends: [{pool: all}], policies: [local-pii]}\n---\n"
+        + "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: local-pii}\nspec:\n  rules:\n  - {name: stay, match: {tags: [pii]}, filter: {sameLocality: Cluster}}\n";
+    std::fs::write(dir.path().join("p.yaml"), yaml).unwrap();
+    let policies = dir.path().to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "explain",
+            "--policies",
+            policies,
+            "--model",
+            "m",
+            "--prompt",
+            "hi",
+        ];
+        args.extend_from_slice(extra);
+        kvplane(&args)
+    };
+    let explain = |extra: &[&str]| {
+        let out = run(&[extra, &["--json"]].concat());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let x = explain(&["--tag", "pii", "--cluster", "b", "--rtt", "c=40"]);
+    let far = x["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["pool"] == "far")
+        .unwrap();
+    assert_eq!(far["filtered_by"], "same_locality");
+    assert_eq!(far["network_ms"], 40.0);
+    assert_eq!(x["decision"]["endpoint"]["pool"], "near", "{x}");
+    // Not told its cluster: the rule keeps its promise by refusing.
+    let x = explain(&["--tag", "pii"]);
+    assert!(x["decision"]["rejection"].is_object(), "{x}");
+    let out = run(&["--rtt", "c=40"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--cluster is needed with round trips"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

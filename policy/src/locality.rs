@@ -86,7 +86,15 @@ impl Origin {
     pub fn problems(&self, at: &str) -> Vec<String> {
         let mut p = Vec::new();
         let bad = |v: f64| !v.is_finite() || v < 0.0;
+        if self.cluster.is_none() && (!self.rtt_ms.is_empty() || self.default_rtt_ms > 0.0) {
+            p.push(format!(
+                "{at}.cluster is needed with round trips: without it every cluster, this one too, is another"
+            ));
+        }
         for (c, v) in &self.rtt_ms {
+            if c.is_empty() {
+                p.push(format!("{at}.rtt_ms has an empty cluster name"));
+            }
             if bad(*v) {
                 p.push(format!(
                     "{at}.rtt_ms.{c} must be a finite number >= 0, not {v}"
@@ -142,6 +150,17 @@ mod tests {
 
     #[test]
     fn a_bad_round_trip_or_an_empty_name_is_a_problem() {
+        let unplaced = Origin {
+            rtt_ms: [(String::new(), 1.0)].into(),
+            ..Origin::default()
+        };
+        assert_eq!(
+            unplaced.problems("locality"),
+            [
+                "locality.cluster is needed with round trips: without it every cluster, this one too, is another",
+                "locality.rtt_ms has an empty cluster name",
+            ]
+        );
         let o = Origin {
             cluster: Some("b".into()),
             zone: Some(String::new()),

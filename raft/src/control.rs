@@ -52,8 +52,8 @@ pub enum ClusterError {
             >,
         >,
     ),
-    /// A relayed ask the leader did not carry out (its answer).
-    #[error("the leader at {leader} did not add the member: {message}")]
+    /// A relayed ask the leader refused, or that did not reach it (its status).
+    #[error("asking the leader at {leader} to add the member failed: {message}")]
     Relay {
         leader: String,
         code: tonic::Code,

@@ -24,6 +24,8 @@ pub enum ForwardError {
         leader: Option<u64>,
     },
     Failed(String),
+    /// A relaying member reached no answer in time: the outcome is unknown (its words).
+    Unavailable(String),
 }
 
 pub(crate) type ForwardReply = Result<ApplyResult, ForwardError>;
@@ -47,6 +49,14 @@ impl std::fmt::Debug for Replica {
             .field("via", &self.via)
             .finish_non_exhaustive()
     }
+}
+
+/// Whether a result is returned once this member applied it (its own caller reads it here) or
+/// as soon as the leader gave it (a relayed request: the sender waits for its own apply).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Applied {
+    Here,
+    Elsewhere,
 }
 
 /// Where one attempt goes.
@@ -106,7 +116,9 @@ impl Replica {
     }
 
     async fn write_through_leader(&self, command: Command) -> Result<u64, ProposeError> {
-        let result = self.apply_through_leader("write", command).await?;
+        let result = self
+            .apply_through_leader("write", Applied::Here, command)
+            .await?;
         match result.rejected {
             None => Ok(result.index),
             Some(reason) => Err(ProposeError::Refused {
@@ -119,9 +131,10 @@ impl Replica {
     async fn apply_through_leader(
         &self,
         what: &'static str,
+        applied: Applied,
         command: Command,
     ) -> Result<ApplyResult, ProposeError> {
-        self.with_leader(what, |route| {
+        self.with_leader(what, applied, |route| {
             let command = command.clone();
             async move {
                 match route {
@@ -134,20 +147,24 @@ impl Replica {
         .await
     }
 
-    /// A write another member relayed here: committed through this member's leader. Nothing
-    /// done (no leader reached in time) answers as a member that does not lead, so the sender
-    /// may try again; anything else that failed (the outcome may be unknown) it may not.
+    /// A write another member relayed here: committed through this member's leader, answered
+    /// as soon as the leader answers (the sender waits for its own apply; this member need not
+    /// have applied it). No leader reached in time answers as a member that does not lead;
+    /// anything else that failed, with its words. The sender tries neither again: this member
+    /// already tried until its own timeout.
     pub(crate) async fn relay_write(&self, command: Command) -> ForwardReply {
-        let result = self.apply_through_leader("relayed write", command).await;
+        let result = self
+            .apply_through_leader("relayed write", Applied::Elsewhere, command)
+            .await;
         self.failures
             .count("relay_write", result)
             .map_err(relay_error)
     }
 
-    /// A read barrier another member relayed here: the leader's read index, once this member
-    /// applied that far.
+    /// A read barrier another member relayed here: the leader's read index (the sender waits
+    /// until it applied that far).
     pub(crate) async fn relay_read_index(&self) -> ReadIndexReply {
-        let result = self.barrier().await;
+        let result = self.read_index(Applied::Elsewhere).await;
         self.failures
             .count("relay_read_barrier", result)
             .map_err(relay_error)
@@ -156,12 +173,13 @@ impl Replica {
     /// Resolves with an index once this replica has applied everything committed before the
     /// call (the leader confirmed its leadership with a quorum).
     pub async fn read_barrier(&self) -> Result<u64, ProposeError> {
-        let result = self.barrier().await;
+        let result = self.read_index(Applied::Here).await;
         self.failures.count("read_barrier", result)
     }
 
-    async fn barrier(&self) -> Result<u64, ProposeError> {
-        self.with_leader("linearizable read", |route| async move {
+    /// The leader's read index, retried on any failure (a read changes nothing).
+    async fn read_index(&self, applied: Applied) -> Result<u64, ProposeError> {
+        self.with_leader("linearizable read", applied, |route| async move {
             let (id, addr) = match route {
                 Route::Here => return self.read_index_here().await,
                 Route::Leader(id, addr) => (Some(id), addr),
@@ -179,13 +197,14 @@ impl Replica {
                 (Err(ForwardError::NotLeader { .. }), None) => Ok(Attempt::Retry(format!(
                     "{addr} reached no leader to relay the read to"
                 ))),
-                (Err(ForwardError::Failed(message)), Some(leader)) => {
-                    Err(ProposeError::Unavailable(Unavailable::LeaderNotConfirmed {
-                        leader,
-                        message,
-                    }))
-                }
-                (Err(ForwardError::Failed(message)), None) => {
+                (
+                    Err(ForwardError::Failed(message) | ForwardError::Unavailable(message)),
+                    Some(leader),
+                ) => Err(ProposeError::Unavailable(Unavailable::LeaderNotConfirmed {
+                    leader,
+                    message,
+                })),
+                (Err(ForwardError::Failed(message) | ForwardError::Unavailable(message)), None) => {
                     Err(ProposeError::Unavailable(Unavailable::RelayNotConfirmed {
                         via: addr,
                         message,
@@ -218,6 +237,7 @@ impl Replica {
     async fn with_leader<T, F, Fut>(
         &self,
         what: &'static str,
+        applied: Applied,
         mut attempt: F,
     ) -> Result<T, ProposeError>
     where
@@ -254,6 +274,7 @@ impl Replica {
                 None => Ok(Ok(Attempt::Retry("no leader is known".into()))),
             };
             match outcome {
+                Ok(Ok(Attempt::Done(t))) if applied == Applied::Elsewhere => return Ok(t),
                 Ok(Ok(Attempt::Done(t))) => {
                     let remaining = deadline.saturating_duration_since(Instant::now());
                     self.raft
@@ -300,7 +321,8 @@ impl Replica {
         }
     }
 
-    /// A write sent to leader `id` at `addr`, or (no id) to the relay at `addr`.
+    /// A write sent to leader `id` at `addr`, or (no id) to the relay at `addr`. A relayed
+    /// write is tried again only when it surely never left: its connection was refused.
     async fn write_at(
         &self,
         id: Option<u64>,
@@ -309,18 +331,37 @@ impl Replica {
     ) -> Result<Attempt<ApplyResult>, ProposeError> {
         let reply: ForwardReply = match self.call(id, addr, Rpc::Propose(&command)).await {
             Ok(r) => r,
-            Err(e) => return Ok(Attempt::Retry(e.to_string())),
+            Err(e) if id.is_some() || !e.delivered_maybe() => {
+                return Ok(Attempt::Retry(e.to_string()));
+            }
+            Err(e) => {
+                return Err(ProposeError::Unavailable(Unavailable::RelayLost {
+                    via: addr.to_owned(),
+                    why: e.to_string(),
+                }));
+            }
         };
         match (reply, id) {
             (Ok(r), _) => Ok(Attempt::Done(r)),
             (Err(ForwardError::NotLeader { .. }), Some(id)) => {
                 Ok(Attempt::Retry(format!("node {id} no longer leads")))
             }
-            (Err(ForwardError::NotLeader { .. }), None) => Ok(Attempt::Retry(format!(
-                "{addr} reached no leader to relay the write to"
-            ))),
-            (Err(ForwardError::Failed(message)), Some(leader)) => {
-                Err(ProposeError::Log(LogFailure::Leader { leader, message }))
+            (Err(ForwardError::NotLeader { .. }), None) => {
+                Err(ProposeError::Unavailable(Unavailable::NoLeader {
+                    what: "relayed write",
+                    timeout: self.timeout,
+                    why: format!("{addr} reached no leader to relay it to"),
+                }))
+            }
+            (
+                Err(ForwardError::Failed(message) | ForwardError::Unavailable(message)),
+                Some(leader),
+            ) => Err(ProposeError::Log(LogFailure::Leader { leader, message })),
+            (Err(ForwardError::Unavailable(why)), None) => {
+                Err(ProposeError::Unavailable(Unavailable::RelayLost {
+                    via: addr.to_owned(),
+                    why,
+                }))
             }
             (Err(ForwardError::Failed(message)), None) => {
                 Err(ProposeError::Log(LogFailure::Relay {
@@ -368,6 +409,7 @@ fn relay_error(e: ProposeError) -> ForwardError {
         ProposeError::Unavailable(Unavailable::NoLeader { .. }) => {
             ForwardError::NotLeader { leader: None }
         }
+        e @ ProposeError::Unavailable(_) => ForwardError::Unavailable(e.to_string()),
         e => ForwardError::Failed(e.to_string()),
     }
 }

@@ -514,23 +514,21 @@ impl crate::ClusterControl for RaftMember {
         relay: bool,
     ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
-            if relay && !self.is_leader() {
-                let leader = match self.leader_only() {
-                    Err(crate::ClusterError::NotLeader {
-                        leader: Some(leader),
-                    }) => leader,
-                    Err(e) => return Err(e),
-                    Ok(()) => unreachable!("checked: this member does not lead"),
-                };
-                return add_through(&self.dialer, &leader, (id, &addr), learner, false)
-                    .await
-                    .map_err(|s| crate::ClusterError::Relay {
-                        leader,
-                        code: s.code(),
-                        message: s.message().to_owned(),
-                    });
+            match self.leader_only() {
+                Ok(()) => {}
+                Err(crate::ClusterError::NotLeader {
+                    leader: Some(leader),
+                }) if relay => {
+                    return add_through(&self.dialer, &leader, (id, &addr), learner, false)
+                        .await
+                        .map_err(|s| crate::ClusterError::Relay {
+                            leader,
+                            code: s.code(),
+                            message: s.message().to_owned(),
+                        });
+                }
+                Err(e) => return Err(e),
             }
-            self.leader_only()?;
             // Members reach each other at the addresses the membership records: a wildcard
             // one (a node that listens on 0.0.0.0 and advertises nothing) reaches no one.
             let wildcard = |a: &str| {

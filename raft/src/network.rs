@@ -79,20 +79,38 @@ pub enum PeerError {
         code: tonic::Code,
         message: String,
     },
-    /// A call to a member that relays to its leader ended: no answer came back.
+    /// A call to a member that relays to its leader ended without its answer: the request may
+    /// have reached it.
     #[error("the relay at {addr} answered {code:?}: {message}")]
     Relay {
         addr: String,
         code: tonic::Code,
         message: String,
     },
+    /// The member that relays refused the connection: nothing was sent.
+    #[error("the relay at {addr} refused the connection: {message}")]
+    RelayRefused { addr: String, message: String },
 }
 
 impl PeerError {
+    /// Whether the request may have reached the other end (so a write must not be sent again).
+    pub(crate) fn delivered_maybe(&self) -> bool {
+        !matches!(
+            self,
+            Self::CutOff { .. }
+                | Self::Address { .. }
+                | Self::Encode(_)
+                | Self::RelayRefused { .. }
+        )
+    }
+
     /// The error of a call to `peer` at `addr` (no peer: the relay there) that `status` ended.
     pub(crate) fn from_status(peer: Option<u64>, addr: &str, status: &Status) -> Self {
         let (addr, message) = (addr.to_owned(), status.message().to_owned());
         let Some(peer) = peer else {
+            if kvplane_tls::connection_refused(status) {
+                return Self::RelayRefused { addr, message };
+            }
             return Self::Relay {
                 addr,
                 code: status.code(),

@@ -380,8 +380,18 @@ impl RaftSection {
                 );
             }
         }
-        if self.relay_through_join && self.join.is_empty() {
-            p.push("raft.relay_through_join needs raft.join: the members to relay through".into());
+        if self.relay_through_join {
+            if !self.learner {
+                p.push(
+                    "raft.relay_through_join is for a learner (raft.learner): voters reach each other at their recorded addresses"
+                        .into(),
+                );
+            }
+            if self.join.is_empty() && self.kubernetes.is_none() {
+                p.push(
+                    "raft.relay_through_join needs raft.join: the members to relay through".into(),
+                );
+            }
         }
         if self.forward_timeout_ms == 0 {
             p.push("raft.forward_timeout_ms must be at least 1".into());
@@ -470,7 +480,10 @@ mod tests {
         section("id = 5\nrelay_through_join = true\n").problems("10.1.0.5:7070", &mut p);
         assert_eq!(
             p,
-            ["raft.relay_through_join needs raft.join: the members to relay through"]
+            [
+                "raft.relay_through_join is for a learner (raft.learner): voters reach each other at their recorded addresses",
+                "raft.relay_through_join needs raft.join: the members to relay through"
+            ]
         );
     }
 

@@ -61,6 +61,10 @@ pub enum Unavailable {
     /// The leader a read was forwarded to could not confirm its leadership.
     #[error("leader {leader} could not confirm its leadership: {message}")]
     LeaderNotConfirmed { leader: u64, message: String },
+    /// A write relayed through `via` got no answer (the connection ended after it was sent):
+    /// it may or may not have taken effect.
+    #[error("the write relayed through {via} got no answer ({why}); its outcome is unknown")]
+    RelayLost { via: String, why: String },
     /// The member a read was relayed through could not get it confirmed by its leader.
     #[error("the read relayed through {via} was not confirmed: {message}")]
     RelayNotConfirmed { via: String, message: String },

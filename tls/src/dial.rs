@@ -100,6 +100,22 @@ impl Dialer {
     }
 }
 
+/// Whether a call that ended with `status` never reached its server: its connection was
+/// refused (an `io::Error` of that kind among its sources), so nothing was sent. Any other
+/// failure may have come after the server received the request.
+pub fn connection_refused(status: &tonic::Status) -> bool {
+    let mut cur = std::error::Error::source(status);
+    while let Some(e) = cur {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 impl Client {
     fn config(&self) -> Arc<ClientConfig> {
         match self {

@@ -19,7 +19,7 @@ mod material;
 mod reload;
 mod section;
 
-pub use dial::Dialer;
+pub use dial::{Dialer, connection_refused};
 pub use http::{HttpSection, OnLimit, serve_http};
 pub use identity::{Identity, Peer};
 pub use incoming::{Conn, incoming};
