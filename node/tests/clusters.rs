@@ -116,3 +116,268 @@ async fn another_clusters_stream_is_a_source_of_its_own_and_a_cut_link_delays_on
         "{m}"
     );
 }
+
+/// Worker sets `gpu-a`, `gpu-b`, `gpu-c` (model m, each labelled with its cluster, all slow to
+/// prefill: 2,000 tokens/s) behind one public model `m`.
+const THREE_CLUSTERS: &str = "apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: gpu-a}
+spec: {model: m, prefillTokensPerSecond: 2000, labels: {kvplane.io/cluster: a}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: gpu-b}
+spec: {model: m, prefillTokensPerSecond: 2000, labels: {kvplane.io/cluster: b}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {name: gpu-c}
+spec: {model: m, prefillTokensPerSecond: 2000, labels: {kvplane.io/cluster: c}}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: InferencePool
+metadata: {name: all}
+spec: {workerSets: [gpu-a, gpu-b, gpu-c]}
+---
+apiVersion: kvplane.io/v1alpha1
+kind: GatewayBackend
+metadata: {name: m}
+spec: {publicModel: m, backends: [{pool: all}]}
+";
+
+/// Where a request for model m with `tokens` goes on `node` (Explain: nothing recorded), and
+/// the blocks matched there.
+async fn decided(node: &harness::Node, tokens: &[u32]) -> (String, u32) {
+    use kvplane_proto::v1::route_response::Decision;
+    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
+        .await
+        .unwrap();
+    let r = c
+        .explain(kvplane_proto::v1::RouteRequest {
+            model: "m".into(),
+            token_ids: tokens.to_vec(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .decision
+        .unwrap_or_default();
+    match r.decision {
+        Some(Decision::Endpoint(e)) => (format!("{}/{}", e.pool, e.worker_id), r.matched_blocks),
+        other => (format!("{other:?}"), 0),
+    }
+}
+
+/// `n` tokens of prompt `i`.
+fn long_prompt(i: u64, n: u32) -> Vec<u32> {
+    (0..n).map(|t| i as u32 * 100_000 + t).collect()
+}
+
+/// Three clusters on loopback, each with its own nats-server and engines: A holds the three
+/// voters, B and C one learner each (`[locality]` its own cluster, 100 ms to the others;
+/// `relay_through_join`). Every path between clusters runs through a link that delays each
+/// byte 10 ms each way: the leader reading B's and C's streams, each learner's relay into A,
+/// and A's replication to each learner (whose direct calls to A's members are cut, as pod
+/// names of A do not resolve in B or C).
+///
+/// - A prefix cached on an engine in C is known to B's learner and routed to from B when the
+///   prefill it saves (4,096 tokens, about 2 s) is worth the 100 ms; a short prefix cached
+///   there (48 tokens: 24 ms of prefill, 48 ms with what it would delay after it) is not: B's
+///   own engine.
+/// - B cut off (its stream, its relay and A's replication to it): B's learner goes on routing
+///   from the state it holds, B's engines' events wait in B's stream; healed, the leader
+///   applies them once, B's learner catches up, and all five replicas agree on one digest.
+///
+/// Prints the events' lag from C's stream to B's learner and Route's latency on B's learner
+/// and on a voter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_catches_up() {
+    use harness::{RaftOptions, free_port};
+    use std::time::Instant;
+    let one_way = Duration::from_millis(10);
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(policies.path().join("fleet.yaml"), THREE_CLUSTERS).unwrap();
+    let (b_nats, c_nats) = (Nats::start(), Nats::start());
+    let (to_b_nats, to_c_nats) = (
+        Link::start_delayed(b_nats.port, one_way).await,
+        Link::start_delayed(c_nats.port, one_way).await,
+    );
+    let o = NodeOptions {
+        policy_dir: Some(policies.path().to_owned()),
+        extra_toml: format!(
+            "[[ingest.clusters]]\nname = \"cluster-b\"\nnats_url = \"nats://127.0.0.1:{}\"\n\n[[ingest.clusters]]\nname = \"cluster-c\"\nnats_url = \"nats://127.0.0.1:{}\"\n",
+            to_b_nats.port, to_c_nats.port
+        ),
+        ..Default::default()
+    };
+    let (js_b, js_c) = (b_nats.jetstream().await, c_nats.jetstream().await);
+    for js in [&js_b, &js_c] {
+        ensure_stream(js, "KVPLANE").await.unwrap();
+    }
+    let (mut cluster, js_a) = harness::started(&o).await;
+    let leader = eventually("a leader", Duration::from_secs(20), || {
+        cluster.leader(&[0, 1, 2])
+    })
+    .await;
+    let follower = (leader + 1) % 3;
+    let voters: Vec<u64> = (0..3).map(|i| cluster.nodes[i].raft_id.unwrap()).collect();
+
+    // A learner in each of B and C, reached and reaching A only through delayed links.
+    let mut links = Vec::new();
+    let root = tempfile::tempdir().unwrap();
+    for (id, name, nats) in [(4u64, "b", &b_nats), (5, "c", &c_nats)] {
+        let port = free_port();
+        let inbound = Link::start_delayed(port, one_way).await;
+        let outbound = Link::start_delayed(cluster.nodes[follower].grpc.port(), one_way).await;
+        let lo = NodeOptions {
+            grpc_listen: format!("127.0.0.1:{port}"),
+            policy_dir: Some(policies.path().to_owned()),
+            extra_toml: format!("[locality]\ncluster = \"{name}\"\ndefault_rtt_ms = 100\n"),
+            raft: Some(RaftOptions {
+                id,
+                peers: vec![(id, format!("127.0.0.1:{}", inbound.port))],
+                join: vec![format!("127.0.0.1:{}", outbound.port)],
+                learner: true,
+                relay_through_join: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let node = harness::Node::start(
+            &format!("learner-{name}"),
+            &root.path().join(name),
+            &nats.url(),
+            &lo,
+        );
+        node.block(voters.clone()).await;
+        cluster.nodes.push(node);
+        links.push((inbound, outbound));
+    }
+    let (b, c) = (3usize, 4usize);
+
+    // Engines: a0 in A, b0 in B, c0 in C. c0 caches a long prompt and a short one.
+    let up = |set: &str, w: &str| {
+        (
+            kvplane_ingest::worker_subject(set, w),
+            format!(r#"{{"status":"up","address":"http://{w}:8000"}}"#).into_bytes(),
+        )
+    };
+    for (js, (subject, body)) in [
+        (&js_a, up("gpu-a", "a0")),
+        (&js_b, up("gpu-b", "b0")),
+        (&js_c, up("gpu-c", "c0")),
+    ] {
+        publish(js, subject, body).await;
+    }
+    let long = long_prompt(1, 4096);
+    let short = long_prompt(2, 48);
+    let published = Instant::now();
+    publish(&js_c, kv_subject("gpu-c", "c0"), chain(&long, 7)).await;
+    publish(&js_c, kv_subject("gpu-c", "c0"), chain(&short, 8)).await;
+    eventually(
+        "c0's prefixes known to B's learner",
+        Duration::from_secs(60),
+        || async {
+            (decided(&cluster.nodes[b], &long).await == ("gpu-c/c0".to_owned(), 256)).then_some(())
+        },
+    )
+    .await;
+    let lag = published.elapsed();
+    // Worth the link: the long prefix goes to C. Not worth it: the short one stays in B.
+    assert_eq!(decided(&cluster.nodes[b], &short).await.0, "gpu-b/b0");
+    // Asked in C itself, both are local.
+    eventually(
+        "C's learner knows c0's prefixes",
+        Duration::from_secs(30),
+        || async {
+            (decided(&cluster.nodes[c], &short).await == ("gpu-c/c0".to_owned(), 3)).then_some(())
+        },
+    )
+    .await;
+
+    // Route's latency on B's learner and on a voter, same run (local reads).
+    let latency = |node: usize| {
+        let endpoint = cluster.nodes[node].endpoint();
+        let prompt = short.clone();
+        async move {
+            let mut r = kvplane_proto::v1::router_client::RouterClient::connect(endpoint)
+                .await
+                .unwrap();
+            let mut took = Vec::new();
+            for i in 0..200 {
+                let started = Instant::now();
+                r.route(kvplane_proto::v1::RouteRequest {
+                    request_id: format!("lat-{node}-{i}"),
+                    model: "m".into(),
+                    token_ids: prompt.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+                took.push(started.elapsed().as_secs_f64() * 1e6);
+            }
+            took.sort_by(f64::total_cmp);
+            (took[100], took[197])
+        }
+    };
+    let on_learner = latency(b).await;
+    let on_voter = latency(leader).await;
+    eprintln!(
+        "events from C's stream known to B's learner after {} ms (10 ms each way on every link); Route p50/p99 on B's learner {:.0}/{:.0} us, on the leader {:.0}/{:.0} us",
+        lag.as_millis(),
+        on_learner.0,
+        on_learner.1,
+        on_voter.0,
+        on_voter.1
+    );
+
+    // B cut off: its stream, its relay into A and A's replication to it.
+    let (b_in, b_out) = &links[0];
+    to_b_nats.cut();
+    b_in.cut();
+    b_out.cut();
+    let b_short = long_prompt(3, 48);
+    let b_last = publish(&js_b, kv_subject("gpu-b", "b0"), chain(&b_short, 9)).await;
+    // B's learner routes from what it holds: C's long prefix, B's own engine for the rest.
+    assert_eq!(decided(&cluster.nodes[b], &long).await.0, "gpu-c/c0");
+    assert_eq!(
+        decided(&cluster.nodes[b], &b_short).await,
+        ("gpu-b/b0".to_owned(), 0)
+    );
+    // Healed: B's waiting event is applied once, and everyone agrees.
+    to_b_nats.heal();
+    b_in.heal();
+    b_out.heal();
+    eventually(
+        "b0's chain known in B again",
+        Duration::from_secs(60),
+        || async {
+            (decided(&cluster.nodes[b], &b_short).await == ("gpu-b/b0".to_owned(), 3)).then_some(())
+        },
+    )
+    .await;
+    let digest = eventually(
+        "all five replicas agree",
+        Duration::from_secs(60),
+        || async {
+            let mut seen = std::collections::BTreeSet::new();
+            let mut applied = std::collections::BTreeSet::new();
+            for n in &cluster.nodes {
+                let s = n.status().await;
+                seen.insert(s.state_digest);
+                applied.insert(s.applied_index);
+            }
+            (seen.len() == 1 && applied.len() == 1).then(|| seen.into_iter().next().unwrap())
+        },
+    )
+    .await;
+    assert!(!digest.is_empty());
+    let state = exported_state(&cluster.nodes[b]).await;
+    assert_eq!(state.position(&Source::named("cluster-b")), b_last);
+    let m = cluster.nodes[leader].metrics().await;
+    assert!(
+        m.contains(r#"kvplane_ingest_source_last_consumed_sequence{source="cluster-b"} "#),
+        "{m}"
+    );
+}
