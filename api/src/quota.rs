@@ -93,15 +93,14 @@ pub enum Refusal {
         window_s: u64,
         retry_after_ms: u64,
     },
-    /// This replica holds its equal share of the window's first half (see
-    /// [`kvplane_state::Book::share`]); the rest is for the other replicas until the half.
+    /// What is left of the window is kept for the other replicas until its last tenth (see
+    /// [`kvplane_state::Book::reserved`]).
     #[error(
-        "{key}: this replica's share of the {what} limit ({share} of {budget} per {window_s} s window) is reached until half the window has passed"
+        "{key}: the rest of the {what} limit of {budget} per {window_s} s window is kept for other replicas until the window's last tenth"
     )]
     ShareReached {
         key: LimitKey,
         what: &'static str,
-        share: u64,
         budget: u64,
         window_s: u64,
         retry_after_ms: u64,
@@ -417,13 +416,12 @@ impl Escrow {
                     .get(&m.key)
                     .filter(|b| b.window_start_ms == start);
                 let applied = view.quota.replicas.get(&self.cfg.replica).copied();
-                let (held, remaining, grantable, share) = book
+                let (held, remaining, grantable) = book
                     .map(|b| {
                         (
                             self.held(&view, b),
                             b.remaining(),
                             b.grantable(self.cfg.replica, now),
-                            b.share(self.cfg.replica, now),
                         )
                     })
                     .unwrap_or_default();
@@ -461,34 +459,36 @@ impl Escrow {
                             retry_after_ms,
                         })
                     } else if book.is_some()
-                        && (avail_tokens + grantable.tokens < need_tokens
-                            || avail_requests + grantable.requests < need_requests)
+                        && (avail_tokens + grantable.tokens + aside_tokens < need_tokens
+                            || avail_requests + grantable.requests + aside_requests < need_requests)
                     {
-                        // Room is left, for the other replicas' shares until the half.
-                        let tokens_short = avail_tokens + grantable.tokens < need_tokens;
+                        // Room is left, kept for the other replicas until the last tenth
+                        // (never after: what is grantable is then all that is left).
+                        let tokens_short =
+                            avail_tokens + grantable.tokens + aside_tokens < need_tokens;
                         Some(Refusal::ShareReached {
                             key: m.key.clone(),
                             what: if tokens_short { "token" } else { "request" },
-                            share: if tokens_short {
-                                share.tokens
-                            } else {
-                                share.requests
-                            },
                             budget: if tokens_short {
                                 l.window_tokens().unwrap_or(0)
                             } else {
                                 l.window_requests().unwrap_or(0)
                             },
                             window_s,
-                            retry_after_ms: (start + window_ms / 2).saturating_sub(now).max(1),
+                            retry_after_ms: book
+                                .map_or(0, kvplane_state::Book::reserved_until_ms)
+                                .saturating_sub(now)
+                                .max(1),
                         })
                     } else {
-                        local.wanted.insert(
-                            m.key.clone(),
-                            (sizes.0.max(need_tokens), sizes.1.max(need_requests)),
-                        );
                         None
                     };
+                    // Asked for even when refused: the ledger records what it could not grant,
+                    // which it keeps for this replica in the next window.
+                    local.wanted.insert(
+                        m.key.clone(),
+                        (sizes.0.max(need_tokens), sizes.1.max(need_requests)),
+                    );
                     return Err(Short {
                         key: m.key.clone(),
                         refusal: refusal.map(Box::new),
@@ -616,7 +616,9 @@ impl Escrow {
                     && ((grant_tokens > 0 && left.tokens == 0)
                         || (grant_requests > 0 && left.requests == 0))
             });
-            if (want.is_some() || low) && !exhausted {
+            // A request was short: ask even with nothing grantable, so that the ledger knows
+            // the demand it could not meet (one ask per key and refill at most).
+            if want.is_some() || (low && !exhausted) {
                 let (t, q) = want.unwrap_or((grant_tokens, grant_requests));
                 asks.push(QuotaAsk {
                     key,
@@ -986,8 +988,8 @@ mod tests {
             "the 150 being released are set aside"
         );
         commit(&mut sm, release);
-        // The others take the rest of the window: all of it in its second half, each its equal
-        // share (200 of 600 among three) in its first.
+        // The others take the rest of the window (a ledger's first window keeps nothing for
+        // anyone).
         for _ in 0..10 {
             for e in &r[1..] {
                 while try_spend(&sm, e, 50) {}
@@ -998,7 +1000,7 @@ mod tests {
         }
         let n = admitted(&r);
         assert!(
-            (450..=600).contains(&n),
+            (500..=600).contains(&n),
             "{n} tokens admitted of the window's 600"
         );
     }

@@ -40,6 +40,8 @@ pub struct Replica {
     failures: crate::ProposeFailures,
     /// Members to relay through instead of calling the leader (empty: call it).
     via: Vec<String>,
+    /// Which of `via` the next attempt goes to.
+    turn: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for Replica {
@@ -90,6 +92,7 @@ impl Replica {
             timeout,
             failures,
             via: Vec::new(),
+            turn: std::sync::Arc::default(),
         }
     }
 
@@ -247,7 +250,6 @@ impl Replica {
     {
         let deadline = Instant::now() + self.timeout;
         let mut why = String::from("no leader is known");
-        let mut turn = 0usize;
         loop {
             let m = self.raft.metrics().borrow_watched().clone();
             let route = match m.current_leader {
@@ -255,8 +257,9 @@ impl Replica {
                 // A relaying replica relays even before it has heard from a leader (a learner
                 // just added): its relay knows one.
                 _ if !self.via.is_empty() => {
-                    turn += 1;
-                    Some(Route::Relay(self.via[(turn - 1) % self.via.len()].clone()))
+                    // In turn across calls: a relay that fails one write is not the next one's.
+                    let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Some(Route::Relay(self.via[turn % self.via.len()].clone()))
                 }
                 Some(l) => {
                     let addr = m

@@ -163,7 +163,8 @@ impl RaftMember {
         }
         .validate()?;
         let faults = Faults::default();
-        let network = Network::new(faults.clone(), dialer.clone());
+        let network = Network::new(faults.clone(), dialer.clone())
+            .with_rpc_timeout_floor(Duration::from_millis(r.rpc_timeout_floor_ms));
         let id = membership.id;
         let raft =
             openraft::Raft::new(id, Arc::new(config), network.clone(), log, state.clone()).await?;

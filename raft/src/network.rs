@@ -139,6 +139,8 @@ pub struct Network {
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     faults: Faults,
     dialer: kvplane_tls::Dialer,
+    /// The least time a Raft RPC is given (see [`Network::with_rpc_timeout_floor`]).
+    rpc_floor: Duration,
 }
 
 impl Network {
@@ -147,7 +149,18 @@ impl Network {
             channels: Arc::default(),
             faults,
             dialer,
+            rpc_floor: Duration::ZERO,
         }
+    }
+
+    /// The same network giving every Raft RPC (AppendEntries, heartbeats, votes) at least
+    /// `floor`. Openraft asks for one heartbeat interval (3/4 of it as the transport's
+    /// timeout), which a peer a WAN round trip away never meets: without the floor, a learner
+    /// 75 ms or more from its leader (at the default 100 ms heartbeat) would never take an
+    /// entry.
+    pub fn with_rpc_timeout_floor(mut self, floor: Duration) -> Self {
+        self.rpc_floor = floor;
+        self
     }
 
     /// A client for `peer` at `addr`, unless the fault layer cuts it off.
@@ -185,6 +198,7 @@ pub struct Connection {
     target: u64,
     client: Result<RaftClient<Channel>, PeerError>,
     faults: Faults,
+    rpc_floor: Duration,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -195,6 +209,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
             target,
             client: self.channel(&node.addr).map(RaftClient::new),
             faults: self.faults.clone(),
+            rpc_floor: self.rpc_floor,
         }
     }
 }
@@ -251,8 +266,8 @@ impl Connection {
             Request::new(RaftPayload { data, relay: false }),
             self.target,
         );
-        request.set_timeout(option.soft_ttl());
-        let reply = tokio::time::timeout(option.hard_ttl(), f(client, request))
+        request.set_timeout(option.soft_ttl().max(self.rpc_floor));
+        let reply = tokio::time::timeout(option.hard_ttl().max(self.rpc_floor), f(client, request))
             .await
             .map_err(|_| RPCError::Network(NetworkError::from_string("raft rpc timed out")))?
             .map_err(|s| status_error(&s))?

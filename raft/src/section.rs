@@ -59,6 +59,11 @@ pub struct RaftSection {
     /// Bound on a forwarded write or a linearizable read, leader changes included.
     #[serde(default = "RaftSection::default_forward_timeout_ms")]
     pub forward_timeout_ms: u64,
+    /// The least time a Raft RPC to another member is given. Openraft gives one heartbeat
+    /// interval, which a member a WAN round trip away (a learner in another cluster) never
+    /// meets: set this above the longest round trip to any member.
+    #[serde(default = "RaftSection::default_rpc_timeout_floor_ms")]
+    pub rpc_timeout_floor_ms: u64,
     #[serde(default = "RaftSection::default_heartbeat_ms")]
     pub heartbeat_ms: u64,
     #[serde(default = "RaftSection::default_election_min_ms")]
@@ -204,6 +209,7 @@ impl Default for RaftSection {
             kubernetes: None,
             fault_injection: false,
             forward_timeout_ms: Self::default_forward_timeout_ms(),
+            rpc_timeout_floor_ms: Self::default_rpc_timeout_floor_ms(),
             heartbeat_ms: Self::default_heartbeat_ms(),
             election_timeout_min_ms: Self::default_election_min_ms(),
             election_timeout_max_ms: Self::default_election_max_ms(),
@@ -227,6 +233,9 @@ impl RaftSection {
 
     fn default_forward_timeout_ms() -> u64 {
         5_000
+    }
+    fn default_rpc_timeout_floor_ms() -> u64 {
+        1_000
     }
     fn default_heartbeat_ms() -> u64 {
         100

@@ -6,11 +6,13 @@
 //! and a window never reopens, so a leader whose clock lags cannot grant a past window's budget
 //! twice. A grant is never more than what is left of the window's budget; when what is left is
 //! less than a full grant for every replica holding some, it is shared equally among them.
-//! Latency decides no race for a scarce budget: while the first half of a window lasts, a
-//! replica holds at most an equal share of the budget among the replicas that asked in this
-//! window or the one before (a replica one WAN round trip from the leader asks later than the
-//! ones beside it, and would otherwise find the budget gone); from the half on, whatever is left
-//! goes to whoever asks ([`Book::grantable`]). A replica gives back what it will not use with a release; nothing is ever taken back by a
+//! Latency decides no race for a scarce budget: until the last tenth of a window, each
+//! replica is kept what it wanted of the window before (what it held at its end, and what it
+//! asked for in vain), up to an equal share of the budget, less what it holds; the others are
+//! granted only what is left beyond that. A replica one WAN round trip from the leader asks later
+//! than the ones beside it, and would otherwise find the budget gone; a replica that wanted
+//! little keeps little from the others. In the last tenth, whatever is left goes to whoever asks
+//! ([`Book::grantable`]). A replica gives back what it will not use with a release; nothing is ever taken back by a
 //! timer. Batches are deduplicated by (replica, incarnation, sequence). A replica's new process
 //! (incarnation) starts holding nothing: what its earlier one held stays spent for the window,
 //! since no one knows how much of it was.
@@ -86,12 +88,14 @@ pub struct Book {
     /// spoke, less what its tickets gave back since.
     #[serde(default)]
     pub left_behind: BTreeMap<(u64, u64), u64>,
-    /// Replicas that asked in this window, and in the window just before it: the replicas an
-    /// equal share is reserved for while the window's first half lasts.
+    /// Per replica, what its asks in this window were not granted (a demand it could not meet).
     #[serde(default)]
-    pub askers: BTreeSet<u64>,
+    pub unmet: BTreeMap<u64, Amount>,
+    /// Per replica, what it wanted of the window just before this one: what it held when that
+    /// window ended (granted less released) and what it asked for in vain. Until this window's
+    /// last tenth, each is reserved as much of it as an equal share of the budget allows.
     #[serde(default)]
-    pub previous_askers: BTreeSet<u64>,
+    pub previous: BTreeMap<u64, Amount>,
 }
 
 impl Book {
@@ -121,48 +125,62 @@ impl Book {
         self.holders.get(&replica).copied().unwrap_or_default()
     }
 
-    /// The most `replica` may hold at time `now_ms`: while the window's first half lasts, an
-    /// equal share of the budget among the replicas that asked in this window or the one
-    /// before (`replica` among them); from the half on, no bound but the budget.
-    pub fn share(&self, replica: u64, now_ms: u64) -> Amount {
-        let unbounded = Amount {
-            tokens: u64::MAX,
-            requests: u64::MAX,
-        };
-        if now_ms >= self.window_start_ms.saturating_add(self.window_ms / 2) {
-            return unbounded;
+    /// What is kept for the other replicas from `replica` at time `now_ms`: until the window's
+    /// last tenth, each replica that wanted some of the previous window is reserved what
+    /// it wanted then, up to an equal share of the budget (among those and `replica`), less
+    /// what it holds now; in the last tenth, nothing (what was kept and not taken is anyone's).
+    pub fn reserved(&self, replica: u64, now_ms: u64) -> Amount {
+        let mut out = Amount::default();
+        if now_ms >= self.reserved_until_ms() {
+            return out;
         }
-        let mut sharing: BTreeSet<u64> =
-            self.askers.union(&self.previous_askers).copied().collect();
-        sharing.insert(replica);
-        let n = sharing.len() as u64;
-        let of = |budget: u64| {
-            if budget == u64::MAX {
-                u64::MAX
-            } else {
-                budget / n
-            }
-        };
+        let n = self.previous.len() as u64 + u64::from(!self.previous.contains_key(&replica));
+        let share = |budget: u64| budget.div_ceil(n.max(1));
+        for (r, wanted) in self.previous.iter().filter(|(r, _)| **r != replica) {
+            let held = self.held(*r);
+            out.tokens = out.tokens.saturating_add(
+                wanted
+                    .tokens
+                    .min(share(self.budget.tokens))
+                    .saturating_sub(held.tokens),
+            );
+            out.requests = out.requests.saturating_add(
+                wanted
+                    .requests
+                    .min(share(self.budget.requests))
+                    .saturating_sub(held.requests),
+            );
+        }
+        out
+    }
+
+    /// When what is kept for replicas becomes anyone's: the start of the window's last tenth.
+    pub fn reserved_until_ms(&self) -> u64 {
+        self.window_start_ms
+            .saturating_add(self.window_ms - self.window_ms / 10)
+    }
+
+    /// What can still be granted to `replica` at time `now_ms`: what is left of the budget less
+    /// what is kept for the others ([`Book::reserved`]).
+    pub fn grantable(&self, replica: u64, now_ms: u64) -> Amount {
+        let (left, kept) = (self.remaining(), self.reserved(replica, now_ms));
         Amount {
-            tokens: of(self.budget.tokens),
-            requests: of(self.budget.requests),
+            tokens: left.tokens.saturating_sub(kept.tokens),
+            requests: left.requests.saturating_sub(kept.requests),
         }
     }
 
-    /// What can still be granted to `replica` at time `now_ms`: what is left of the budget,
-    /// within its [`Book::share`] less what it holds.
-    pub fn grantable(&self, replica: u64, now_ms: u64) -> Amount {
-        let (share, held, left) = (
-            self.share(replica, now_ms),
-            self.held(replica),
-            self.remaining(),
-        );
-        Amount {
-            tokens: left.tokens.min(share.tokens.saturating_sub(held.tokens)),
-            requests: left
-                .requests
-                .min(share.requests.saturating_sub(held.requests)),
+    /// What each replica wanted of this window, for the next one: what it holds, and what it
+    /// asked for in vain.
+    fn wanted(&self) -> BTreeMap<u64, Amount> {
+        let mut out = self.holders.clone();
+        for (r, u) in &self.unmet {
+            let w = out.entry(*r).or_default();
+            w.tokens = w.tokens.saturating_add(u.tokens);
+            w.requests = w.requests.saturating_add(u.requests);
         }
+        out.retain(|_, w| *w != Amount::default());
+        out
     }
 }
 
@@ -270,18 +288,18 @@ impl Ledger {
             };
             let book = self.books.entry(a.key.clone()).or_default();
             if start > book.window_start_ms || book.window_ms != window_ms {
-                // Who asked in the window just before shares this one from its start.
-                let previous_askers =
-                    if book.window_ms == window_ms && start == book.window_end_ms() {
-                        std::mem::take(&mut book.askers)
-                    } else {
-                        BTreeSet::new()
-                    };
+                // What each replica wanted of the window just before is kept for it in this
+                // one until its last tenth.
+                let previous = if book.window_ms == window_ms && start == book.window_end_ms() {
+                    book.wanted()
+                } else {
+                    BTreeMap::new()
+                };
                 *book = Book {
                     window_start_ms: start,
                     window_ms,
                     budget,
-                    previous_askers,
+                    previous,
                     ..Book::default()
                 };
             } else if start < book.window_start_ms {
@@ -289,7 +307,6 @@ impl Ledger {
                 continue;
             }
             let grantable = book.grantable(b.replica, now_ms);
-            book.askers.insert(b.replica);
             let mut holders = book.holders.len() as u64;
             if !book.holders.contains_key(&b.replica) {
                 holders += 1;
@@ -306,6 +323,21 @@ impl Ledger {
                         .min(grantable.requests)
                 }),
             };
+            let unmet = Amount {
+                tokens: limit.window_tokens().map_or(0, |_| {
+                    a.tokens.min(limit.grant_tokens()).saturating_sub(g.tokens)
+                }),
+                requests: limit.window_requests().map_or(0, |_| {
+                    a.requests
+                        .min(limit.grant_requests())
+                        .saturating_sub(g.requests)
+                }),
+            };
+            if unmet != Amount::default() {
+                let u = book.unmet.entry(b.replica).or_default();
+                u.tokens = u.tokens.saturating_add(unmet.tokens);
+                u.requests = u.requests.saturating_add(unmet.requests);
+            }
             if g == Amount::default() {
                 continue;
             }
@@ -328,6 +360,14 @@ impl Ledger {
     pub fn close(&mut self, replica: u64, incarnation: u64) {
         self.closed.insert((replica, incarnation));
         self.prune_closed();
+        self.forget_wanted(replica);
+    }
+
+    /// A replica that stopped or left wants nothing more: nothing is kept for it.
+    fn forget_wanted(&mut self, replica: u64) {
+        for book in self.books.values_mut() {
+            book.previous.remove(&replica);
+        }
     }
 
     /// `replica` left the cluster for good (its member was removed): as if a later process of
@@ -347,6 +387,7 @@ impl Ledger {
             book.leave_behind(replica, inc);
             released += book.release_pending(replica, inc.saturating_add(1), &self.closed);
         }
+        self.forget_wanted(replica);
         // Its process's batches are a past incarnation's from now on, and the next
         // incarnation is marked as having applied them all: only a later process (its id taken
         // again) holds anything again.
@@ -402,14 +443,13 @@ impl Ledger {
                 b.hash_left_behind(h);
             }
             // Hashed only when present, as above.
-            if !b.askers.is_empty() || !b.previous_askers.is_empty() {
-                h.str("askers").u64(b.askers.len() as u64);
-                for r in &b.askers {
-                    h.u64(*r);
-                }
-                h.u64(b.previous_askers.len() as u64);
-                for r in &b.previous_askers {
-                    h.u64(*r);
+            if !b.unmet.is_empty() || !b.previous.is_empty() {
+                h.str("wanted");
+                for m in [&b.unmet, &b.previous] {
+                    h.u64(m.len() as u64);
+                    for (r, a) in m {
+                        h.u64(*r).u64(a.tokens).u64(a.requests);
+                    }
                 }
             }
         }
@@ -488,33 +528,26 @@ pub(crate) mod tests {
         // 600 left is less than a full grant for each of two holders: half each.
         assert_eq!(l.apply(&ask(2, 1, 1000), 6, &c).granted.tokens, 300);
         assert_eq!(l.apply(&ask(3, 1, 1000), 7, &c).granted.tokens, 100);
-        // Replica 1 holds more than a third of the budget: nothing more in the first half.
-        assert_eq!(l.apply(&ask(1, 2, 1000), 8, &c).granted.tokens, 0);
-        // From the half on, 200 left, three holders: a third each (rounded up), never more
-        // than is left.
-        assert_eq!(l.apply(&ask(1, 3, 1000), 30_000, &c).granted.tokens, 67);
-        let mut seq = 4;
-        while l
-            .apply(&ask(1 + seq % 3, seq, 1000), 30_001, &c)
-            .granted
-            .tokens
-            > 0
-        {
+        // 200 left, three holders: a third each (rounded up), never more than is left.
+        assert_eq!(l.apply(&ask(1, 2, 1000), 8, &c).granted.tokens, 67);
+        let mut seq = 3;
+        while l.apply(&ask(1 + seq % 3, seq, 1000), 9, &c).granted.tokens > 0 {
             seq += 1;
         }
         assert_eq!(l.books[&key()].granted.tokens, 1000);
-        // The next window starts afresh, its first half shared by the three that asked before.
-        assert_eq!(l.apply(&ask(1, 100, 1000), 60_000, &c).granted.tokens, 333);
+        // The next window starts afresh; until its last tenth, what the other two wanted of the
+        // last one (up to a third each, rounded up) is kept for them.
+        assert_eq!(l.apply(&ask(1, 100, 1000), 60_000, &c).granted.tokens, 332);
     }
 
-    /// Replicas asking in turn for a window whose budget is far below their demand, some of
-    /// them late (as one a WAN round trip from the leader asks): in the first half each gets
-    /// at most its equal share among this window's and the last window's askers, so a late
-    /// replica that asked in the window before still finds its share; from the half on the
-    /// rest goes to whoever asks, and the budget is never exceeded. The expected shares come
-    /// from a plain model: budget / replicas.
+    /// Replicas asking in turn for a window whose budget is far below their demand, one of them
+    /// late (as one a WAN round trip from the leader asks): until the last tenth each is kept what
+    /// it wanted of the last window up to an equal share, so a late replica that asked in vain
+    /// in the window before still finds its share; in the last tenth the rest goes to whoever
+    /// asks, and the budget is never exceeded. The expected shares come from a plain model:
+    /// budget / replicas.
     #[test]
-    fn a_late_replica_finds_its_equal_share_in_the_first_half_and_the_rest_goes_after() {
+    fn a_late_replica_finds_its_equal_share_and_the_rest_goes_in_the_last_tenth() {
         let c = catalog(12_000, 1_000);
         let mut l = Ledger::default();
         let mut seq = BTreeMap::<u64, u64>::new();
@@ -529,16 +562,17 @@ pub(crate) mod tests {
                 ask_at(&mut l, r, t);
             }
         }
-        ask_at(&mut l, 4, 100);
-        let book = &l.books[&key()];
-        // Unknown until its first ask: the three before it took a third each, and it found
-        // nothing.
-        for r in 1..=3 {
-            assert_eq!(book.held(r).tokens, 12_000 / 3, "replica {r}: {book:?}");
+        for t in 100..105 {
+            ask_at(&mut l, 4, t);
         }
+        let book = &l.books[&key()];
+        // Nothing kept for anyone in a first window: the three before it took it all, and it
+        // found nothing (five asks of 1,000 in vain).
+        assert_eq!(book.granted.tokens, 12_000);
         assert_eq!(book.held(4).tokens, 0);
-        // Window 1 (60 s on): replica 4 is late again, but it asked in window 0, so it is
-        // counted from the start: the others stop at a quarter each.
+        assert_eq!(book.unmet[&4].tokens, 5_000);
+        // Window 1 (60 s on): replica 4 is late again, but it wanted 5,000 of window 0, so a
+        // quarter is kept for it from the start: the others stop at a quarter each.
         for t in 60_000..60_030u64 {
             for r in 1..=3 {
                 ask_at(&mut l, r, t);
@@ -550,15 +584,71 @@ pub(crate) mod tests {
         }
         while ask_at(&mut l, 4, 60_100) > 0 {}
         assert_eq!(l.books[&key()].held(4).tokens, 12_000 / 4);
-        // From the half on, what a replica does not use is anyone's: all of it is granted, and
+        // In the last tenth, what a replica does not use is anyone's: all of it is granted, and
         // never more.
         let book = l.books.get_mut(&key()).unwrap();
         let held_4 = book.holders.get_mut(&4).unwrap();
         held_4.tokens -= 2_000;
         book.granted.tokens -= 2_000;
-        while ask_at(&mut l, 1, 90_000) > 0 {}
+        while ask_at(&mut l, 1, 114_000) > 0 {}
         assert_eq!(l.books[&key()].granted.tokens, 12_000);
         assert_eq!(l.books[&key()].held(1).tokens, 5_000);
+    }
+
+    /// A replica that wanted little of the last window keeps little from the others: one busy
+    /// replica beside an idle one that took 200 is granted all but those 200 until the last
+    /// tenth.
+    #[test]
+    fn an_idle_replica_keeps_only_what_it_wanted_from_a_busy_one() {
+        let c = catalog(12_000, 1_000);
+        let mut l = Ledger::default();
+        l.apply(&ask(2, 1, 200), 0, &c);
+        let mut seq = 0;
+        while l
+            .apply(
+                &ask(
+                    1,
+                    {
+                        seq += 1;
+                        seq
+                    },
+                    1_000,
+                ),
+                1,
+                &c,
+            )
+            .granted
+            .tokens
+            > 0
+        {}
+        assert_eq!(l.books[&key()].held(1).tokens, 11_800);
+        // Window 1: 200 kept for replica 2, the rest for the busy one at once.
+        while l
+            .apply(
+                &ask(
+                    1,
+                    {
+                        seq += 1;
+                        seq
+                    },
+                    1_000,
+                ),
+                60_001,
+                &c,
+            )
+            .granted
+            .tokens
+            > 0
+        {}
+        assert_eq!(l.books[&key()].held(1).tokens, 11_800);
+        assert_eq!(l.books[&key()].grantable(2, 60_002).tokens, 200);
+        assert_eq!(l.books[&key()].grantable(1, 60_002).tokens, 0);
+        // In the last tenth, those 200 are anyone's.
+        assert_eq!(l.books[&key()].grantable(1, 113_999).tokens, 0);
+        assert_eq!(l.books[&key()].grantable(1, 114_000).tokens, 200);
+        // Replica 2 stopped in order: nothing is kept for it any more.
+        l.close(2, 1);
+        assert_eq!(l.books[&key()].grantable(1, 60_003).tokens, 200);
     }
 
     #[test]
