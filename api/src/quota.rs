@@ -483,12 +483,16 @@ impl Escrow {
                     } else {
                         None
                     };
-                    // Asked for even when refused: the ledger records what it could not grant,
-                    // which it keeps for this replica in the next window.
-                    local.wanted.insert(
-                        m.key.clone(),
-                        (sizes.0.max(need_tokens), sizes.1.max(need_requests)),
-                    );
+                    // Asked for even when refused, until the ledger knows this replica wants an
+                    // equal share: it records what it could not grant, and keeps it for this
+                    // replica in the next window. (Then refused replicas stop asking.)
+                    if refusal.is_none() || book.is_some_and(|b| !b.knows_demand(self.cfg.replica))
+                    {
+                        local.wanted.insert(
+                            m.key.clone(),
+                            (sizes.0.max(need_tokens), sizes.1.max(need_requests)),
+                        );
+                    }
                     return Err(Short {
                         key: m.key.clone(),
                         refusal: refusal.map(Box::new),

@@ -153,11 +153,12 @@ impl Network {
         }
     }
 
-    /// The same network giving every Raft RPC (AppendEntries, heartbeats, votes) at least
-    /// `floor`. Openraft asks for one heartbeat interval (3/4 of it as the transport's
-    /// timeout), which a peer a WAN round trip away never meets: without the floor, a learner
-    /// 75 ms or more from its leader (at the default 100 ms heartbeat) would never take an
-    /// entry.
+    /// The same network giving every Raft RPC it sends at least `floor`. Openraft asks for one
+    /// heartbeat interval (3/4 of it as the transport's timeout), which a peer a WAN round trip
+    /// away never meets: without the floor, a learner 75 ms or more from its leader (at the
+    /// default 100 ms heartbeat) would never take an entry. Openraft bounds heartbeats and
+    /// votes by its own timers besides, so the floor lengthens only AppendEntries that carry
+    /// entries.
     pub fn with_rpc_timeout_floor(mut self, floor: Duration) -> Self {
         self.rpc_floor = floor;
         self

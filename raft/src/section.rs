@@ -59,9 +59,10 @@ pub struct RaftSection {
     /// Bound on a forwarded write or a linearizable read, leader changes included.
     #[serde(default = "RaftSection::default_forward_timeout_ms")]
     pub forward_timeout_ms: u64,
-    /// The least time a Raft RPC to another member is given. Openraft gives one heartbeat
-    /// interval, which a member a WAN round trip away (a learner in another cluster) never
-    /// meets: set this above the longest round trip to any member.
+    /// The least time an AppendEntries carrying entries to another member is given. Openraft
+    /// gives one heartbeat interval, which a member a WAN round trip away (a learner in another
+    /// cluster) never meets: set this above the longest round trip to any member. (Heartbeats
+    /// and votes keep openraft's own timeouts.)
     #[serde(default = "RaftSection::default_rpc_timeout_floor_ms")]
     pub rpc_timeout_floor_ms: u64,
     #[serde(default = "RaftSection::default_heartbeat_ms")]

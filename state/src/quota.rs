@@ -170,6 +170,29 @@ impl Book {
         }
     }
 
+    /// Whether the ledger already knows that `replica` wants at least an equal share of this
+    /// window (among the replicas that hold some, asked in vain, or wanted some of the last
+    /// one): what it holds and asked for in vain reach it. Asking again in vain says nothing
+    /// more.
+    pub fn knows_demand(&self, replica: u64) -> bool {
+        let mut sharing: BTreeSet<u64> = self.previous.keys().copied().collect();
+        sharing.extend(self.holders.keys().copied());
+        sharing.extend(self.unmet.keys().copied());
+        sharing.insert(replica);
+        let n = sharing.len() as u64;
+        let (held, unmet) = (
+            self.held(replica),
+            self.unmet.get(&replica).copied().unwrap_or_default(),
+        );
+        // An unlimited dimension is never asked for.
+        let known = |have: u64, budget: u64| budget == u64::MAX || have >= budget.div_ceil(n);
+        known(held.tokens.saturating_add(unmet.tokens), self.budget.tokens)
+            && known(
+                held.requests.saturating_add(unmet.requests),
+                self.budget.requests,
+            )
+    }
+
     /// What each replica wanted of this window, for the next one: what it holds, and what it
     /// asked for in vain.
     fn wanted(&self) -> BTreeMap<u64, Amount> {
@@ -334,9 +357,13 @@ impl Ledger {
                 }),
             };
             if unmet != Amount::default() {
+                // More than the budget says nothing more.
                 let u = book.unmet.entry(b.replica).or_default();
-                u.tokens = u.tokens.saturating_add(unmet.tokens);
-                u.requests = u.requests.saturating_add(unmet.requests);
+                u.tokens = u.tokens.saturating_add(unmet.tokens).min(budget.tokens);
+                u.requests = u
+                    .requests
+                    .saturating_add(unmet.requests)
+                    .min(budget.requests);
             }
             if g == Amount::default() {
                 continue;
@@ -367,6 +394,7 @@ impl Ledger {
     fn forget_wanted(&mut self, replica: u64) {
         for book in self.books.values_mut() {
             book.previous.remove(&replica);
+            book.unmet.remove(&replica);
         }
     }
 
@@ -562,9 +590,12 @@ pub(crate) mod tests {
                 ask_at(&mut l, r, t);
             }
         }
+        assert!(!l.books[&key()].knows_demand(4));
         for t in 100..105 {
             ask_at(&mut l, 4, t);
         }
+        // Five asks in vain: more than a quarter, so asking again would say nothing more.
+        assert!(l.books[&key()].knows_demand(4));
         let book = &l.books[&key()];
         // Nothing kept for anyone in a first window: the three before it took it all, and it
         // found nothing (five asks of 1,000 in vain).
