@@ -1,5 +1,10 @@
 //! The JetStream consumer: reads the ingest stream in order from the recorded position,
 //! turns messages into [`IngestItem`]s, and proposes them in batches.
+//!
+//! The consumer is an ordered one (no acks): a message the server delivered while the
+//! connection was down is lost to it, and it notices only when a later message shows the gap.
+//! So when nothing has arrived for `stall_after` while the stream holds messages past the last
+//! one proposed, consuming starts again from the recorded position (counted as a stall).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +35,9 @@ pub struct IngestConfig {
     /// Create the stream when it is missing (the node's own); another cluster's is that
     /// cluster's to create, and only read here.
     pub create_stream: bool,
+    /// After this long without a message, the stream's end is read: a consumer behind it is
+    /// stalled and started again from the recorded position.
+    pub stall_after: Duration,
 }
 
 impl Default for IngestConfig {
@@ -41,6 +49,7 @@ impl Default for IngestConfig {
             max_message_bytes: 1 << 20,
             source: kvplane_state::Source::stream(),
             create_stream: true,
+            stall_after: Duration::from_secs(2),
         }
     }
 }
@@ -155,11 +164,19 @@ impl<P: Proposer> Ingestor<P> {
             .map_err(|e| IngestError::Messages(e.into()))?;
         tracing::info!(start_sequence, "ingest consuming");
         let mut expected = start_sequence;
+        let mut idle =
+            tokio::time::interval_at(Instant::now() + self.cfg.stall_after, self.cfg.stall_after);
+        idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let first = tokio::select! {
                 m = messages.next() => m,
                 _ = shutdown.changed() => return Ok(()),
+                _ = idle.tick() => {
+                    self.check_stalled(stream, expected).await?;
+                    continue;
+                }
             };
+            idle.reset();
             let Some(first) = first else {
                 return Err(IngestError::Ended);
             };
@@ -179,6 +196,31 @@ impl<P: Proposer> Ingestor<P> {
                 }
             }
             self.propose(batch, &mut expected).await?;
+        }
+    }
+
+    /// Whether the stream holds messages from `expected` on that nothing delivers: an error
+    /// (the caller starts again from the recorded position) when it does. A stream that cannot
+    /// be read says nothing: the connection is away, and the client reconnects on its own.
+    async fn check_stalled(
+        &self,
+        stream: &stream::Stream,
+        expected: u64,
+    ) -> Result<(), IngestError> {
+        match stream.get_info().await {
+            Ok(info) if info.state.last_sequence >= expected => {
+                self.metrics.stalled(&self.cfg.source);
+                Err(IngestError::Stalled {
+                    expected,
+                    last: info.state.last_sequence,
+                    idle: self.cfg.stall_after,
+                })
+            }
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!(error = %e, stream = self.cfg.stream, "cannot read the stream's end");
+                Ok(())
+            }
         }
     }
 

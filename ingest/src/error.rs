@@ -27,6 +27,14 @@ pub enum IngestError {
     Messages(BoxError),
     #[error("jetstream consumer: the message stream ended")]
     Ended,
+    #[error(
+        "jetstream consumer: stalled: nothing delivered for {idle:?} while the stream holds {expected}..={last}"
+    )]
+    Stalled {
+        expected: u64,
+        last: u64,
+        idle: std::time::Duration,
+    },
     #[error("jetstream consumer: a message without stream info: {0}")]
     NoInfo(BoxError),
     #[error("proposing to the log failed: {0}")]

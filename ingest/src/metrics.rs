@@ -88,6 +88,9 @@ pub struct IngestMetrics {
     source_lag: Family<SourceLabel, Gauge>,
     /// Those sources' labels.
     sources: Mutex<Vec<SourceLabel>>,
+    /// Consumers started again because they had stalled, by source (`local`: the node's own
+    /// stream).
+    stalls: Family<SourceLabel, Counter>,
 }
 
 impl IngestMetrics {
@@ -104,6 +107,12 @@ impl IngestMetrics {
         for reason in SKIP_REASONS {
             let _created = self.skipped_events.get_or_create(&ReasonLabel { reason });
         }
+        let _created = self.stalls.get_or_create(&stall_label(&Source::stream()));
+        registry.register(
+            "kvplane_ingest_consumer_stalls",
+            "Consumers started again from the applied position because the stream held messages they did not deliver, by source (local: the node's own stream)",
+            self.stalls.clone(),
+        );
         registry.register(
             "kvplane_ingest_messages",
             "Stream messages consumed, by kind",
@@ -165,6 +174,7 @@ impl IngestMetrics {
         let _pending = self.source_pending.get_or_create(&label);
         let _last = self.source_last_sequence.get_or_create(&label);
         self.source_lag.get_or_create(&label).set(-1);
+        let _stalls = self.stalls.get_or_create(&label);
         if let Ok(mut sources) = self.sources.lock() {
             sources.push(label);
         }
@@ -186,6 +196,15 @@ impl IngestMetrics {
         self.skipped_events
             .get_or_create(&ReasonLabel { reason })
             .inc();
+    }
+
+    pub(crate) fn stalled(&self, source: &Source) {
+        self.stalls.get_or_create(&stall_label(source)).inc();
+    }
+
+    /// Consumers of `source` started again after a stall so far.
+    pub fn stalls(&self, source: &Source) -> u64 {
+        self.stalls.get_or_create(&stall_label(source)).get()
     }
 
     pub(crate) fn batch(&self, source: &Source, last_seq: u64, pending: u64) {
@@ -290,6 +309,17 @@ impl IngestMetrics {
     }
 }
 
+/// The stall counter's label of `source`: `local` for the node's own stream.
+fn stall_label(source: &Source) -> SourceLabel {
+    SourceLabel {
+        source: if *source == Source::stream() {
+            "local".to_owned()
+        } else {
+            source.as_str().to_owned()
+        },
+    }
+}
+
 /// A count as a gauge's value.
 fn gauge(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
@@ -310,6 +340,7 @@ mod tests {
             r#"kvplane_ingest_messages_total{kind="worker"} 0"#,
             r#"kvplane_ingest_rejected_messages_total{reason="rank_mismatch"} 0"#,
             r#"kvplane_ingest_skipped_events_total{reason="non_primary_group"} 0"#,
+            r#"kvplane_ingest_consumer_stalls_total{source="local"} 0"#,
         ] {
             assert!(text.contains(line), "{line} missing from:\n{text}");
         }

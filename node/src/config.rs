@@ -136,6 +136,10 @@ pub struct IngestSection {
     pub max_batch_messages: usize,
     pub max_batch_delay_ms: u64,
     pub max_message_bytes: usize,
+    /// A consumer that delivered nothing for this long while its stream holds messages past
+    /// the applied position is started again from that position (a delivery lost in a
+    /// reconnect is read again).
+    pub stall_after_ms: u64,
     /// A worker not heard from (any stream message of its) for this long is taken down by
     /// the leader; 0: never. Must exceed the bridges' scrape interval.
     pub worker_lease_ms: u64,
@@ -284,6 +288,7 @@ impl Default for IngestSection {
             max_batch_messages: 512,
             max_batch_delay_ms: 5,
             max_message_bytes: 1 << 20,
+            stall_after_ms: 2_000,
             worker_lease_ms: 30_000,
             ready_max_pending_messages: 100_000,
             clusters: Vec::new(),
@@ -415,6 +420,9 @@ impl Config {
         if self.ingest.max_batch_messages == 0 {
             p.push("ingest.max_batch_messages must be at least 1".into());
         }
+        if self.ingest.stall_after_ms < 100 {
+            p.push("ingest.stall_after_ms must be at least 100".into());
+        }
         if self.ingest.max_message_bytes < 1024 {
             p.push("ingest.max_message_bytes must be at least 1024".into());
         }
@@ -530,6 +538,7 @@ mod tests {
             nats_url = "http://x"
             [ingest]
             max_batch_messages = 0
+            stall_after_ms = 0
             [[pools]]
             name = "a"
             block_size = 0
@@ -540,7 +549,8 @@ mod tests {
         )
         .unwrap();
         let p = cfg.problems();
-        assert_eq!(p.len(), 6, "{p:#?}");
+        assert_eq!(p.len(), 7, "{p:#?}");
+        assert!(p.iter().any(|m| m.contains("stall_after_ms")), "{p:#?}");
     }
 
     #[test]

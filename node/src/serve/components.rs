@@ -123,6 +123,7 @@ pub(super) fn ingest(p: &Parts, tasks: &mut Tasks, config_synced: Option<watch::
         max_batch_messages: p.cfg.ingest.max_batch_messages,
         max_batch_delay: Duration::from_millis(p.cfg.ingest.max_batch_delay_ms),
         max_message_bytes: p.cfg.ingest.max_message_bytes,
+        stall_after: Duration::from_millis(p.cfg.ingest.stall_after_ms),
         create_stream: source == kvplane_state::Source::stream(),
         source,
     };
