@@ -908,4 +908,123 @@ async fn learners_behind_wan_links_admit_within_the_one_limit_and_get_their_shar
         );
     }
     eprintln!("tokens admitted by replica: {shares:?} of {total}");
+
+    // The far learner cut off both ways mid-run, as a cluster whose WAN link is lost: it
+    // spends what it holds, then refuses (fails closed), as a cut-off voter does, and admits
+    // nothing in a window that began after the cut; the others keep the limit and, from the
+    // second window after the cut on (the first keeps the learner what it wanted of the last),
+    // use the budget again.
+    let far = 4;
+    let (to_members, to_learner) = &links[1];
+    let until = Instant::now() + Duration::from_millis(9000);
+    let spawn = |i: usize| -> Vec<tokio::task::JoinHandle<Seen>> {
+        (0..2)
+            .map(|_| tokio::spawn(client(cluster.nodes[i].endpoint(), "acme", until)))
+            .collect()
+    };
+    let (on_far, on_others): (Vec<_>, Vec<_>) = (
+        spawn(far),
+        [0, 1, 2, 3].into_iter().flat_map(spawn).collect(),
+    );
+    let run_start = now_ms();
+    let held_now = || async {
+        let now = now_ms();
+        cluster.nodes[far]
+            .status()
+            .await
+            .quota
+            .into_iter()
+            .find(|q| {
+                q.tenant == "acme"
+                    && q.window_start_ms <= now
+                    && now < q.window_start_ms + q.window_ms
+            })
+            .map(|q| (q.window_start_ms, q.held_tokens, q.spent_tokens))
+    };
+    eventually(
+        "the far learner admitting in a window begun in this run",
+        Duration::from_secs(6),
+        || async {
+            held_now()
+                .await
+                .filter(|(w, _, spent)| *w > run_start && *spent > 0)
+        },
+    )
+    .await;
+    to_members.cut();
+    to_learner.cut();
+    let cut_at = now_ms();
+    let (window, held, spent) = held_now()
+        .await
+        .unwrap_or((cut_at - cut_at % WINDOW_MS, 0, 0));
+    let (mut far_seen, mut others) = (Seen::default(), Seen::default());
+    for t in on_far {
+        far_seen.merge(t.await.unwrap());
+    }
+    for t in on_others {
+        others.merge(t.await.unwrap());
+    }
+    let run = (run_start, now_ms());
+    let mut all = Seen::default();
+    for admitted in [&far_seen.admitted, &others.admitted] {
+        all.merge(Seen {
+            admitted: admitted.clone(),
+            ..Default::default()
+        });
+    }
+    check_windows("learner cut off, all clients", &all.admitted, run, &[]);
+    check_windows(
+        "learner cut off, the others' clients",
+        &others.admitted,
+        (cut_at + WINDOW_MS, run.1),
+        &["acme"],
+    );
+    assert!(
+        far_seen.reasons.contains_key("fails closed"),
+        "{:?}",
+        far_seen.reasons
+    );
+    let in_window = far_seen
+        .admitted
+        .get(&("acme".to_owned(), window))
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        spent <= in_window && in_window <= held,
+        "the cut learner admitted {in_window} in the window of the cut, holding {held}"
+    );
+    let late: u64 = far_seen
+        .admitted
+        .iter()
+        .filter(|((_, w), _)| *w > window)
+        .map(|(_, t)| t)
+        .sum();
+    assert_eq!(
+        late, 0,
+        "the cut learner admitted in a window it was never granted"
+    );
+    eprintln!(
+        "learner cut off holding {held} tokens of its window ({spent} spent): {in_window} admitted in that window, then {} refusals ({:?})",
+        far_seen.limited,
+        far_seen.reasons.keys().collect::<Vec<_>>()
+    );
+
+    // Healed: it is granted again.
+    to_members.heal();
+    to_learner.heal();
+    eventually(
+        "the healed learner admits",
+        Duration::from_secs(30),
+        || async {
+            let mut router = kvplane_proto::v1::router_client::RouterClient::connect(
+                cluster.nodes[far].endpoint(),
+            )
+            .await
+            .ok()?;
+            let mut seen = Seen::default();
+            send_one(&mut router, "acme", &mut seen).await;
+            (!seen.admitted.is_empty()).then_some(())
+        },
+    )
+    .await;
 }
