@@ -10,7 +10,9 @@ mod harness;
 use std::time::Duration;
 
 use harness::link::Link;
-use harness::{Cluster, Nats, NodeOptions, chain, eventually, exported_state, prompt, publish};
+use harness::{
+    Cluster, Nats, NodeOptions, chain, eventually, exported_state, prompt, publish, words,
+};
 use kvplane_ingest::{ensure_stream, kv_subject};
 use kvplane_state::Source;
 
@@ -214,68 +216,176 @@ metadata: {name: m}
 spec: {publicModel: m, backends: [{pool: all}]}
 ";
 
-/// Where a request for model m with `tokens` goes on `node` (Explain: nothing recorded), and
-/// the blocks matched there.
-async fn decided(node: &harness::Node, tokens: &[u32]) -> (String, u32) {
-    use kvplane_proto::v1::route_response::Decision;
-    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
-        .await
-        .unwrap();
-    let r = c
-        .explain(kvplane_proto::v1::RouteRequest {
-            model: "m".into(),
-            token_ids: tokens.to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .decision
-        .unwrap_or_default();
-    match r.decision {
-        Some(Decision::Endpoint(e)) => (format!("{}/{}", e.pool, e.worker_id), r.matched_blocks),
-        other => (format!("{other:?}"), 0),
-    }
-}
-
-/// `n` tokens of prompt `i`.
-fn long_prompt(i: u64, n: u32) -> Vec<u32> {
-    (0..n).map(|t| i as u32 * 100_000 + t).collect()
-}
-
-/// Three clusters on loopback, each with its own nats-server and engines: A holds the three
-/// voters, B and C one learner each (`[locality]` its own cluster, 100 ms to the others;
-/// `relay_through_join`). Every path between clusters runs through a link that delays each
-/// byte 10 ms each way: the leader reading B's and C's streams, each learner's relay into A,
-/// and A's replication to each learner (whose direct calls to A's members are cut, as pod
-/// names of A do not resolve in B or C).
-///
-/// - A prefix cached on an engine in C is known to B's learner and routed to from B when the
-///   prefill it saves (4,096 tokens, about 2 s) is worth the 100 ms; a short prefix cached
-///   there (48 tokens: 24 ms of prefill, 48 ms with what it would delay after it) is not: B's
-///   own engine.
-/// - B cut off (its stream, its relay and A's replication to it): B's learner goes on routing
-///   from the state it holds, and B's engine's event waits in B's stream.
-///
-/// Prints the events' lag from C's stream to B's learner and Route's latency on B's learner
-/// and on a voter.
+/// The same three clusters with real processes at the edge: a simulated engine and its bridge
+/// in each cluster (publishing to that cluster's NATS), and a gateway in each that asks only
+/// its own cluster's replica (A's a voter, B's and C's their learner). The engines say what
+/// they served, not kvplane:
+/// - a chat whose 1,200-word system prompt C's engine caches, sent to B's gateway, is served by
+///   C's engine from its cache (the prefill saved is worth the 100 ms); one whose 30-word system
+///   prompt C's engine caches goes to B's own engine;
+/// - a prompt cached nowhere stays in each gateway's own cluster;
+/// - B's gateway's usage reports are settled on B's learner, where its requests were routed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_routes_on() {
+async fn gateways_in_three_clusters_reach_another_clusters_engine_only_when_its_cache_is_worth_the_link()
+ {
+    use serde_json::json;
+    let t = three_clusters(&THREE_CLUSTERS.replace(": m,", ": sim-8b,")).await;
+    let cluster = &t.cluster;
+    let dir = tempfile::tempdir().unwrap();
+    let urls = [cluster.nats.url(), t.nats.0.url(), t.nats.1.url()];
+    let engines: Vec<harness::Engine> = ["a", "b", "c"]
+        .iter()
+        .zip(&urls)
+        .map(|(x, url)| {
+            harness::Engine::start_with(
+                dir.path(),
+                url,
+                &format!("{x}0"),
+                &harness::EngineOptions {
+                    pool: format!("gpu-{x}"),
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    for i in [t.leader, B, C] {
+        harness::wait_workers_up(&cluster.nodes[i], 3).await;
+    }
+    let gateway_procs: Vec<_> = [t.leader, B, C]
+        .iter()
+        .zip(["a", "b", "c"])
+        .map(|(&i, x)| {
+            harness::gateway(
+                &cluster.nodes[i].endpoint(),
+                dir.path().join(format!("gateway-{x}.log")),
+            )
+        })
+        .collect();
+    let gateways: Vec<String> = gateway_procs
+        .iter()
+        .map(|g| format!("http://{}/v1/chat/completions", g.field("http")))
+        .collect();
+    let chat = |system: &str, q: &str| {
+        json!({"model": "sim-8b", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]})
+    };
+    let http = reqwest::Client::new();
+    let send = |url: &str, body: &serde_json::Value| {
+        let req = http.post(url).header("x-tenant", "t1").json(body);
+        async move {
+            let r = req.send().await.unwrap();
+            assert!(r.status().is_success(), "{}", r.status());
+            r.headers()["x-kvplane-worker"].to_str().unwrap().to_owned()
+        }
+    };
+    let explained = |node: usize, body: &serde_json::Value| {
+        let request = kvplane_proto::v1::RouteRequest {
+            body: serde_json::to_vec(body).unwrap(),
+            ..Default::default()
+        };
+        decided_for(&cluster.nodes[node], request)
+    };
+    let c_engine = format!("{}/v1/chat/completions", engines[2].http);
+
+    // C's engine caches a long system prompt (warmed directly); B's learner learns it.
+    let long = words("long-", 1200);
+    send_direct(&http, &c_engine, &chat(&long, "first question")).await;
+    let second = chat(&long, "a second question");
+    eventually(
+        "B's learner to know C's cache",
+        Duration::from_secs(30),
+        || async {
+            let (w, matched) = explained(B, &second).await;
+            (w == "gpu-c/c0" && matched >= 70).then_some(())
+        },
+    )
+    .await;
+    let hits = engines[2].metric("vllm:prefix_cache_hits_total").await;
+    assert_eq!(send(&gateways[1], &second).await, "gpu-c/c0");
+    let served = engines[2].metric("vllm:prefix_cache_hits_total").await - hits;
+    assert!(
+        served >= 1120.0,
+        "C's engine served {served} tokens from its cache"
+    );
+
+    // A short one cached there too: known in B, not worth the link.
+    let short = words("short-", 30);
+    send_direct(&http, &c_engine, &chat(&short, "first question")).await;
+    let again = chat(&short, "a second question");
+    eventually(
+        "C's learner to know it",
+        Duration::from_secs(30),
+        || async {
+            let (w, matched) = explained(C, &again).await;
+            (w == "gpu-c/c0" && matched >= 1).then_some(())
+        },
+    )
+    .await;
+    cluster.all_agree(&[0, 1, 2, B, C], 0).await;
+    assert_eq!(send(&gateways[1], &again).await, "gpu-b/b0");
+
+    // Cached nowhere: each gateway's own cluster.
+    for (g, worker) in gateways.iter().zip(["gpu-a/a0", "gpu-b/b0", "gpu-c/c0"]) {
+        let fresh = chat(&words(&format!("fresh-{worker}-"), 40), "a question");
+        assert_eq!(&send(g, &fresh).await, worker);
+    }
+
+    // B's gateway reported its three requests to B's learner, which routed them.
+    eventually(
+        "B's reports settled on B's learner",
+        Duration::from_secs(10),
+        || async {
+            let m = cluster.nodes[B].metrics().await;
+            m.contains(r#"kvplane_usage_reports_total{outcome="known"} 3"#)
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+/// Sends a chat straight to an engine (not through kvplane), as a warm-up.
+async fn send_direct(http: &reqwest::Client, url: &str, body: &serde_json::Value) {
+    let r = http.post(url).json(body).send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+}
+
+/// Replicas `B` and `C` of [`three_clusters`]: the learners of clusters B and C.
+const B: usize = 3;
+const C: usize = 4;
+
+/// Three clusters on loopback (see the test below): A's three voters, a learner in each of B
+/// and C, each cluster its own nats-server with a `KVPLANE` stream.
+struct ThreeClusters {
+    cluster: Cluster,
+    leader: usize,
+    /// JetStream of A's, B's and C's NATS, reached directly (as their own engines' bridges do).
+    js: [async_nats::jetstream::Context; 3],
+    /// B's and C's nats-servers.
+    nats: (Nats, Nats),
+    /// The leader's links to B's and C's NATS.
+    to_nats: (Link, Link),
+    /// Each learner's links (into it, and out of it to A), B's first.
+    links: Vec<(Link, Link)>,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+/// Starts [`ThreeClusters`] with `policy` (YAML policy objects) on every replica; every link
+/// between clusters delays each byte 10 ms each way.
+async fn three_clusters(policy: &str) -> ThreeClusters {
     use harness::{RaftOptions, free_port};
-    use std::time::Instant;
     let one_way = Duration::from_millis(10);
     let policies = tempfile::tempdir().unwrap();
-    std::fs::write(policies.path().join("fleet.yaml"), THREE_CLUSTERS).unwrap();
+    std::fs::write(policies.path().join("fleet.yaml"), policy).unwrap();
     let (b_nats, c_nats) = (Nats::start(), Nats::start());
-    let (to_b_nats, to_c_nats) = (
+    let to_nats = (
         Link::start_delayed(b_nats.port, one_way).await,
         Link::start_delayed(c_nats.port, one_way).await,
     );
     let o = NodeOptions {
         policy_dir: Some(policies.path().to_owned()),
         extra_toml: format!(
-            "[[ingest.clusters]]\nname = \"cluster-b\"\nnats_url = \"nats://127.0.0.1:{}\"\n\n[[ingest.clusters]]\nname = \"cluster-c\"\nnats_url = \"nats://127.0.0.1:{}\"\n",
-            to_b_nats.port, to_c_nats.port
+            "[locality]\ncluster = \"a\"\ndefault_rtt_ms = 100\n\n[[ingest.clusters]]\nname = \"cluster-b\"\nnats_url = \"nats://127.0.0.1:{}\"\n\n[[ingest.clusters]]\nname = \"cluster-c\"\nnats_url = \"nats://127.0.0.1:{}\"\n",
+            to_nats.0.port, to_nats.1.port
         ),
         ..Default::default()
     };
@@ -322,7 +432,82 @@ async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_rout
         cluster.nodes.push(node);
         links.push((inbound, outbound));
     }
-    let (b, c) = (3usize, 4usize);
+    ThreeClusters {
+        cluster,
+        leader,
+        js: [js_a, js_b, js_c],
+        nats: (b_nats, c_nats),
+        to_nats,
+        links,
+        _dirs: (policies, root),
+    }
+}
+
+/// Where a request for model m with `tokens` goes on `node` (Explain: nothing recorded), and
+/// the blocks matched there.
+async fn decided(node: &harness::Node, tokens: &[u32]) -> (String, u32) {
+    decided_for(
+        node,
+        kvplane_proto::v1::RouteRequest {
+            model: "m".into(),
+            token_ids: tokens.to_vec(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Where `request` goes on `node` (Explain), as `pool/worker`, and the blocks matched there.
+async fn decided_for(
+    node: &harness::Node,
+    request: kvplane_proto::v1::RouteRequest,
+) -> (String, u32) {
+    use kvplane_proto::v1::route_response::Decision;
+    let mut c = kvplane_proto::v1::router_client::RouterClient::connect(node.endpoint())
+        .await
+        .unwrap();
+    let r = c
+        .explain(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .decision
+        .unwrap_or_default();
+    match r.decision {
+        Some(Decision::Endpoint(e)) => (format!("{}/{}", e.pool, e.worker_id), r.matched_blocks),
+        other => (format!("{other:?}"), 0),
+    }
+}
+
+/// `n` tokens of prompt `i`.
+fn long_prompt(i: u64, n: u32) -> Vec<u32> {
+    (0..n).map(|t| i as u32 * 100_000 + t).collect()
+}
+
+/// Three clusters on loopback, each with its own nats-server and engines: A holds the three
+/// voters, B and C one learner each (`[locality]` its own cluster, 100 ms to the others;
+/// `relay_through_join`). Every path between clusters runs through a link that delays each
+/// byte 10 ms each way: the leader reading B's and C's streams, each learner's relay into A,
+/// and A's replication to each learner (whose direct calls to A's members are cut, as pod
+/// names of A do not resolve in B or C).
+///
+/// - A prefix cached on an engine in C is known to B's learner and routed to from B when the
+///   prefill it saves (4,096 tokens, about 2 s) is worth the 100 ms; a short prefix cached
+///   there (48 tokens: 24 ms of prefill, 48 ms with what it would delay after it) is not: B's
+///   own engine.
+/// - B cut off (its stream, its relay and A's replication to it): B's learner goes on routing
+///   from the state it holds, and B's engine's event waits in B's stream.
+///
+/// Prints the events' lag from C's stream to B's learner and Route's latency on B's learner
+/// and on a voter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_routes_on() {
+    use std::time::Instant;
+    let t = three_clusters(THREE_CLUSTERS).await;
+    let (cluster, leader, links) = (&t.cluster, t.leader, &t.links);
+    let [js_a, js_b, js_c] = &t.js;
+    let (to_b_nats, _) = &t.to_nats;
+    let (b, c) = (B, C);
 
     // Engines: a0 in A, b0 in B, c0 in C. c0 caches a long prompt and a short one.
     let up = |set: &str, w: &str| {
@@ -341,8 +526,8 @@ async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_rout
     let long = long_prompt(1, 4096);
     let short = long_prompt(2, 48);
     let published = Instant::now();
-    publish(&js_c, kv_subject("gpu-c", "c0"), chain(&long, 7)).await;
-    publish(&js_c, kv_subject("gpu-c", "c0"), chain(&short, 8)).await;
+    publish(js_c, kv_subject("gpu-c", "c0"), chain(&long, 7)).await;
+    publish(js_c, kv_subject("gpu-c", "c0"), chain(&short, 8)).await;
     eventually(
         "c0's prefixes known to B's learner",
         Duration::from_secs(60),
@@ -380,7 +565,7 @@ async fn three_clusters_share_one_index_route_by_locality_and_a_cut_cluster_rout
     b_in.cut();
     b_out.cut();
     let b_short = long_prompt(3, 48);
-    let b_last = publish(&js_b, kv_subject("gpu-b", "b0"), chain(&b_short, 9)).await;
+    let b_last = publish(js_b, kv_subject("gpu-b", "b0"), chain(&b_short, 9)).await;
     // B's learner routes from what it holds: C's long prefix, B's own engine for the rest.
     assert_eq!(decided(&cluster.nodes[b], &long).await.0, "gpu-c/c0");
     assert_eq!(

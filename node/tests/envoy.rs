@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::Child;
 use std::time::Duration;
 
-use harness::{eventually, free_port};
+use harness::{eventually, free_port, words};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
 
@@ -112,13 +112,6 @@ async fn health_becomes(health: &Health, service: &str, serving: bool) {
         }
     })
     .await;
-}
-
-fn words(tag: &str, n: usize) -> String {
-    (0..n)
-        .map(|i| format!("{tag}{}", i % 97))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 async fn post(url: &str, body: &serde_json::Value) -> reqwest::Response {

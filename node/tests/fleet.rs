@@ -7,16 +7,9 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually, wait_workers_up};
+use harness::{Cluster, Engine, EngineOptions, NodeOptions, eventually, wait_workers_up, words};
 use kvplane_proto::v1::{RouteRequest, route_response::Decision};
 use serde_json::json;
-
-fn words(tag: &str, n: usize) -> String {
-    (0..n)
-        .map(|i| format!("{tag}{}", i % 97))
-        .collect::<Vec<_>>()
-        .join(" ")
-}
 
 /// Blocks kvplane holds for this prompt on its best worker, and that worker (Explain: the
 /// decision without a queue entry or a reservation).

@@ -51,3 +51,12 @@ pub async fn node_with_engines_under(n: usize, o: &NodeOptions) -> (Cluster, Vec
     wait_workers_up(&cluster.nodes[0], n).await;
     (cluster, engines)
 }
+
+/// `n` words tagged `tag`, repeating after 97 (the simulated engines' and kvplane's word
+/// tokenizer: a token each).
+pub fn words(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{}", i % 97))
+        .collect::<Vec<_>>()
+        .join(" ")
+}

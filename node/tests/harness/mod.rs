@@ -11,7 +11,7 @@ mod envoy;
 mod in_process;
 mod raft;
 pub use answers::{sse_events, sse_json, test_python};
-pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up};
+pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up, words};
 pub use envoy::spawn_envoy;
 pub use in_process::InProcess;
 pub use raft::{
