@@ -113,6 +113,55 @@ fn a_pii_request_stays_in_the_gateways_cluster_and_an_unplaced_replica_refuses_i
     );
 }
 
+/// A replica in cluster c (every other cluster 20 ms away) asked by a gateway that says it runs
+/// in b - one that failed over to a replica of another cluster, say - decides as from b: the
+/// cache in c costs b's round trip to c, the engine in b none, and a `pii` request stays in b.
+#[test]
+fn a_gateway_that_says_where_it_runs_is_decided_for_as_from_there() {
+    let prompt = tokens(24, 4096);
+    let f = fleet(&prompt);
+    let in_c = f.service().with_origin(Origin {
+        cluster: Some("c".into()),
+        rtt_ms: [("b".to_owned(), 20.0)].into(),
+        default_rtt_ms: 20.0,
+        ..Origin::default()
+    });
+    let from_b = |id: &str, tags: &[&str]| {
+        let mut r = request(id, "m", tags, prompt.clone());
+        r.origin = Some(kvplane_proto::v1::Place {
+            cluster: "b".into(),
+            ..Default::default()
+        });
+        r
+    };
+    let x = explain(&in_c, from_b("x", &[]));
+    let network = |pool: &str| {
+        x.candidates
+            .iter()
+            .find(|c| c.endpoint.as_ref().unwrap().pool == pool)
+            .unwrap()
+            .network_ms
+    };
+    assert_eq!((network("far"), network("near")), (20.0, 0.0));
+    assert!(
+        x.steps
+            .iter()
+            .any(|s| s == "decided as from cluster b (where the gateway runs)"),
+        "{:?}",
+        x.steps
+    );
+    assert_eq!(target(&route(&in_c, from_b("r", &[]))), "far/f0");
+    let r = route(&in_c, from_b("p", &["pii"]));
+    assert_eq!(
+        target(&r),
+        "near/n0",
+        "kept in the gateway's cluster, not the replica's"
+    );
+    // Without the gateway's word the same replica keeps it in c, its own cluster.
+    let r = route(&in_c, request("q", "m", &["pii"], prompt.clone()));
+    assert_eq!(target(&r), "far/f0");
+}
+
 #[test]
 fn the_engines_time_is_learned_without_the_links() {
     let prompt = tokens(23, 4096);

@@ -49,6 +49,9 @@ pub struct GatewayConfig {
     pub strategy: Strategy,
     /// Header that carries the tenant.
     pub tenant_header: String,
+    /// Where this gateway runs (its cluster, region, zone), sent with every Route: a replica
+    /// of another cluster (after a failover) decides as from here. `None`: the replica's place.
+    pub origin: Option<kvplane_proto::v1::Place>,
     /// Where providers' credentials are found.
     pub secrets: Secrets,
     /// More certificate authorities (PEM) to trust for providers, besides the web's roots.
@@ -94,6 +97,7 @@ enum Mode {
 struct Inner {
     mode: Mode,
     tenant_header: String,
+    origin: Option<kvplane_proto::v1::Place>,
     secrets: Secrets,
     headers_timeout: std::time::Duration,
     max_body_bytes: usize,
@@ -145,6 +149,7 @@ pub async fn run(
     let app = App(Arc::new(Inner {
         mode,
         tenant_header: cfg.tenant_header.to_ascii_lowercase(),
+        origin: cfg.origin.clone(),
         secrets: cfg.secrets,
         headers_timeout: cfg.headers_timeout,
         max_body_bytes: cfg.max_body_bytes,
@@ -433,6 +438,7 @@ impl App {
                     model,
                     headers: fwd,
                     body: body.to_vec(),
+                    origin: self.0.origin.clone(),
                     ..Default::default()
                 };
                 let started = Instant::now();

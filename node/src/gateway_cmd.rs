@@ -24,6 +24,17 @@ pub struct GatewayArgs {
     /// The header that carries the tenant.
     #[arg(long, default_value = "x-tenant")]
     pub tenant_header: String,
+    /// The cluster this gateway runs in (a worker set's `kvplane.io/cluster`). Sent with every
+    /// Route: a replica of another cluster decides as from here (its round trips, and
+    /// `filter.sameLocality`). Without it, the replica's own `[locality]` stands for it.
+    #[arg(long, env = "KVPLANE_GATEWAY_CLUSTER")]
+    pub cluster: Option<String>,
+    /// The region this gateway runs in (`topology.kubernetes.io/region`).
+    #[arg(long, env = "KVPLANE_GATEWAY_REGION")]
+    pub region: Option<String>,
+    /// The zone this gateway runs in (`topology.kubernetes.io/zone`).
+    #[arg(long, env = "KVPLANE_GATEWAY_ZONE")]
+    pub zone: Option<String>,
     /// Providers' credentials: `<dir>/<secret name>/<key>` (a Kubernetes Secret mounted per
     /// name), else `$KVPLANE_SECRET_<NAME>_<KEY>`.
     #[arg(
@@ -97,6 +108,15 @@ pub async fn gateway(
         "headers" => "--max-headers".into(),
         _ => "--header-read-ms".into(),
     });
+    for (flag, v) in [
+        ("--cluster", &a.cluster),
+        ("--region", &a.region),
+        ("--zone", &a.zone),
+    ] {
+        if v.as_deref().is_some_and(str::is_empty) {
+            problems.push(format!("{flag} must not be empty"));
+        }
+    }
     if a.max_body_bytes == 0 {
         problems.push("--max-body-bytes must be at least 1".into());
     }
@@ -125,6 +145,13 @@ pub async fn gateway(
         GatewayConfig {
             strategy,
             tenant_header: a.tenant_header,
+            origin: (a.cluster.is_some() || a.region.is_some() || a.zone.is_some()).then(|| {
+                kvplane_proto::v1::Place {
+                    cluster: a.cluster.clone().unwrap_or_default(),
+                    region: a.region.clone().unwrap_or_default(),
+                    zone: a.zone.clone().unwrap_or_default(),
+                }
+            }),
             secrets: Secrets {
                 dir: Some(a.secrets_dir),
             },

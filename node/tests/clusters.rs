@@ -223,7 +223,8 @@ spec: {publicModel: m, backends: [{pool: all}]}
 /// - a chat whose 1,200-word system prompt C's engine caches, sent to B's gateway, is served by
 ///   C's engine from its cache (the prefill saved is worth the 100 ms); one whose 30-word system
 ///   prompt C's engine caches goes to B's own engine;
-/// - a prompt cached nowhere stays in each gateway's own cluster;
+/// - a prompt cached nowhere stays in each gateway's own cluster, and in B for a gateway of B's
+///   that asks A's replica (`--cluster b`);
 /// - B's gateway's usage reports are settled on B's learner, where its requests were routed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_in_three_clusters_reach_another_clusters_engine_only_when_its_cache_is_worth_the_link()
@@ -329,6 +330,16 @@ async fn gateways_in_three_clusters_reach_another_clusters_engine_only_when_its_
         let fresh = chat(&words(&format!("fresh-{worker}-"), 40), "a question");
         assert_eq!(&send(g, &fresh).await, worker);
     }
+
+    // A gateway of B's that fails over to A's replica says where it runs: decided as from B.
+    let b_at_a = harness::gateway_with(
+        &cluster.nodes[t.leader].endpoint(),
+        &["--cluster".to_owned(), "b".to_owned()],
+        dir.path().join("gateway-b-at-a.log"),
+    );
+    let fresh = chat(&words("fresh-b-at-a-", 40), "a question");
+    let url = format!("http://{}/v1/chat/completions", b_at_a.field("http"));
+    assert_eq!(send(&url, &fresh).await, "gpu-b/b0");
 
     // B's gateway reported its three requests to B's learner, which routed them.
     eventually(

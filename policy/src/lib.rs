@@ -41,6 +41,6 @@ pub use catalog::Check;
 pub use catalog::{Catalog, Problem};
 pub use documents::{Documents, FileBounds, Located, Source};
 pub use limits::{LimitKey, MatchedLimit};
-pub use locality::Origin;
+pub use locality::{Origin, Place};
 pub use object::{Kind, Object, ParseError, Spec, crds_yaml, valid_object_name};
 pub use resolve::{Attached, Request, Resolved, RuleChoice, SetRef, Via};

@@ -44,6 +44,14 @@ impl Level {
     }
 }
 
+/// Where a gateway says it runs: its cluster, region and zone (empty: not said).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Place<'a> {
+    pub cluster: &'a str,
+    pub region: &'a str,
+    pub zone: &'a str,
+}
+
 /// Where a decision is asked from, and the round trip from there to other clusters.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -80,6 +88,45 @@ impl Origin {
             Some(c) if self.cluster.as_deref() == Some(c.as_str()) => 0.0,
             Some(c) => self.rtt_ms.get(c).copied().unwrap_or(self.default_rtt_ms),
         }
+    }
+
+    /// The origin of a request whose gateway says where it runs (each of `place` empty: not
+    /// said). A gateway in this replica's cluster (or one that names none): this origin, with
+    /// the region and zone it names. A gateway in another cluster: decided as from there, at
+    /// the place it names; the round trip from there to this replica's cluster is this
+    /// replica's to it (a link is taken as symmetric), to its own cluster nothing, to any other
+    /// the default.
+    pub fn seen_from(&self, place: Place<'_>) -> std::borrow::Cow<'_, Origin> {
+        use std::borrow::Cow;
+        let said = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+        if place.cluster.is_empty() || self.cluster.as_deref() == Some(place.cluster) {
+            if place.region.is_empty() && place.zone.is_empty() {
+                return Cow::Borrowed(self);
+            }
+            return Cow::Owned(Origin {
+                region: said(place.region).or_else(|| self.region.clone()),
+                zone: said(place.zone).or_else(|| {
+                    // Another region's zone is not this replica's.
+                    place.region.is_empty().then(|| self.zone.clone()).flatten()
+                }),
+                ..self.clone()
+            });
+        }
+        let back = self.cluster.as_ref().map(|here| {
+            let rtt = self
+                .rtt_ms
+                .get(place.cluster)
+                .copied()
+                .unwrap_or(self.default_rtt_ms);
+            (here.clone(), rtt)
+        });
+        Cow::Owned(Origin {
+            cluster: said(place.cluster),
+            region: said(place.region),
+            zone: said(place.zone),
+            rtt_ms: back.into_iter().collect(),
+            default_rtt_ms: self.default_rtt_ms,
+        })
     }
 
     /// Problems with the configuration, each naming its field under `at` (e.g. `locality`).
@@ -131,6 +178,71 @@ mod tests {
 
     fn labels(cluster: &str) -> Labels {
         [(CLUSTER_LABEL.to_owned(), cluster.to_owned())].into()
+    }
+
+    /// A reference: the round trip between two clusters as the table a fleet's operator would
+    /// write it, symmetric, with a default for pairs not in it.
+    fn table_rtt(from: &str, to: &str) -> f64 {
+        let table = [(("a", "b"), 40.0), (("a", "c"), 60.0)];
+        // b to c is not known to a replica in a: the table leaves it to the default too.
+        if from == to {
+            return 0.0;
+        }
+        table
+            .iter()
+            .find(|((x, y), _)| (*x, *y) == (from, to) || (*y, *x) == (from, to))
+            .map_or(90.0, |(_, v)| *v)
+    }
+
+    #[test]
+    fn a_gateway_in_another_cluster_is_decided_for_as_from_there() {
+        let a = Origin {
+            cluster: Some("a".into()),
+            region: Some("eu".into()),
+            zone: Some("eu-1".into()),
+            rtt_ms: [("b".to_owned(), 40.0), ("c".to_owned(), 60.0)].into(),
+            default_rtt_ms: 90.0,
+        };
+        let place = |cluster, region, zone| Place {
+            cluster,
+            region,
+            zone,
+        };
+        // From b, the replica in a knows b's round trip to a and its own (nothing); b to c is
+        // not in the table: its default.
+        let from_b = a.seen_from(place("b", "us", ""));
+        for to in ["a", "b", "c", "d"] {
+            assert_eq!(
+                from_b.network_ms(&labels(to)),
+                table_rtt("b", to),
+                "b to {to}"
+            );
+        }
+        assert_eq!(from_b.at(Level::Cluster), Some("b"));
+        assert_eq!(from_b.at(Level::Region), Some("us"));
+        assert_eq!(from_b.at(Level::Zone), None, "not said: not a's zone");
+        // From a itself (or nowhere said): the replica's own origin, its region and zone
+        // where the gateway names none.
+        for p in [place("", "", ""), place("a", "", "")] {
+            assert_eq!(*a.seen_from(p), a);
+        }
+        let zone_2 = a.seen_from(place("a", "", "eu-2"));
+        assert_eq!(
+            (zone_2.at(Level::Region), zone_2.at(Level::Zone)),
+            (Some("eu"), Some("eu-2"))
+        );
+        for to in ["a", "b", "c"] {
+            assert_eq!(
+                zone_2.network_ms(&labels(to)),
+                table_rtt("a", to),
+                "a to {to}"
+            );
+        }
+        // An unplaced replica adds nothing for a gateway placed elsewhere, and keeps it there.
+        let unplaced = Origin::default();
+        let nowhere = unplaced.seen_from(place("b", "", ""));
+        assert_eq!(nowhere.network_ms(&labels("a")), 0.0);
+        assert_eq!(nowhere.at(Level::Cluster), Some("b"));
     }
 
     #[test]

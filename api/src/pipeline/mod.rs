@@ -255,6 +255,23 @@ impl RouterService {
                 d.steps.push(format!("tag {t} from {s}"));
             }
         }
+        // Decided as from where the gateway says it runs, else from this replica's place.
+        let origin = req
+            .origin
+            .as_ref()
+            .map_or(std::borrow::Cow::Borrowed(&self.origin), |p| {
+                self.origin.seen_from(kvplane_policy::Place {
+                    cluster: &p.cluster,
+                    region: &p.region,
+                    zone: &p.zone,
+                })
+            });
+        if explain && origin.cluster != self.origin.cluster {
+            d.steps.push(format!(
+                "decided as from cluster {} (where the gateway runs)",
+                origin.cluster.as_deref().unwrap_or_default()
+            ));
+        }
         let preq = kvplane_policy::Request {
             tenant: &d.tenant,
             model: &p.model,
@@ -263,7 +280,7 @@ impl RouterService {
             max_output_tokens: req.max_output_tokens,
             tie_break: pick::tie_break(&req.request_id),
             endpoint_subset: &req.endpoint_subset,
-            origin: &self.origin,
+            origin: &origin,
         };
         let fleet = signals::ViewFleet::new(
             view,
