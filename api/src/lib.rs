@@ -18,6 +18,7 @@ mod quota;
 mod quota_metrics;
 mod quota_refill;
 mod router;
+pub mod rtt;
 mod tokenizers;
 mod trace;
 mod usage;

@@ -35,6 +35,8 @@ pub struct RouterService {
     pub(crate) limits: crate::Limits,
     /// Where this replica's gateways are (see [`kvplane_policy::locality`]).
     pub(crate) origin: kvplane_policy::Origin,
+    /// Round trips measured from reports (`measure_rtt`): the origin decisions use.
+    pub(crate) rtt: Option<Arc<crate::rtt::RttMeter>>,
 }
 
 impl RouterService {
@@ -53,6 +55,7 @@ impl RouterService {
             access: None,
             limits: crate::Limits::default(),
             origin: kvplane_policy::Origin::default(),
+            rtt: None,
         }
     }
 
@@ -61,6 +64,13 @@ impl RouterService {
     /// `filter.sameLocality` compares with.
     pub fn with_origin(mut self, origin: kvplane_policy::Origin) -> Self {
         self.origin = origin;
+        self
+    }
+
+    /// Measures the round trips to other clusters from reported TTFTs (`measure_rtt`): made
+    /// with this replica's origin, it is what decisions use from then on.
+    pub fn with_rtt_meter(mut self, meter: Arc<crate::rtt::RttMeter>) -> Self {
+        self.rtt = Some(meter);
         self
     }
 
@@ -254,7 +264,9 @@ impl RouterService {
         let reservations = crate::pipeline::admit(self.escrow.as_deref(), &mut d).await;
         if let Some(c) = d.chosen() {
             let mut worker = None;
+            let mut remote_cluster = None;
             if let Some((worker_set, state)) = c.worker() {
+                remote_cluster = self.measured_cluster(req, d.view, worker_set);
                 if let Some(spec) = d.view.catalog.worker_sets.get(worker_set) {
                     // What its first token can teach the engine model (one more predictor
                     // lock: only when learning).
@@ -298,6 +310,7 @@ impl RouterService {
                     reservations: reservations.clone(),
                     worker,
                     started: false,
+                    remote_cluster,
                 },
             );
         }
@@ -363,6 +376,7 @@ impl RouterService {
                 worker: Some((ws, w)),
                 predicted_ttft_ms,
                 network_ms,
+                remote_cluster,
             } = &start
             {
                 match served_elsewhere(report.served.as_ref(), (ws, w), &self.state) {
@@ -374,6 +388,7 @@ impl RouterService {
                             *predicted_ttft_ms,
                             report.observed_ttft_ms - network_ms,
                         );
+                        self.measure_rtt((ws, w), remote_cluster.as_deref(), &report);
                         self.predictor.decoding(ws, w, &report.request_id);
                     }
                     Some(served) => {
@@ -420,6 +435,7 @@ impl RouterService {
             predicted_ttft_ms,
             network_ms,
             started,
+            remote_cluster,
             ..
         }) = &routed
         {
@@ -436,6 +452,7 @@ impl RouterService {
                     *predicted_ttft_ms,
                     report.observed_ttft_ms - network_ms,
                 );
+                self.measure_rtt((ws, w), remote_cluster.as_deref(), &report);
             }
         }
         if let Some(r) = &routed {
@@ -452,6 +469,52 @@ impl RouterService {
             applied_index,
             settled_by_ledger: false,
         }))
+    }
+
+    /// The cluster of `worker_set` when round trips are measured, it is another than this
+    /// replica's, and `req` was decided from here (its gateway named no other place).
+    fn measured_cluster(
+        &self,
+        req: &RouteRequest,
+        view: &kvplane_state::View,
+        worker_set: &str,
+    ) -> Option<String> {
+        self.rtt.as_ref()?;
+        let here = self.origin.cluster.as_deref()?;
+        let from_here = req
+            .origin
+            .as_ref()
+            .is_none_or(|p| p.cluster.is_empty() || p.cluster == here);
+        let there = view
+            .catalog
+            .worker_sets
+            .get(worker_set)?
+            .labels
+            .get(kvplane_policy::locality::CLUSTER_LABEL)?;
+        (from_here && there != here).then(|| there.clone())
+    }
+
+    /// Feeds a remote worker's observed time to first token, with its engine's histogram now,
+    /// to the round-trip meter.
+    fn measure_rtt(&self, (ws, w): (&str, &str), cluster: Option<&str>, report: &UsageReport) {
+        let (Some(meter), Some(cluster)) = (&self.rtt, cluster) else {
+            return;
+        };
+        let view = self.state.load();
+        let Some(m) = view
+            .pools
+            .get(ws)
+            .and_then(|p| p.workers.iter().find(|x| &*x.name == w))
+            .map(|x| &x.metrics)
+        else {
+            return;
+        };
+        meter.observed(
+            (ws, w),
+            cluster,
+            report.observed_ttft_ms,
+            (m.ttft_sum_s, m.ttft_count),
+        );
     }
 
     /// This process's incarnation (0 without tenant limits).

@@ -24,6 +24,10 @@ pub(crate) struct Routed {
     pub(crate) worker: Option<(String, String)>,
     /// Its first token was reported (the predictor has its time to first token).
     pub(crate) started: bool,
+    /// The worker's cluster, when it is another than this replica's and the request was
+    /// decided from here: its observed time to first token measures the link
+    /// ([`crate::rtt`]).
+    pub(crate) remote_cluster: Option<String>,
 }
 
 /// What a first-token report found.
@@ -38,6 +42,7 @@ pub(crate) enum Start {
         worker: Option<(String, String)>,
         predicted_ttft_ms: f64,
         network_ms: f64,
+        remote_cluster: Option<String>,
     },
 }
 
@@ -135,6 +140,7 @@ impl UsageBook {
                     worker: r.worker.clone(),
                     predicted_ttft_ms: r.predicted_ttft_ms,
                     network_ms: r.network_ms,
+                    remote_cluster: r.remote_cluster.clone(),
                 }
             }
         }
@@ -236,6 +242,7 @@ mod tests {
             tenant: tenant.into(),
             predicted_ttft_ms: 0.0,
             network_ms: 0.0,
+            remote_cluster: None,
             at: Instant::now(),
             reservations: Vec::new(),
             worker: None,

@@ -37,6 +37,17 @@ fn fleet(prompt: &[u32]) -> TestFleet {
     f
 }
 
+/// Explain's word on the candidate of worker set `pool`.
+fn candidate<'x>(
+    x: &'x kvplane_proto::v1::ExplainResponse,
+    pool: &str,
+) -> &'x kvplane_proto::v1::CandidateExplanation {
+    x.candidates
+        .iter()
+        .find(|c| c.endpoint.as_ref().unwrap().pool == pool)
+        .unwrap()
+}
+
 fn in_cluster_b(rtt_to_c_ms: f64) -> Origin {
     Origin {
         cluster: Some("b".into()),
@@ -53,16 +64,8 @@ fn a_remote_cache_wins_when_it_saves_more_than_the_link_costs_and_loses_when_not
     let r = route(&cheap_link, request("a", "m", &[], prompt.clone()));
     assert_eq!((target(&r).as_str(), r.matched_blocks), ("far/f0", 256));
     let x = explain(&cheap_link, request("x", "m", &[], prompt.clone()));
-    let far = x
-        .candidates
-        .iter()
-        .find(|c| c.endpoint.as_ref().unwrap().pool == "far")
-        .unwrap();
-    let near = x
-        .candidates
-        .iter()
-        .find(|c| c.endpoint.as_ref().unwrap().pool == "near")
-        .unwrap();
+    let far = candidate(&x, "far");
+    let near = candidate(&x, "near");
     assert_eq!((far.network_ms, near.network_ms), (20.0, 0.0));
     assert!(far.predicted_ttft_ms >= 20.0, "{far:?}");
     assert!(near.predicted_ttft_ms > 1500.0, "{near:?}");
@@ -94,11 +97,7 @@ fn a_pii_request_stays_in_the_gateways_cluster_and_an_unplaced_replica_refuses_i
         "the remote cache does not pull it out"
     );
     let x = explain(&s, request("px", "m", &["pii"], prompt.clone()));
-    let far = x
-        .candidates
-        .iter()
-        .find(|c| c.endpoint.as_ref().unwrap().pool == "far")
-        .unwrap();
+    let far = candidate(&x, "far");
     assert_eq!(far.filtered_by, "same_locality");
     assert_eq!(
         far.filtered_reason,
@@ -184,4 +183,64 @@ fn the_engines_time_is_learned_without_the_links() {
         (observed - predicted).abs() < 1e-6,
         "the engine is judged on its own time: {predicted} vs {observed}"
     );
+}
+
+/// With `measure_rtt` a replica in cluster b that was told nothing of the link to c learns it:
+/// gateways observe c's engine's first tokens 300 ms after the engine's own histogram counts
+/// them (the reference: the delay the test puts on every observation), and after a window of
+/// reports the round trip measured is that delay. A 512-token cache in c (256 ms of prefill
+/// saved) then loses to b's own engine; measured nothing, it wins.
+#[test]
+fn a_replica_told_nothing_of_a_link_measures_it_from_reported_ttfts() {
+    use kvplane_api::rtt::{RttMeter, WINDOW_REPORTS};
+    let link_ms = 300.0;
+    let prompt = tokens(25, 512);
+    for measure in [true, false] {
+        let mut f = fleet(&prompt);
+        let origin = Origin {
+            cluster: Some("b".into()),
+            measure_rtt: measure,
+            ..Origin::default()
+        };
+        let mut s = f.service().with_origin(origin.clone());
+        if measure {
+            s = s.with_rtt_meter(Arc::new(RttMeter::new(origin)));
+        }
+        let mut histogram = (0.0, 0);
+        // Requests kept to c's engine (the endpoint subset), each first token counted by the
+        // engine, then observed by the gateway behind the link.
+        for i in 0..=WINDOW_REPORTS {
+            let id = format!("m{i}");
+            let mut req = request(&id, "m", &[], prompt.clone());
+            req.endpoint_subset = vec!["f0:8000".into()];
+            assert_eq!(target(&route(&s, req)), "far/f0");
+            #[allow(clippy::cast_precision_loss)]
+            let engine_ms = 30.0 + (i * 7) as f64;
+            histogram = (histogram.0 + engine_ms / 1000.0, histogram.1 + 1);
+            f.sample(
+                "far",
+                "f0",
+                kvplane_state::WorkerMetrics {
+                    ttft_sum_s: histogram.0,
+                    ttft_count: histogram.1,
+                    ..Default::default()
+                },
+            );
+            report_first_token(&s, &id, engine_ms + link_ms);
+        }
+        let x = explain(&s, request("x", "m", &[], prompt.clone()));
+        let far = candidate(&x, "far");
+        let r = route(&s, request("after", "m", &[], prompt.clone()));
+        if measure {
+            assert!((far.network_ms - link_ms).abs() < 1e-6, "{far:?}");
+            assert_eq!(
+                target(&r),
+                "near/n0",
+                "the measured link costs more than it saves"
+            );
+        } else {
+            assert_eq!(far.network_ms, 0.0);
+            assert_eq!(target(&r), "far/f0", "measured nothing, the cache wins");
+        }
+    }
 }

@@ -591,10 +591,12 @@ mod tests {
             region = "eu-west"
             rtt_ms = { c = 40, b = 1 }
             default_rtt_ms = -1
+            measure_rtt = true
             "#,
         )
         .unwrap();
         assert_eq!(cfg.locality.cluster.as_deref(), Some("b"));
+        assert!(cfg.locality.measure_rtt);
         assert_eq!(cfg.locality.rtt_ms.get("c"), Some(&40.0));
         assert_eq!(
             cfg.problems(),

@@ -68,6 +68,11 @@ pub struct Origin {
     /// Round trip to a cluster `rtt_ms` does not name (0: not told, nothing added).
     #[serde(default)]
     pub default_rtt_ms: f64,
+    /// Measure the round trip to each other cluster from the gateways' reported TTFTs against
+    /// the engines' own TTFT histograms; a cluster's measurement replaces its configured figure
+    /// (or the default) from its first sample on.
+    #[serde(default)]
+    pub measure_rtt: bool,
 }
 
 impl Origin {
@@ -126,6 +131,7 @@ impl Origin {
             zone: said(place.zone),
             rtt_ms: back.into_iter().collect(),
             default_rtt_ms: self.default_rtt_ms,
+            measure_rtt: false,
         })
     }
 
@@ -133,7 +139,9 @@ impl Origin {
     pub fn problems(&self, at: &str) -> Vec<String> {
         let mut p = Vec::new();
         let bad = |v: f64| !v.is_finite() || v < 0.0;
-        if self.cluster.is_none() && (!self.rtt_ms.is_empty() || self.default_rtt_ms > 0.0) {
+        if self.cluster.is_none()
+            && (!self.rtt_ms.is_empty() || self.default_rtt_ms > 0.0 || self.measure_rtt)
+        {
             p.push(format!(
                 "{at}.cluster is needed with round trips: without it every cluster, this one too, is another"
             ));
@@ -202,6 +210,7 @@ mod tests {
             zone: Some("eu-1".into()),
             rtt_ms: [("b".to_owned(), 40.0), ("c".to_owned(), 60.0)].into(),
             default_rtt_ms: 90.0,
+            measure_rtt: false,
         };
         let place = |cluster, region, zone| Place {
             cluster,
@@ -272,6 +281,15 @@ mod tests {
                 "locality.cluster is needed with round trips: without it every cluster, this one too, is another",
                 "locality.rtt_ms has an empty cluster name",
             ]
+        );
+        let measuring = Origin {
+            measure_rtt: true,
+            ..Origin::default()
+        };
+        assert_eq!(
+            measuring.problems("locality").len(),
+            1,
+            "measured from where"
         );
         let o = Origin {
             cluster: Some("b".into()),

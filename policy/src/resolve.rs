@@ -43,6 +43,7 @@ static NOWHERE: crate::Origin = crate::Origin {
     zone: None,
     rtt_ms: BTreeMap::new(),
     default_rtt_ms: 0.0,
+    measure_rtt: false,
 };
 
 #[cfg(test)]

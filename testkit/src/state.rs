@@ -166,6 +166,15 @@ impl TestFleet {
         )])
     }
 
+    /// An engine metrics sample of `worker`, whole (its TTFT histogram, say).
+    pub fn sample(&mut self, set: &str, worker: &str, metrics: WorkerMetrics) -> &mut Self {
+        self.ingest(vec![(
+            set.into(),
+            worker.into(),
+            IngestPayload::Metrics(metrics),
+        )])
+    }
+
     /// `worker` caches `tokens` (whole blocks of `block_size`), under `lora` and `salt`, as the
     /// leader proposes an engine's store.
     pub fn caches(

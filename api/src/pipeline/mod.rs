@@ -255,18 +255,21 @@ impl RouterService {
                 d.steps.push(format!("tag {t} from {s}"));
             }
         }
-        // Decided as from where the gateway says it runs, else from this replica's place.
+        // Decided as from where the gateway says it runs, else from this replica's place (with
+        // the round trips measured so far, when measured).
+        let measured = self.rtt.as_ref().map(|m| m.origin());
+        let here = measured.as_deref().unwrap_or(&self.origin);
         let origin = req
             .origin
             .as_ref()
-            .map_or(std::borrow::Cow::Borrowed(&self.origin), |p| {
-                self.origin.seen_from(kvplane_policy::Place {
+            .map_or(std::borrow::Cow::Borrowed(here), |p| {
+                here.seen_from(kvplane_policy::Place {
                     cluster: &p.cluster,
                     region: &p.region,
                     zone: &p.zone,
                 })
             });
-        if explain && origin.cluster != self.origin.cluster {
+        if explain && origin.cluster != here.cluster {
             d.steps.push(format!(
                 "decided as from cluster {} (where the gateway runs)",
                 origin.cluster.as_deref().unwrap_or_default()

@@ -186,6 +186,7 @@ pub(super) fn routing(p: &Parts, tasks: &mut Tasks) -> grpc::Services {
         predictor: p.predictor.clone(),
         escrow,
         routed,
+        rtt: p.rtt.clone(),
     };
     grpc::services(cfg, &p.member, &p.metrics, shared, p.access.clone())
 }

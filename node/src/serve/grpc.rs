@@ -26,6 +26,8 @@ pub(super) struct Shared {
     pub predictor: Arc<Predictor>,
     pub escrow: Arc<Escrow>,
     pub routed: RoutedSink,
+    /// Round trips measured from reports (`[locality] measure_rtt`).
+    pub rtt: Option<Arc<kvplane_api::rtt::RttMeter>>,
 }
 
 /// The routing services of this member.
@@ -47,7 +49,7 @@ pub(super) fn services(
     access: Access,
 ) -> Services {
     let consistency: Arc<dyn Consistency> = member.clone();
-    let router = RouterService::new(member.handle.clone(), cfg.cost, metrics.api.clone())
+    let mut router = RouterService::new(member.handle.clone(), cfg.cost, metrics.api.clone())
         .with_tokenizers(shared.tokenizers)
         .with_consistency(consistency.clone())
         .with_quota(shared.escrow.clone())
@@ -57,6 +59,9 @@ pub(super) fn services(
         .with_access(access.clone())
         .with_limits(cfg.limits)
         .with_origin(cfg.locality.clone());
+    if let Some(meter) = shared.rtt {
+        router = router.with_rtt_meter(meter);
+    }
     let node_info = NodeInfo {
         node_id: cfg.node_id.clone(),
         role: {

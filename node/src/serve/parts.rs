@@ -24,6 +24,8 @@ pub(super) struct Parts {
     pub cluster_nats: Vec<async_nats::Client>,
     pub tokenizers: Arc<Tokenizers>,
     pub predictor: Arc<Predictor>,
+    /// Round trips measured from reports, when `[locality] measure_rtt`.
+    pub rtt: Option<Arc<kvplane_api::rtt::RttMeter>>,
     /// Every component's metrics.
     pub registry: Arc<Registry>,
     /// The Kubernetes client, namespace and resync period of `[policy_kubernetes]`.
@@ -66,6 +68,11 @@ impl Parts {
         tokenizers.register(&mut registry);
         let predictor = Arc::new(Predictor::new(wall_clock()));
         predictor.register(&mut registry);
+        let rtt = cfg.locality.measure_rtt.then(|| {
+            let meter = Arc::new(kvplane_api::rtt::RttMeter::new(cfg.locality.clone()));
+            meter.register(&mut registry);
+            meter
+        });
         let on_applied: kvplane_raft::OnApplied = {
             let m = metrics.state.clone();
             Arc::new(move |a| m.observe(a))
@@ -118,6 +125,7 @@ impl Parts {
             cluster_nats,
             tokenizers,
             predictor,
+            rtt,
             registry: Arc::new(registry),
             kube,
             kube_engines,
