@@ -243,6 +243,76 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
 /// toward a quorum - cut off, with one voter gone, the two voters left still commit (as four
 /// voters they could not) - it catches up when healed, and with every voter gone it still
 /// routes from what it holds.
+/// A learner set under `[raft.kubernetes]`, as a StatefulSet in another cluster runs it: pods
+/// `kvplane-b-0` and `kvplane-b-1` ask the members they are given (`join`) under their own
+/// published names (`advertise_addr`), each with an id chosen on its volume - not `ordinal + 1`,
+/// which the members' own pods hold - and ordinal 0 starts no cluster of its own. Both
+/// replicate and agree with the voters; b-0 restarted keeps its id and its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of_its_own() {
+    let (mut cluster, js) = started(&NodeOptions::default()).await;
+    let mut last = publish_chains(&js, 0, 10).await;
+    let mut ports = Vec::new();
+    for ordinal in 0..2u64 {
+        let port = harness::free_port();
+        ports.push(port);
+        let o = NodeOptions {
+            grpc_listen: format!("127.0.0.1:{port}"),
+            raft: Some(harness::RaftOptions {
+                join: vec![cluster.nodes[1].grpc.to_string()],
+                learner: true,
+                kubernetes: Some(format!(
+                    "pod_name = \"kvplane-b-{ordinal}\"\nservice = \"kvplane-peers\"\nnamespace = \"b\"\nadvertise_addr = \"127.0.0.1:{{port}}\"\n"
+                )),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        cluster.add_node(&format!("kvplane-b-{ordinal}"), &o);
+    }
+    async fn members(node: &harness::Node) -> Option<Vec<kvplane_proto::v1::Member>> {
+        node.admin()
+            .await
+            .cluster_status(kvplane_proto::v1::StatusRequest::default())
+            .await
+            .ok()
+            .map(|r| r.into_inner().members)
+    }
+    let learners = eventually("both pods learners", Duration::from_secs(30), || async {
+        let m = members(&cluster.nodes[0]).await?;
+        let l: Vec<(u64, String)> = ports
+            .iter()
+            .filter_map(|p| {
+                m.iter()
+                    .find(|x| x.addr == format!("127.0.0.1:{p}") && !x.voter)
+                    .map(|x| (x.id, x.addr.clone()))
+            })
+            .collect();
+        (l.len() == 2).then_some(l)
+    })
+    .await;
+    for (ordinal, (id, _)) in learners.iter().enumerate() {
+        assert!(
+            *id > 1_000_000 && id % 1000 == ordinal as u64 + 1,
+            "an id of its volume's, not {}: {id}",
+            ordinal + 1
+        );
+    }
+    last = last.max(publish_chains(&js, 10, 20).await);
+    cluster.all_agree(&[0, 1, 2, 3, 4], last).await;
+
+    // Restarted, b-0 keeps its id and its place, and starts nothing of its own.
+    cluster.nodes[3].kill();
+    cluster.nodes[3].restart();
+    last = last.max(publish_chains(&js, 20, 30).await);
+    cluster.all_agree(&[0, 1, 2, 3, 4], last).await;
+    let m = members(&cluster.nodes[0]).await.unwrap();
+    assert_eq!(m.len(), 5, "{m:?}");
+    assert_eq!(m.iter().filter(|x| x.voter).count(), 3, "{m:?}");
+    let s = cluster.nodes[3].cluster_status().await;
+    assert_eq!(s.node, learners[0].0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_learner_replicates_and_routes_but_never_counts_toward_a_quorum() {
     let (mut cluster, js) = started(&NodeOptions::default()).await;

@@ -292,13 +292,7 @@ async fn adding_a_node_that_is_a_cluster_of_its_own_is_refused_and_it_keeps_its_
         .await
         .unwrap();
     assert_eq!(members.into_inner().members.len(), 1);
-    let theirs = b
-        .admin()
-        .await
-        .cluster_status(kvplane_proto::v1::StatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let theirs = b.cluster_status().await;
     assert_eq!(theirs.members.iter().map(|m| m.id).collect::<Vec<_>>(), [1]);
     assert_eq!(theirs.leader, 1);
     assert!(pools(b).await.contains(&"b-only".to_owned()));

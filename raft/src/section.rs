@@ -112,6 +112,12 @@ pub struct KubernetesSection {
     pub manage_membership: bool,
     #[serde(default = "KubernetesSection::default_check_ms")]
     pub membership_check_ms: u64,
+    /// The address the other members reach this pod at, when not its headless-Service name:
+    /// `{pod}`, `{ordinal}` and `{port}` are replaced (e.g.
+    /// `"{pod}.cluster-b.kvplane.example:{port}"`, a name published for each pod of a learner
+    /// set in another cluster, whose Service names do not resolve where the members run).
+    #[serde(default)]
+    pub advertise_addr: Option<String>,
 }
 
 impl KubernetesSection {
@@ -156,6 +162,17 @@ impl KubernetesSection {
             "{pod}.{}.{namespace}.svc.{}:{port}",
             self.service, self.cluster_domain
         )
+    }
+
+    /// This pod's own address: `advertise_addr` filled in, else its headless-Service name.
+    fn own_addr(&self, (pod, ordinal): (&str, u64), namespace: &str, port: u16) -> String {
+        match &self.advertise_addr {
+            Some(t) => t
+                .replace("{pod}", pod)
+                .replace("{ordinal}", &ordinal.to_string())
+                .replace("{port}", &port.to_string()),
+            None => self.addr(pod, namespace, port),
+        }
     }
 }
 
@@ -261,7 +278,8 @@ impl RaftSection {
     /// among the other ordinals below `max_members`; ordinal 0 may initialize a one-member
     /// cluster (only once every other existing pod said it has none, see
     /// [`crate::identity`]). Its id here is `n + 1`, replaced at start by the id kept on its
-    /// volume.
+    /// volume. A learner pod (a learner set in another cluster) asks `join` - the members'
+    /// published names - and never initializes anything.
     pub fn membership(&self, grpc_listen: &str) -> Result<Membership, SectionError> {
         if let Some(k) = &self.kubernetes {
             let pod = k.pod_name()?;
@@ -278,7 +296,21 @@ impl RaftSection {
             };
             let namespace = k.namespace()?;
             let id = ordinal + 1;
-            let addr = k.addr(&pod, &namespace, port);
+            let addr = k.own_addr((&pod, ordinal), &namespace, port);
+            if self.learner {
+                return Ok(Membership {
+                    id,
+                    addr,
+                    initial: Vec::new(),
+                    join: self.join.clone(),
+                    pod: Some(Pod {
+                        set: set.to_owned(),
+                        ordinal,
+                    }),
+                    learner: true,
+                    relay_through_join: self.relay_through_join,
+                });
+            }
             return Ok(Membership {
                 id,
                 initial: if ordinal == 0 {
@@ -345,10 +377,10 @@ impl RaftSection {
             && (self.id.is_some()
                 || !self.peers.is_empty()
                 || self.bootstrap
-                || !self.join.is_empty())
+                || (!self.join.is_empty() && !self.learner))
         {
             p.push(
-                "raft.kubernetes derives id, peers, bootstrap and join: set none of them".into(),
+                "raft.kubernetes derives id, peers, bootstrap and join (a learner's join is the members it asks): set none of them".into(),
             );
         }
         if let Err(e) = self.membership(grpc_listen) {
@@ -383,11 +415,6 @@ impl RaftSection {
             }
             if self.join.is_empty() {
                 p.push("raft.learner needs raft.join: the members that add it".into());
-            }
-            if self.kubernetes.is_some() {
-                p.push(
-                    "raft.learner is not supported with raft.kubernetes yet: give raft.join".into(),
-                );
             }
         }
         if self.relay_through_join {
@@ -495,6 +522,47 @@ mod tests {
                 "raft.relay_through_join needs raft.join: the members to relay through"
             ]
         );
+    }
+
+    #[test]
+    fn a_learner_set_asks_the_members_it_is_given_under_its_published_names() {
+        let s = section(
+            "learner = true\nrelay_through_join = true\njoin = [\"a.example:443\"]\n[kubernetes]\npod_name = \"kvplane-b-1\"\nservice = \"kvplane-peers\"\nnamespace = \"infra\"\nadvertise_addr = \"{pod}.b.example:{port}\"\nport = 7443\n",
+        );
+        let mut p = Vec::new();
+        s.problems("0.0.0.0:7070", &mut p);
+        assert!(p.is_empty(), "{p:?}");
+        let m = s.membership("0.0.0.0:7070").unwrap();
+        assert_eq!(m.addr, "kvplane-b-1.b.example:7443");
+        assert_eq!(m.join, ["a.example:443"], "the members, not its own set");
+        assert!(m.learner && m.relay_through_join && m.initial.is_empty());
+        assert_eq!(
+            m.pod,
+            Some(Pod {
+                set: "kvplane-b".into(),
+                ordinal: 1
+            })
+        );
+        // Ordinal 0 of a learner set initializes nothing either.
+        let zero = section(
+            "learner = true\njoin = [\"a.example:443\"]\n[kubernetes]\npod_name = \"kvplane-b-0\"\nservice = \"kvplane-peers\"\nnamespace = \"infra\"\n",
+        )
+        .membership("0.0.0.0:7070")
+        .unwrap();
+        assert!(zero.initial.is_empty());
+        assert_eq!(
+            zero.addr,
+            "kvplane-b-0.kvplane-peers.infra.svc.cluster.local:7070"
+        );
+        // Without members to ask, a learner set is a problem; a voter set takes no join.
+        let mut p = Vec::new();
+        section("learner = true\n[kubernetes]\npod_name = \"kvplane-b-0\"\nservice = \"s\"\nnamespace = \"n\"\n")
+            .problems("0.0.0.0:7070", &mut p);
+        assert_eq!(p, ["raft.learner needs raft.join: the members that add it"]);
+        let mut p = Vec::new();
+        section("join = [\"a:1\"]\n[kubernetes]\npod_name = \"kvplane-0\"\nservice = \"s\"\nnamespace = \"n\"\n")
+            .problems("0.0.0.0:7070", &mut p);
+        assert_eq!(p.len(), 1, "{p:?}");
     }
 
     #[test]

@@ -181,6 +181,9 @@ pub struct RaftOptions {
     pub learner: bool,
     /// Writes, read barriers and the join go through `join`'s members, which relay them.
     pub relay_through_join: bool,
+    /// The body of a `[raft.kubernetes]` section: the member is a StatefulSet pod (its id
+    /// chosen on its volume; `id`, `peers` and `bootstrap` are not written).
+    pub kubernetes: Option<String>,
 }
 
 impl Default for NodeOptions {
@@ -257,21 +260,30 @@ impl Node {
             election_timeout_ms,
             learner,
             relay_through_join,
+            kubernetes,
         }) = &o.raft
         {
             let (election_min, election_max) = election_timeout_ms.unwrap_or((400, 800));
+            if kubernetes.is_none() {
+                toml.push_str(&format!(
+                    "id = {id}\nbootstrap = {bootstrap}\npeers = [{}]\n",
+                    peers
+                        .iter()
+                        .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ));
+            }
             toml.push_str(&format!(
-                "id = {id}\nbootstrap = {bootstrap}\nlearner = {learner}\nrelay_through_join = {relay_through_join}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\npeers = [{}]\njoin = [{}]\n",
-                peers
-                    .iter()
-                    .map(|(i, a)| format!("{{ id = {i}, addr = \"{a}\" }}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                "learner = {learner}\nrelay_through_join = {relay_through_join}\nforward_timeout_ms = 3000\nheartbeat_ms = 100\nelection_timeout_min_ms = {election_min}\nelection_timeout_max_ms = {election_max}\njoin = [{}]\n",
                 join.iter()
                     .map(|a| format!("{a:?}"))
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
+            if let Some(k) = kubernetes {
+                toml.push_str(&format!("[raft.kubernetes]\n{k}\n"));
+            }
         }
         let models: Vec<String> = o.pool_models.iter().map(|m| format!("{m:?}")).collect();
         // With a policy directory the worker sets are the fleet: the default pool (every
@@ -302,7 +314,11 @@ impl Node {
             grpc: "0.0.0.0:0".parse().unwrap(),
             http: "0.0.0.0:0".parse().unwrap(),
             dir: dir.to_owned(),
-            raft_id: o.raft.as_ref().map(|r| r.id),
+            raft_id: o
+                .raft
+                .as_ref()
+                .filter(|r| r.kubernetes.is_none())
+                .map(|r| r.id),
             config,
             env: o.env.clone(),
             starts: 0,
@@ -454,6 +470,16 @@ impl Node {
 
     pub async fn admin(&self) -> AdminClient<Channel> {
         AdminClient::new(self.channel().await)
+    }
+
+    /// Its view of the Raft cluster (`Admin.ClusterStatus`); panics when it does not answer.
+    pub async fn cluster_status(&self) -> kvplane_proto::v1::ClusterStatusResponse {
+        self.admin()
+            .await
+            .cluster_status(kvplane_proto::v1::StatusRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
     }
 
     /// Its gRPC URL (`https` with TLS).

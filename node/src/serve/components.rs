@@ -46,6 +46,8 @@ pub(super) async fn member(p: &Parts, tasks: &mut Tasks, ready: Ready) {
         .as_ref()
         .filter(|k| k.manage_membership)
         && let Some(pod) = &p.member.membership.pod
+        // A learner set (another cluster's) never leads: it has no scale-down to follow.
+        && !p.member.membership.learner
     {
         match kube::Client::try_default().await {
             Ok(client) => {
