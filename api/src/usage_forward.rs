@@ -4,7 +4,10 @@
 //! queue entry; this one forwards it there, once (a forwarded report is never forwarded again).
 //! When that replica's process is gone - it cannot be reached, or it restarted and forgot the
 //! request - what the ticket says was reserved and the report says was not used goes back
-//! through the quota ledger instead ([`ledger_settles`]).
+//! through the quota ledger instead ([`ledger_settles`]). A replica that reaches the members
+//! only through a relay (`relay_through_join`: a learner in another cluster, where the members'
+//! recorded names do not resolve) hands the report to the relay as a fresh one, which forwards
+//! it on (or settles it, when it routed the request).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,6 +33,12 @@ pub(crate) enum ForwardError {
     },
     #[error("replica {id} did not take the report: {status}")]
     Call { id: u64, status: tonic::Status },
+    #[error("the relay at {addr} did not take the report for replica {id}: {status}")]
+    Relay {
+        id: u64,
+        addr: String,
+        status: tonic::Status,
+    },
 }
 
 impl ForwardError {
@@ -41,6 +50,8 @@ impl ForwardError {
         match self {
             Self::NotAMember(_) | Self::Address { .. } => true,
             Self::Call { status, .. } => kvplane_tls::connection_refused(status),
+            // The relay may have passed it on before its answer was lost.
+            Self::Relay { .. } => false,
         }
     }
 }
@@ -51,6 +62,10 @@ pub(crate) struct Forwarder {
     pub(crate) self_id: u64,
     cluster: Arc<dyn ClusterControl>,
     clients: Mutex<HashMap<u64, RouterClient<Channel>>>,
+    /// Clients of the relay addresses, by address.
+    relays: Mutex<HashMap<String, RouterClient<Channel>>>,
+    /// The relay address the next report tries first.
+    next_relay: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Forwarder {
@@ -67,6 +82,8 @@ impl Forwarder {
             self_id: cluster.status().node,
             cluster,
             clients: Mutex::default(),
+            relays: Mutex::default(),
+            next_relay: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -83,20 +100,69 @@ impl Forwarder {
         on_behalf_of: Option<&str>,
     ) -> Result<UsageAck, ForwardError> {
         let id = routed_by(&report);
-        let mut client = self.client(id)?;
-        report.forwarded = true;
-        let mut request = tonic::Request::new(report);
-        request.set_timeout(Duration::from_secs(2));
-        if let Some(v) = on_behalf_of.and_then(|i| i.parse().ok()) {
-            request
-                .metadata_mut()
-                .insert(crate::access::ON_BEHALF_OF, v);
+        let via = self.cluster.relay_via();
+        if !via.is_empty() {
+            return self.through_relay(&via, report, on_behalf_of).await;
         }
+        let mut client = self.client(id)?;
+        if self.cluster.cut_off(id) {
+            return Err(ForwardError::Call {
+                id,
+                status: tonic::Status::unavailable("cut off by fault injection"),
+            });
+        }
+        report.forwarded = true;
         client
-            .report_usage(request)
+            .report_usage(request(report, on_behalf_of))
             .await
             .map(tonic::Response::into_inner)
             .map_err(|status| ForwardError::Call { id, status })
+    }
+
+    /// Hands `report` to a relay as a fresh report (it forwards it to the routing replica, or
+    /// settles it there); the next relay address only when one refused the connection.
+    async fn through_relay(
+        &self,
+        via: &[String],
+        report: UsageReport,
+        on_behalf_of: Option<&str>,
+    ) -> Result<UsageAck, ForwardError> {
+        use std::sync::atomic::Ordering;
+        let id = routed_by(&report);
+        let first = self.next_relay.fetch_add(1, Ordering::Relaxed);
+        let mut last = None;
+        for k in 0..via.len() {
+            let addr = &via[(first + k) % via.len()];
+            let mut client = self.relay_client(addr, id)?;
+            match client
+                .report_usage(request(report.clone(), on_behalf_of))
+                .await
+            {
+                Ok(ack) => return Ok(ack.into_inner()),
+                Err(status) => {
+                    let refused = kvplane_tls::connection_refused(&status);
+                    last = Some(ForwardError::Relay {
+                        id,
+                        addr: addr.clone(),
+                        status,
+                    });
+                    if !refused {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last.unwrap_or(ForwardError::NotAMember(id)))
+    }
+
+    fn relay_client(&self, addr: &str, id: u64) -> Result<RouterClient<Channel>, ForwardError> {
+        let mut relays = self.relays.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = relays.get(addr) {
+            return Ok(c.clone());
+        }
+        let c = self.dial(addr, id)?;
+        relays.insert(addr.to_owned(), c.clone());
+        Ok(c)
     }
 
     fn client(&self, id: u64) -> Result<RouterClient<Channel>, ForwardError> {
@@ -112,19 +178,36 @@ impl Forwarder {
             .find(|m| m.id == id)
             .map(|m| m.addr)
             .ok_or(ForwardError::NotAMember(id))?;
-        let channel =
-            self.cluster
-                .dialer()
-                .channel(&addr)
-                .map_err(|source| ForwardError::Address {
-                    id,
-                    addr: addr.clone(),
-                    source,
-                })?;
-        let c = RouterClient::new(channel);
+        let c = self.dial(&addr, id)?;
         clients.insert(id, c.clone());
         Ok(c)
     }
+
+    /// A client of `addr` (reached for replica `id`'s report).
+    fn dial(&self, addr: &str, id: u64) -> Result<RouterClient<Channel>, ForwardError> {
+        let channel =
+            self.cluster
+                .dialer()
+                .channel(addr)
+                .map_err(|source| ForwardError::Address {
+                    id,
+                    addr: addr.to_owned(),
+                    source,
+                })?;
+        Ok(RouterClient::new(channel))
+    }
+}
+
+/// A report call: at most 2 s, naming whom it is made for.
+fn request(report: UsageReport, on_behalf_of: Option<&str>) -> tonic::Request<UsageReport> {
+    let mut request = tonic::Request::new(report);
+    request.set_timeout(Duration::from_secs(2));
+    if let Some(v) = on_behalf_of.and_then(|i| i.parse().ok()) {
+        request
+            .metadata_mut()
+            .insert(crate::access::ON_BEHALF_OF, v);
+    }
+    request
 }
 
 /// The replica that routed a reported request: its ticket's, else the report's `routed_by`.

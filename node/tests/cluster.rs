@@ -462,6 +462,37 @@ async fn a_learner_that_cannot_reach_the_leader_joins_writes_and_reads_through_a
         "the leader holds the write"
     );
 
+    // A report of a request the leader routed (a gateway that failed over between Route and
+    // ReportUsage) sent to the learner: handed to the relay, which forwards it to the leader,
+    // where it is known.
+    let routed = cluster.nodes[leader]
+        .router()
+        .await
+        .route(kvplane_proto::v1::RouteRequest {
+            request_id: "via-relay".into(),
+            token_ids: prompt(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let report = kvplane_proto::v1::UsageReport {
+        request_id: "via-relay".into(),
+        routed_by: routed.routed_by,
+        prompt_tokens: 48,
+        completion_tokens: 4,
+        observed_ttft_ms: 30.0,
+        ..Default::default()
+    };
+    let ack = cluster.nodes[3]
+        .router()
+        .await
+        .report_usage(report.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ack.known, "the leader knew the request: {ack:?}");
+
     // The link cut: no other way to the leader, so the write fails, within its timeout.
     link.cut();
     let started_at = Instant::now();
@@ -507,6 +538,23 @@ async fn a_learner_that_cannot_reach_the_leader_joins_writes_and_reads_through_a
     assert!(
         err.message().contains("cut off by fault injection"),
         "{err}"
+    );
+    // Nor hand a report on: it is not forwarded, and nobody knows the request through it.
+    let ack = cluster.nodes[4]
+        .router()
+        .await
+        .report_usage(kvplane_proto::v1::UsageReport {
+            request_id: "not-via-relay".into(),
+            ..report
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!ack.known, "{ack:?}");
+    let m = cluster.nodes[4].metrics().await;
+    assert!(
+        m.contains(r#"kvplane_usage_reports_total{outcome="not_forwarded"} 1"#),
+        "{m}"
     );
 }
 

@@ -85,4 +85,13 @@ pub trait ClusterControl: Send + Sync {
     fn set_failpoints(&self, spec: &str) -> Result<Vec<String>, ClusterError>;
     /// How this node reaches the other members' gRPC ports.
     fn dialer(&self) -> kvplane_tls::Dialer;
+    /// Where this node's calls to other members go instead of their recorded addresses
+    /// (`relay_through_join`: a learner in another cluster); empty: to the members directly.
+    fn relay_via(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Test-only fault layer: whether calls to member `id` are cut.
+    fn cut_off(&self, _id: u64) -> bool {
+        false
+    }
 }

@@ -605,6 +605,18 @@ impl crate::ClusterControl for RaftMember {
             .ok_or(crate::ClusterError::FaultsDisabled)?;
         Ok(crate::failpoints::configure(spec)?)
     }
+
+    fn relay_via(&self) -> Vec<String> {
+        if self.membership.relay_through_join {
+            self.membership.join.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn cut_off(&self, id: u64) -> bool {
+        self.faults.as_ref().is_some_and(|f| f.is_blocked(id))
+    }
 }
 
 impl crate::Consistency for RaftMember {
