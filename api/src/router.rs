@@ -435,7 +435,6 @@ impl RouterService {
             predicted_ttft_ms,
             network_ms,
             started,
-            remote_cluster,
             ..
         }) = &routed
         {
@@ -452,7 +451,8 @@ impl RouterService {
                     *predicted_ttft_ms,
                     report.observed_ttft_ms - network_ms,
                 );
-                self.measure_rtt((ws, w), remote_cluster.as_deref(), &report);
+                // No round trip measured from it: a final report's time may be the whole
+                // answer's (a gateway sees the first token of an answer not streamed at its end).
             }
         }
         if let Some(r) = &routed {

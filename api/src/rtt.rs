@@ -1,6 +1,7 @@
 //! Round trips to other clusters measured from reported TTFTs (`[locality] measure_rtt`).
 //!
-//! A gateway's observed time to first token for a request served in another cluster is the
+//! A gateway's first-token report (of a streamed answer: a final report's time may be the whole
+//! answer's) for a request served in another cluster gives an observed time that is the
 //! engine's own time plus the link's round trip. The engine's own time is in its metrics: vLLM's
 //! `time_to_first_token_seconds` histogram, replicated with every metrics sample. So for each
 //! remote worker this replica routed to, its gateways' observed TTFTs are summed over a window,
@@ -124,7 +125,7 @@ impl RttMeter {
             g.windows.insert(key, fresh());
             return;
         };
-        if histogram.1 < w.from.1 || w.cluster != cluster {
+        if histogram.1 < w.from.1 || histogram.0 < w.from.0 || w.cluster != cluster {
             // The engine restarted (its histogram began again), or its set moved: start over.
             *w = fresh();
             return;
@@ -155,13 +156,14 @@ impl RttMeter {
         for (c, (v, _)) in &g.clusters {
             origin.rtt_ms.insert(c.clone(), *v);
         }
-        drop(g);
+        // Published under the lock: two samples never store their origins out of order.
         self.gauge
             .get_or_create(&ClusterLabel {
                 cluster: cluster.to_owned(),
             })
             .set(ms);
         *self.origin.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(origin);
+        drop(g);
     }
 }
 

@@ -3,8 +3,9 @@
 //!
 //! The consumer is an ordered one (no acks): a message the server delivered while the
 //! connection was down is lost to it, and it notices only when a later message shows the gap.
-//! So when nothing has arrived for `stall_after` while the stream holds messages past the last
-//! one proposed, consuming starts again from the recorded position (counted as a stall).
+//! So when two checks `stall_after` apart find the stream holding messages past the last one
+//! proposed, and nothing arrived between them, consuming starts again from the recorded
+//! position (counted as a stall).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,16 +168,20 @@ impl<P: Proposer> Ingestor<P> {
         let mut idle =
             tokio::time::interval_at(Instant::now() + self.cfg.stall_after, self.cfg.stall_after);
         idle.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The position a check found behind the stream's end: a stall only when the next
+        // check finds it still there (a message delivered while the first check waited on the
+        // server is not one).
+        let mut behind: Option<u64> = None;
         loop {
             let first = tokio::select! {
+                biased;
                 m = messages.next() => m,
                 _ = shutdown.changed() => return Ok(()),
                 _ = idle.tick() => {
-                    self.check_stalled(stream, expected).await?;
+                    behind = self.check_stalled(stream, expected, behind).await?;
                     continue;
                 }
             };
-            idle.reset();
             let Some(first) = first else {
                 return Err(IngestError::Ended);
             };
@@ -196,32 +201,44 @@ impl<P: Proposer> Ingestor<P> {
                 }
             }
             self.propose(batch, &mut expected).await?;
+            idle.reset();
+            behind = None;
         }
     }
 
-    /// Whether the stream holds messages from `expected` on that nothing delivers: an error
-    /// (the caller starts again from the recorded position) when it does. A stream that cannot
-    /// be read says nothing: the connection is away, and the client reconnects on its own.
+    /// Whether the stream holds messages from `expected` on that nothing delivers. Behind at
+    /// this check: `expected`, for the next one to compare with; behind at two checks in a row
+    /// with nothing delivered between them: an error (the caller starts again from the
+    /// recorded position). Messages purged from the stream are not waited for, and a stream
+    /// that cannot be read says nothing: the connection is away, and the client reconnects on
+    /// its own.
     async fn check_stalled(
         &self,
         stream: &stream::Stream,
         expected: u64,
-    ) -> Result<(), IngestError> {
-        match stream.get_info().await {
-            Ok(info) if info.state.last_sequence >= expected => {
-                self.metrics.stalled(&self.cfg.source);
-                Err(IngestError::Stalled {
-                    expected,
-                    last: info.state.last_sequence,
-                    idle: self.cfg.stall_after,
-                })
-            }
-            Ok(_) => Ok(()),
+        behind: Option<u64>,
+    ) -> Result<Option<u64>, IngestError> {
+        let state = match stream.get_info().await {
+            Ok(info) => info.state,
             Err(e) => {
                 tracing::debug!(error = %e, stream = self.cfg.stream, "cannot read the stream's end");
-                Ok(())
+                return Ok(None);
             }
+        };
+        let waiting =
+            state.messages > 0 && state.last_sequence >= expected.max(state.first_sequence);
+        if !waiting {
+            return Ok(None);
         }
+        if behind != Some(expected) {
+            return Ok(Some(expected));
+        }
+        self.metrics.stalled(&self.cfg.source);
+        Err(IngestError::Stalled {
+            expected,
+            last: state.last_sequence,
+            idle: self.cfg.stall_after * 2,
+        })
     }
 
     async fn propose(&self, batch: Batch, expected: &mut u64) -> Result<(), IngestError> {

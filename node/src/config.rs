@@ -136,9 +136,9 @@ pub struct IngestSection {
     pub max_batch_messages: usize,
     pub max_batch_delay_ms: u64,
     pub max_message_bytes: usize,
-    /// A consumer that delivered nothing for this long while its stream holds messages past
-    /// the applied position is started again from that position (a delivery lost in a
-    /// reconnect is read again).
+    /// How often a consumer that delivers nothing reads its stream's end: found behind it at
+    /// two checks in a row, it is started again from the applied position (a delivery lost in
+    /// a reconnect is read again).
     pub stall_after_ms: u64,
     /// A worker not heard from (any stream message of its) for this long is taken down by
     /// the leader; 0: never. Must exceed the bridges' scrape interval.
@@ -397,6 +397,11 @@ impl Config {
                     key("name"),
                     c.name
                 ));
+            } else if c.name == "local" {
+                p.push(format!(
+                    "{} \"local\" names the node's own stream in metrics: choose another",
+                    key("name")
+                ));
             } else if let Some(j) = names.insert(c.name.as_str(), i) {
                 p.push(format!(
                     "{} {:?} is also ingest.clusters[{j}].name",
@@ -567,6 +572,9 @@ mod tests {
             stream = "has space"
             [ingest.clusters.nats]
             user = "kvplane"
+            [[ingest.clusters]]
+            name = "local"
+            nats_url = "nats://l:4222"
             "#,
         )
         .unwrap();
@@ -578,6 +586,7 @@ mod tests {
                 r#"ingest.clusters[1].nats_url "http://c:4222" must start with nats://, tls://, ws:// or wss://"#,
                 r#"ingest.clusters[1].stream "has space" must be letters, digits, - or _"#,
                 "ingest.clusters[1].nats.user and ingest.clusters[1].nats.password_file go together",
+                r#"ingest.clusters[2].name "local" names the node's own stream in metrics: choose another"#,
             ]
         );
     }

@@ -238,11 +238,6 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
     cluster.all_agree(&[0, 1, 3], last).await;
 }
 
-/// A learner (`[raft] learner = true`, added through `join`): it applies the same entries as
-/// the voters and answers Route from its own state, it stays a learner, and it never counts
-/// toward a quorum - cut off, with one voter gone, the two voters left still commit (as four
-/// voters they could not) - it catches up when healed, and with every voter gone it still
-/// routes from what it holds.
 /// A learner set under `[raft.kubernetes]`, as a StatefulSet in another cluster runs it: pods
 /// `kvplane-b-0` and `kvplane-b-1` ask the members they are given (`join`) under their own
 /// published names (`advertise_addr`), each with an id chosen on its volume - not `ordinal + 1`,
@@ -252,17 +247,18 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
 async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of_its_own() {
     let (mut cluster, js) = started(&NodeOptions::default()).await;
     let mut last = publish_chains(&js, 0, 10).await;
-    let mut ports = Vec::new();
+    // Each pod on a loopback address of its own, named by its ordinal.
+    let mut addrs = Vec::new();
     for ordinal in 0..2u64 {
-        let port = harness::free_port();
-        ports.push(port);
+        let addr = format!("127.0.{ordinal}.1:{}", harness::free_port());
+        addrs.push(addr.clone());
         let o = NodeOptions {
-            grpc_listen: format!("127.0.0.1:{port}"),
+            grpc_listen: addr,
             raft: Some(harness::RaftOptions {
                 join: vec![cluster.nodes[1].grpc.to_string()],
                 learner: true,
                 kubernetes: Some(format!(
-                    "pod_name = \"kvplane-b-{ordinal}\"\nservice = \"kvplane-peers\"\nnamespace = \"b\"\nadvertise_addr = \"127.0.0.1:{{port}}\"\n"
+                    "pod_name = \"kvplane-b-{ordinal}\"\nservice = \"kvplane-peers\"\nnamespace = \"b\"\nadvertise_addr = \"127.0.{{ordinal}}.1:{{port}}\"\n"
                 )),
                 ..Default::default()
             }),
@@ -280,11 +276,11 @@ async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of
     }
     let learners = eventually("both pods learners", Duration::from_secs(30), || async {
         let m = members(&cluster.nodes[0]).await?;
-        let l: Vec<(u64, String)> = ports
+        let l: Vec<(u64, String)> = addrs
             .iter()
-            .filter_map(|p| {
+            .filter_map(|a| {
                 m.iter()
-                    .find(|x| x.addr == format!("127.0.0.1:{p}") && !x.voter)
+                    .find(|x| x.addr == *a && !x.voter)
                     .map(|x| (x.id, x.addr.clone()))
             })
             .collect();
@@ -313,6 +309,11 @@ async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of
     assert_eq!(s.node, learners[0].0);
 }
 
+/// A learner (`[raft] learner = true`, added through `join`): it applies the same entries as
+/// the voters and answers Route from its own state, it stays a learner, and it never counts
+/// toward a quorum - cut off, with one voter gone, the two voters left still commit (as four
+/// voters they could not) - it catches up when healed, and with every voter gone it still
+/// routes from what it holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_learner_replicates_and_routes_but_never_counts_toward_a_quorum() {
     let (mut cluster, js) = started(&NodeOptions::default()).await;

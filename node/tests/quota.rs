@@ -916,7 +916,9 @@ async fn learners_behind_wan_links_admit_within_the_one_limit_and_get_their_shar
     // use the budget again.
     let far = 4;
     let (to_members, to_learner) = &links[1];
-    let until = Instant::now() + Duration::from_millis(9000);
+    // Long enough that, however long the far learner takes to admit before the cut (at most
+    // 6 s), a whole window two windows after the cut ends before the clients stop.
+    let until = Instant::now() + Duration::from_millis(12_000);
     let spawn = |i: usize| -> Vec<tokio::task::JoinHandle<Seen>> {
         (0..2)
             .map(|_| tokio::spawn(client(cluster.nodes[i].endpoint(), "acme", until)))

@@ -17,8 +17,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 const ID_FILE: &str = "node_id";
 
 /// The id kept in `dir`, or a new one written there durably. `had_log` says whether `dir`
-/// already held a Raft log (an older volume: its id was `ordinal + 1`).
-pub fn persistent_id(dir: &Path, ordinal: u64, had_log: bool) -> io::Result<u64> {
+/// already held a Raft log (an older volume: its id was `ordinal + 1`) - except for a
+/// `learner` pod, whose volume with a log but no id was not made by a learner set (a one-pod
+/// learner's, under a static id): `ordinal + 1` may be a voter's, so it is refused.
+pub fn persistent_id(dir: &Path, ordinal: u64, had_log: bool, learner: bool) -> io::Result<u64> {
     let path = dir.join(ID_FILE);
     match std::fs::read_to_string(&path) {
         Ok(s) => s.trim().parse().map_err(|e| {
@@ -28,6 +30,15 @@ pub fn persistent_id(dir: &Path, ordinal: u64, had_log: bool) -> io::Result<u64>
             )
         }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if had_log && learner {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "{} is missing on a volume that holds a raft log: a learner pod takes no id from its ordinal (ordinal + 1 may be a voter's); write the id it had there, or give it a new volume",
+                        path.display()
+                    ),
+                ));
+            }
             let id = if had_log {
                 ordinal + 1
             } else {
@@ -185,16 +196,30 @@ mod tests {
     #[test]
     fn a_new_volume_gets_a_new_id_and_keeps_it() {
         let d = tempfile::tempdir().unwrap();
-        let a = persistent_id(d.path(), 2, false).unwrap();
+        let a = persistent_id(d.path(), 2, false, false).unwrap();
         assert_eq!(a % 1000, 3);
         assert!(a > 1_000_000_000_000_000_000);
-        assert_eq!(persistent_id(d.path(), 2, false).unwrap(), a);
+        assert_eq!(persistent_id(d.path(), 2, false, false).unwrap(), a);
         // Another volume, created later, gets another id.
         while micros_now() * 1000 <= a {}
         let e = tempfile::tempdir().unwrap();
-        assert_ne!(persistent_id(e.path(), 2, false).unwrap(), a);
+        assert_ne!(persistent_id(e.path(), 2, false, false).unwrap(), a);
         let old = tempfile::tempdir().unwrap();
-        assert_eq!(persistent_id(old.path(), 2, true).unwrap(), 3);
+        assert_eq!(persistent_id(old.path(), 2, true, false).unwrap(), 3);
+        // A learner pod on a volume with a log and no id is refused, not made id 3.
+        let static_learner = tempfile::tempdir().unwrap();
+        let err = persistent_id(static_learner.path(), 2, true, true).unwrap_err();
+        assert!(
+            err.to_string().contains("a learner pod takes no id"),
+            "{err}"
+        );
+        assert!(!static_learner.path().join(ID_FILE).exists());
+        // With its id written there, it keeps it.
+        std::fs::write(static_learner.path().join(ID_FILE), "101\n").unwrap();
+        assert_eq!(
+            persistent_id(static_learner.path(), 2, true, true).unwrap(),
+            101
+        );
     }
 
     #[test]

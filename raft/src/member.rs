@@ -132,7 +132,8 @@ impl RaftMember {
             );
         }
         if let Some(pod) = &membership.pod {
-            let id = crate::identity::persistent_id(&dir, pod.ordinal, had_log)?;
+            let id =
+                crate::identity::persistent_id(&dir, pod.ordinal, had_log, membership.learner)?;
             membership = membership.with_id(id);
         }
         let log = LogStore::open(&dir.join("log.redb"))?;

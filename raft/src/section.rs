@@ -443,6 +443,28 @@ impl RaftSection {
             p.push("raft.snapshot_logs must be at least 1".into());
         }
         if let Some(k) = &self.kubernetes {
+            if self.advertise_addr.is_some() {
+                p.push(
+                    "raft.advertise_addr is not read with raft.kubernetes: set raft.kubernetes.advertise_addr"
+                        .into(),
+                );
+            }
+            if let Some(t) = &k.advertise_addr {
+                if !t.contains("{pod}") && !t.contains("{ordinal}") {
+                    p.push(format!(
+                        "raft.kubernetes.advertise_addr {t:?} names no {{pod}} or {{ordinal}}: every pod would have one address"
+                    ));
+                }
+                let filled = t
+                    .replace("{pod}", "pod-0")
+                    .replace("{ordinal}", "0")
+                    .replace("{port}", "7070");
+                if !is_host_port(&filled) {
+                    p.push(format!(
+                        "raft.kubernetes.advertise_addr {t:?} is not host:port"
+                    ));
+                }
+            }
             if k.max_members == 0 {
                 p.push("raft.kubernetes.max_members must be at least 1".into());
             }
@@ -559,6 +581,34 @@ mod tests {
         section("learner = true\n[kubernetes]\npod_name = \"kvplane-b-0\"\nservice = \"s\"\nnamespace = \"n\"\n")
             .problems("0.0.0.0:7070", &mut p);
         assert_eq!(p, ["raft.learner needs raft.join: the members that add it"]);
+        // `{ordinal}` fills in too; a template naming neither, or not host:port, or the static
+        // advertise_addr beside kubernetes, is a problem.
+        let by_ordinal = section(
+            "learner = true\njoin = [\"a:1\"]\n[kubernetes]\npod_name = \"kvplane-b-3\"\nservice = \"s\"\nnamespace = \"n\"\nadvertise_addr = \"b{ordinal}.example:{port}\"\n",
+        )
+        .membership("0.0.0.0:7070")
+        .unwrap();
+        assert_eq!(by_ordinal.addr, "b3.example:7070");
+        for (extra, problem) in [
+            (
+                "advertise_addr = \"b.example:7070\"",
+                "names no {pod} or {ordinal}",
+            ),
+            ("advertise_addr = \"{pod}\"", "is not host:port"),
+        ] {
+            let mut p = Vec::new();
+            section(&format!("learner = true\njoin = [\"a:1\"]\n[kubernetes]\npod_name = \"kvplane-b-0\"\nservice = \"s\"\nnamespace = \"n\"\n{extra}\n"))
+                .problems("0.0.0.0:7070", &mut p);
+            assert!(p.len() == 1 && p[0].contains(problem), "{p:?}");
+        }
+        let mut p = Vec::new();
+        section("learner = true\njoin = [\"a:1\"]\nadvertise_addr = \"b.example:1\"\n[kubernetes]\npod_name = \"kvplane-b-0\"\nservice = \"s\"\nnamespace = \"n\"\n")
+            .problems("0.0.0.0:7070", &mut p);
+        assert!(
+            p.iter()
+                .any(|m| m.contains("raft.advertise_addr is not read")),
+            "{p:?}"
+        );
         let mut p = Vec::new();
         section("join = [\"a:1\"]\n[kubernetes]\npod_name = \"kvplane-0\"\nservice = \"s\"\nnamespace = \"n\"\n")
             .problems("0.0.0.0:7070", &mut p);
