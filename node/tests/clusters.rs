@@ -388,7 +388,6 @@ struct ThreeClusters {
 /// Starts [`ThreeClusters`] with `policy` (YAML policy objects) on every replica; every link
 /// between clusters delays each byte 10 ms each way.
 async fn three_clusters(policy: &str) -> ThreeClusters {
-    use harness::{RaftOptions, free_port};
     let one_way = Duration::from_millis(10);
     let policies = tempfile::tempdir().unwrap();
     std::fs::write(policies.path().join("fleet.yaml"), policy).unwrap();
@@ -421,23 +420,13 @@ async fn three_clusters(policy: &str) -> ThreeClusters {
     let mut links = Vec::new();
     let root = tempfile::tempdir().unwrap();
     for (id, name, nats) in [(4u64, "b", &b_nats), (5, "c", &c_nats)] {
-        let port = free_port();
-        let inbound = Link::start_delayed(port, one_way).await;
-        let outbound = Link::start_delayed(cluster.nodes[follower].grpc.port(), one_way).await;
-        let lo = NodeOptions {
-            grpc_listen: format!("127.0.0.1:{port}"),
+        let base = NodeOptions {
             policy_dir: Some(policies.path().to_owned()),
             extra_toml: format!("[locality]\ncluster = \"{name}\"\ndefault_rtt_ms = 100\n"),
-            raft: Some(RaftOptions {
-                id,
-                peers: vec![(id, format!("127.0.0.1:{}", inbound.port))],
-                join: vec![format!("127.0.0.1:{}", outbound.port)],
-                learner: true,
-                relay_through_join: true,
-                ..Default::default()
-            }),
             ..Default::default()
         };
+        let (lo, inbound, outbound) =
+            harness::remote_learner(id, cluster.nodes[follower].grpc.port(), one_way, base).await;
         let node = harness::Node::start(
             &format!("learner-{name}"),
             &root.path().join(name),

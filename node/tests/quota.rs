@@ -825,7 +825,6 @@ fn sample(metrics: &str, name: &str) -> f64 {
 /// before until the last tenth). Prints each learner's grant latency and each replica's share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn learners_behind_wan_links_admit_within_the_one_limit_and_get_their_share() {
-    use kvplane_testkit::link::Link;
     let (mut cluster, dir) = started().await;
     let leader = cluster.leader(&[0, 1, 2]).await.unwrap();
     let follower = (leader + 1) % 3;
@@ -834,22 +833,12 @@ async fn learners_behind_wan_links_admit_within_the_one_limit_and_get_their_shar
     let mut links = Vec::new();
     for (i, one_way) in delays.iter().enumerate() {
         let id = 4 + i as u64;
-        let to_members = Link::start_delayed(cluster.nodes[follower].grpc.port(), *one_way).await;
-        let port = harness::free_port();
-        let to_learner = Link::start_delayed(port, *one_way).await;
-        let o = harness::NodeOptions {
-            grpc_listen: format!("127.0.0.1:{port}"),
+        let base = harness::NodeOptions {
             policy_dir: Some(dir.path().to_owned()),
-            raft: Some(harness::RaftOptions {
-                id,
-                peers: vec![(id, format!("127.0.0.1:{}", to_learner.port))],
-                join: vec![format!("127.0.0.1:{}", to_members.port)],
-                learner: true,
-                relay_through_join: true,
-                ..Default::default()
-            }),
             ..Default::default()
         };
+        let (o, to_learner, to_members) =
+            harness::remote_learner(id, cluster.nodes[follower].grpc.port(), *one_way, base).await;
         cluster.add_node(&format!("learner-{id}"), &o);
         cluster.nodes[3 + i].block(voters.clone()).await;
         links.push((to_members, to_learner));

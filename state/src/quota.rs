@@ -626,6 +626,17 @@ pub(crate) mod tests {
         assert_eq!(l.books[&key()].held(1).tokens, 5_000);
     }
 
+    /// Replica `replica` asks for 1,000 at `at_ms` (its sequence numbers from `seq` on) until
+    /// an ask is granted nothing.
+    fn ask_until_refused(l: &mut Ledger, replica: u64, seq: &mut u64, at_ms: u64, c: &Catalog) {
+        loop {
+            *seq += 1;
+            if l.apply(&ask(replica, *seq, 1_000), at_ms, c).granted.tokens == 0 {
+                return;
+            }
+        }
+    }
+
     /// A replica that wanted little of the last window keeps little from the others: one busy
     /// replica beside an idle one that took 200 is granted all but those 200 until the last
     /// tenth.
@@ -635,42 +646,10 @@ pub(crate) mod tests {
         let mut l = Ledger::default();
         l.apply(&ask(2, 1, 200), 0, &c);
         let mut seq = 0;
-        while l
-            .apply(
-                &ask(
-                    1,
-                    {
-                        seq += 1;
-                        seq
-                    },
-                    1_000,
-                ),
-                1,
-                &c,
-            )
-            .granted
-            .tokens
-            > 0
-        {}
+        ask_until_refused(&mut l, 1, &mut seq, 1, &c);
         assert_eq!(l.books[&key()].held(1).tokens, 11_800);
         // Window 1: 200 kept for replica 2, the rest for the busy one at once.
-        while l
-            .apply(
-                &ask(
-                    1,
-                    {
-                        seq += 1;
-                        seq
-                    },
-                    1_000,
-                ),
-                60_001,
-                &c,
-            )
-            .granted
-            .tokens
-            > 0
-        {}
+        ask_until_refused(&mut l, 1, &mut seq, 60_001, &c);
         assert_eq!(l.books[&key()].held(1).tokens, 11_800);
         assert_eq!(l.books[&key()].grantable(2, 60_002).tokens, 200);
         assert_eq!(l.books[&key()].grantable(1, 60_002).tokens, 0);

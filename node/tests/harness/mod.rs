@@ -15,6 +15,6 @@ pub use engines::{node_with_engines, node_with_engines_under, wait_workers_up, w
 pub use envoy::spawn_envoy;
 pub use in_process::InProcess;
 pub use raft::{
-    chain, exported_state, prompt, publish_chains, routed_worker, started, started_with_limits,
-    started_with_limits_and,
+    chain, exported_state, prompt, publish_chains, remote_learner, routed_worker, started,
+    started_with_limits, started_with_limits_and,
 };

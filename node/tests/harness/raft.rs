@@ -172,3 +172,32 @@ pub async fn exported_state(node: &Node) -> kvplane_state::StateMachine {
     }
     kvplane_state::StateMachine::restore(&bytes).unwrap()
 }
+
+/// The options of a learner in another cluster: reached, and reaching a member (at `via`, a gRPC
+/// port), only through links that delay every byte `one_way`, its join, writes and reads relayed
+/// by that member; `base` gives the rest. With the links `(into it, out of it)`. Its direct
+/// calls to the voters are the caller's to cut (`Node::block`).
+pub async fn remote_learner(
+    id: u64,
+    via: u16,
+    one_way: Duration,
+    base: NodeOptions,
+) -> (NodeOptions, super::link::Link, super::link::Link) {
+    use super::link::Link;
+    let port = super::free_port();
+    let inbound = Link::start_delayed(port, one_way).await;
+    let outbound = Link::start_delayed(via, one_way).await;
+    let o = NodeOptions {
+        grpc_listen: format!("127.0.0.1:{port}"),
+        raft: Some(super::RaftOptions {
+            id,
+            peers: vec![(id, format!("127.0.0.1:{}", inbound.port))],
+            join: vec![format!("127.0.0.1:{}", outbound.port)],
+            learner: true,
+            relay_through_join: true,
+            ..Default::default()
+        }),
+        ..base
+    };
+    (o, inbound, outbound)
+}
