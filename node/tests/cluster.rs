@@ -540,12 +540,25 @@ async fn a_learner_that_cannot_reach_the_leader_joins_writes_and_reads_through_a
         err.message().contains("cut off by fault injection"),
         "{err}"
     );
-    // Nor hand a report on: it is not forwarded, and nobody knows the request through it.
+    // Nor hand a report on: a request the leader routed, reported to it, is not forwarded,
+    // and the leader does not learn of the report through it.
+    let routed = cluster.nodes[leader]
+        .router()
+        .await
+        .route(kvplane_proto::v1::RouteRequest {
+            request_id: "not-via-relay".into(),
+            token_ids: prompt(4),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
     let ack = cluster.nodes[4]
         .router()
         .await
         .report_usage(kvplane_proto::v1::UsageReport {
             request_id: "not-via-relay".into(),
+            routed_by: routed.routed_by,
             ..report
         })
         .await

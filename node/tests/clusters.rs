@@ -224,7 +224,7 @@ spec: {publicModel: m, backends: [{pool: all}]}
 /// The same three clusters with real processes at the edge: a simulated engine and its bridge
 /// in each cluster (publishing to that cluster's NATS), and a gateway in each that asks only
 /// its own cluster's replica (A's a voter, B's and C's their learner). The engines say what
-/// they served, not kvplane:
+/// they served (each its own request count, besides the gateway's header), not kvplane:
 /// - a chat whose 1,200-word system prompt C's engine caches, sent to B's gateway, is served by
 ///   C's engine from its cache (the prefill saved is worth the 100 ms); one whose 30-word system
 ///   prompt C's engine caches goes to B's own engine;
@@ -278,10 +278,29 @@ async fn gateways_in_three_clusters_reach_another_clusters_engine_only_when_its_
     let http = reqwest::Client::new();
     let send = |url: &str, body: &serde_json::Value| {
         let req = http.post(url).header("x-tenant", "t1").json(body);
+        let engines = &engines;
         async move {
+            let served = || {
+                futures::future::join_all(
+                    engines
+                        .iter()
+                        .map(|e| e.metric("vllm:request_success_total")),
+                )
+            };
+            let before = served().await;
             let r = req.send().await.unwrap();
             assert!(r.status().is_success(), "{}", r.status());
-            r.headers()["x-kvplane-worker"].to_str().unwrap().to_owned()
+            let worker = r.headers()["x-kvplane-worker"].to_str().unwrap().to_owned();
+            r.bytes().await.unwrap();
+            // The engine that served it says so itself: the one the gateway's header names.
+            let by = eventually("an engine to count it", Duration::from_secs(10), || async {
+                let after = served().await;
+                let up: Vec<usize> = (0..3).filter(|&i| after[i] > before[i]).collect();
+                (up.len() == 1).then(|| up[0])
+            })
+            .await;
+            assert_eq!(worker, ["gpu-a/a0", "gpu-b/b0", "gpu-c/c0"][by]);
+            worker
         }
     };
     let explained = |node: usize, body: &serde_json::Value| {
