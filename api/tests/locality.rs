@@ -2,7 +2,8 @@
 //! asking gateway's cluster to its predicted TTFT, so a remote engine's cache wins when it saves
 //! more than the link costs and loses when it does not; `filter.sameLocality` keeps a rule
 //! (here: tagged `pii`) inside the gateway's cluster whatever is cached elsewhere, and refuses
-//! when the replica does not know its own cluster.
+//! when the replica does not know its own cluster; `filter.preferLocality` keeps to it until
+//! its engine is predicted slower than a threshold.
 
 #![allow(clippy::unwrap_used)]
 
@@ -83,6 +84,76 @@ fn a_remote_cache_wins_when_it_saves_more_than_the_link_costs_and_loses_when_not
         target(&route(&from_c, request("c", "m", &[], prompt))),
         "far/f0"
     );
+}
+
+/// The same two worker sets, every request under a rule that prefers the gateway's cluster
+/// until its engine is predicted slower than `spill_ms`.
+fn local_first(prompts: &[&[u32]], spill_ms: f64) -> TestFleet {
+    let mut f = TestFleet::with_yaml(&format!(
+        concat!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: near}}\n",
+            "spec: {{model: m, prefillTokensPerSecond: 2000, labels: {{kvplane.io/cluster: b}}}}\n---\n",
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: far}}\n",
+            "spec: {{model: m, prefillTokensPerSecond: 2000, labels: {{kvplane.io/cluster: c}}}}\n---\n",
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: local-first}}\n",
+            "spec:\n  appliesToModels: [m]\n  rules:\n  - name: spill\n",
+            "    filter: {{preferLocality: {{level: Cluster, spillAboveTtftMs: {}}}}}\n",
+        ),
+        spill_ms
+    ));
+    f.up("near", &["n0"]).up("far", &["f0"]);
+    for p in prompts {
+        f.caches("far", "f0", p, 16, None, None);
+    }
+    f
+}
+
+/// Local first: a remote cache that the objective alone would choose (see the test above) is
+/// passed over while the local engine is predicted within the threshold, and taken once the
+/// local engine's prediction (a longer prompt: about two seconds of prefill) exceeds it.
+#[test]
+fn local_first_spills_to_a_remote_cache_only_when_the_local_engine_is_predicted_slower_than_the_threshold()
+ {
+    let short = tokens(26, 1024);
+    let long = tokens(27, 4096);
+    let f = local_first(&[&short, &long], 1000.0);
+    let s = f.service().with_origin(in_cluster_b(20.0));
+    let x = explain(&s, request("xs", "m", &[], short.clone()));
+    let near_short = candidate(&x, "near").predicted_ttft_ms;
+    assert!(near_short <= 1000.0, "{near_short}");
+    assert_eq!(candidate(&x, "far").filtered_by, "prefer_locality");
+    assert_eq!(
+        candidate(&x, "far").filtered_reason,
+        format!(
+            "not in the asking gateway's cluster b, where near/n0 is predicted {near_short:.0} ms (preferLocality spills above 1000 ms)"
+        )
+    );
+    assert!(
+        x.steps.iter().any(|s| s
+            == &format!(
+                "preferLocality: near/n0 in cluster b is predicted {near_short:.0} ms <= 1000 ms: keeping to cluster b"
+            )),
+        "{:?}",
+        x.steps
+    );
+    assert_eq!(
+        target(&route(&s, request("s", "m", &[], short.clone()))),
+        "near/n0"
+    );
+    let x = explain(&s, request("xl", "m", &[], long.clone()));
+    let near_long = candidate(&x, "near").predicted_ttft_ms;
+    assert!(near_long > 1000.0, "{near_long}");
+    assert_eq!(candidate(&x, "far").filtered_by, "");
+    let r = route(&s, request("l", "m", &[], long.clone()));
+    assert_eq!((target(&r).as_str(), r.matched_blocks), ("far/f0", 256));
+    // A threshold above the long prompt's local prediction keeps that one home too; without
+    // the preference the short one goes to the remote cache.
+    let patient = local_first(&[&short, &long], near_long + 100.0);
+    let s = patient.service().with_origin(in_cluster_b(20.0));
+    assert_eq!(target(&route(&s, request("pl", "m", &[], long))), "near/n0");
+    let plain = fleet(&short);
+    let s = plain.service().with_origin(in_cluster_b(20.0));
+    assert_eq!(target(&route(&s, request("ps", "m", &[], short))), "far/f0");
 }
 
 #[test]

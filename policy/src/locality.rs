@@ -44,6 +44,17 @@ impl Level {
     }
 }
 
+/// `filter.preferLocality`: local first, spilling elsewhere when local is slow.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Preference {
+    /// The place preferred: the asking gateway's `Cluster`, `Region` or `Zone`.
+    pub level: Level,
+    /// Candidates elsewhere stay only when no eligible candidate there is predicted to give
+    /// its first token within this many milliseconds.
+    pub spill_above_ttft_ms: f64,
+}
+
 /// Where a gateway says it runs: its cluster, region and zone (empty: not said).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Place<'a> {

@@ -19,9 +19,10 @@ pub(crate) fn filter<'v>(
     cands: &mut Vec<Candidate<'v>>,
 ) -> Vec<String> {
     let mut steps = Vec::new();
-    filters::apply(catalog, &rule.filter, req, cands, false, explain);
+    let preferred = filters::apply(catalog, &rule.filter, req, cands, false, explain);
     let survivors = cands.iter().filter(|c| c.filtered.is_none()).count();
     if explain {
+        steps.extend(preferred);
         steps.push(format!(
             "{survivors} of {} candidates pass the filter",
             cands.len()
@@ -30,13 +31,14 @@ pub(crate) fn filter<'v>(
     if survivors == 0 && rule.on_empty.action == EmptyAction::Fallback {
         let mut fb =
             catalog.candidates(fleet, req, resolved, &rule.on_empty.fallback, true, signals);
-        filters::apply(catalog, &rule.filter, req, &mut fb, true, explain);
+        let preferred = filters::apply(catalog, &rule.filter, req, &mut fb, true, explain);
         if explain {
             steps.push(format!(
                 "nothing left: falling back to {} candidates ({} pass)",
                 fb.len(),
                 fb.iter().filter(|c| c.filtered.is_none()).count()
             ));
+            steps.extend(preferred);
         }
         cands.extend(fb);
     }

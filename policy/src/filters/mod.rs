@@ -1,7 +1,8 @@
 //! Candidate filters: each a unit in its own file with its id (the metric label), the words it
 //! gives a filtered candidate, the signals it reads and the validation of its part of a rule's
 //! `filter`. A decision applies [`REGISTERED`] in order; the first that removes a candidate
-//! says why.
+//! says why. Then `preferLocality`, which judges the survivors together, drops those elsewhere
+//! when a local one is fast enough.
 //!
 //! Adding a filter: a file here implementing [`CandidateFilter`] (its field in
 //! [`crate::kinds::Filter`] if rules configure it) and one line in [`REGISTERED`].
@@ -11,6 +12,7 @@ mod exclude_external;
 mod labels;
 mod max_kv_cache_usage;
 mod max_queued;
+mod prefer_locality;
 mod same_locality;
 mod worker_down;
 
@@ -96,7 +98,8 @@ pub static REGISTERED: &[&dyn CandidateFilter] = &[
 ];
 
 /// Marks the candidates `f` removes for `req` (`fallback`: only the filters that are no load
-/// limits), with their words when `words` (Explain).
+/// limits), with their words when `words` (Explain); returns what the locality preference
+/// made of the survivors when `words` and the rule has one.
 pub fn apply(
     catalog: &Catalog,
     f: &Filter,
@@ -104,7 +107,7 @@ pub fn apply(
     cands: &mut [Candidate<'_>],
     fallback: bool,
     words: bool,
-) {
+) -> Option<String> {
     let mut why = Words::kept(words);
     for c in cands.iter_mut().filter(|c| c.filtered.is_none()) {
         c.filtered = REGISTERED
@@ -116,13 +119,14 @@ pub fn apply(
                 text: why.take(),
             });
     }
+    prefer_locality::apply(catalog, f, req, cands, words)
 }
 
 /// What the filters of `f` read.
 pub fn needs(f: &Filter) -> Signals {
     REGISTERED
         .iter()
-        .fold(Signals::NONE, |s, u| s.union(u.needs(f)))
+        .fold(prefer_locality::needs(f), |s, u| s.union(u.needs(f)))
 }
 
 /// Every problem of a rule's filter.
@@ -130,11 +134,15 @@ pub fn problems(f: &Filter, at: &str, c: &mut Check<'_>) {
     for u in REGISTERED {
         u.problems(f, at, c);
     }
+    prefer_locality::problems(f, at, c);
 }
 
 /// Every filter id (for metrics and docs).
 pub fn ids() -> impl Iterator<Item = FilterId> {
-    REGISTERED.iter().map(|u| u.id())
+    REGISTERED
+        .iter()
+        .map(|u| u.id())
+        .chain([prefer_locality::ID])
 }
 
 #[cfg(test)]

@@ -142,6 +142,14 @@ pub struct Filter {
     /// is dropped: the rule never crosses the boundary by mistake.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub same_locality: Option<crate::locality::Level>,
+    /// Local first, spill when local is slow: while a candidate at the asking gateway's
+    /// `level` is predicted to give its first token within `spillAboveTtftMs`, candidates
+    /// elsewhere are dropped; when none there is (busy, or none eligible), those elsewhere
+    /// stay and the objective chooses among all. A preference, not a boundary: a target
+    /// without the label is elsewhere, and a replica whose place at that level is not
+    /// configured prefers nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefer_locality: Option<crate::locality::Preference>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, Default)]
