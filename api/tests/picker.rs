@@ -47,10 +47,22 @@ struct Proxy {
 
 impl Proxy {
     async fn open(client: &mut ExternalProcessorClient<Channel>) -> Self {
+        Self::open_with(client, &[]).await
+    }
+
+    /// A stream whose gRPC metadata is `metadata` (what Envoy's `initial_metadata` adds).
+    async fn open_with(
+        client: &mut ExternalProcessorClient<Channel>,
+        metadata: &[(&'static str, &str)],
+    ) -> Self {
         let (tx, rx) = mpsc::channel::<ProcessingRequest>(16);
         let out =
             futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
-        let rx = client.process(out).await.unwrap().into_inner();
+        let mut req = tonic::Request::new(out);
+        for (k, v) in metadata {
+            req.metadata_mut().insert(*k, v.parse().unwrap());
+        }
+        let rx = client.process(req).await.unwrap().into_inner();
         Self { tx, rx }
     }
 
@@ -644,6 +656,58 @@ async fn the_pick_is_the_worker_that_caches_the_prompt() {
         assert_eq!(
             h.response.unwrap().header_mutation.unwrap().remove_headers,
             ["x-kvplane-provider"]
+        );
+    }
+}
+
+/// Where the proxy runs is its stream's metadata (Envoy's `grpc_service.initial_metadata`):
+/// a replica of cluster c asked by a proxy that says it runs in b keeps a `sameLocality` rule
+/// in b; without the word, in c, the replica's own cluster.
+#[tokio::test]
+async fn a_proxy_that_says_where_it_runs_is_decided_for_as_from_there() {
+    let mut f = TestFleet::with_yaml(concat!(
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: near}\n",
+        "spec: {model: m, labels: {kvplane.io/cluster: b}}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: far}\n",
+        "spec: {model: m, labels: {kvplane.io/cluster: c}}\n---\n",
+        "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: stay}\n",
+        "spec:\n  appliesToModels: [m]\n  rules:\n  - name: home\n",
+        "    filter: {sameLocality: Cluster}\n",
+    ));
+    f.up("near", &["n0"]).up("far", &["f0"]);
+    let svc = f.service().with_origin(kvplane_policy::Origin {
+        cluster: Some("c".into()),
+        ..Default::default()
+    });
+    let mut client = picker(svc).await;
+    let body = completion("m");
+    let places: [(&[(&'static str, &str)], &str); 3] = [
+        (&[], "f0:8000"),
+        (&[("x-kvplane-cluster", "b")], "n0:8000"),
+        (
+            &[("x-kvplane-cluster", "c"), ("x-kvplane-zone", "c-1")],
+            "f0:8000",
+        ),
+    ];
+    for (i, (metadata, endpoint)) in places.into_iter().enumerate() {
+        let mut p = Proxy::open_with(&mut client, metadata).await;
+        p.send(request_headers(
+            &format!("o{i}"),
+            BodySendMode::FullDuplexStreamed,
+            None,
+        ))
+        .await;
+        p.send(body_chunk(&body, true)).await;
+        let Out::RequestHeaders(h) = p.recv().await else {
+            panic!("expected the pick");
+        };
+        assert_eq!(
+            set_header(
+                h.response.as_ref().unwrap(),
+                "x-gateway-destination-endpoint"
+            ),
+            Some(endpoint.to_owned()),
+            "{metadata:?}"
         );
     }
 }

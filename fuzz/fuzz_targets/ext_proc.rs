@@ -46,7 +46,7 @@ fuzz_target!(|data: &[u8]| {
         }
         rest = &rest[end..];
     }
-    let mut c = PICKER.with(|(_, p)| p.conversation(None));
+    let mut c = PICKER.with(|(_, p)| p.conversation(None, None));
     runtime().block_on(async {
         for m in messages {
             if c.on(m).await.is_err() {

@@ -392,3 +392,60 @@ async fn without_kvplanes_answer_envoy_fails_closed_in_full_duplex_even_if_told_
         assert!(line.ends_with("picked=-"), "{line}");
     }
 }
+
+/// Where the proxy runs, as its operator configures it: `x-kvplane-cluster` in the ext_proc
+/// stream's `initial_metadata` (the example's commented line). A node in cluster a whose
+/// engines are in a, under a rule that keeps every request in the asking proxy's cluster:
+/// through the listener that says nothing the request is served by a's engine kvplane picked;
+/// through the one whose Envoy says it runs in b it is refused - Envoy sent the metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envoy_that_says_it_runs_in_another_cluster_is_decided_for_as_from_there() {
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(
+        policies.path().join("fleet.yaml"),
+        concat!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: default}\n",
+            "spec: {model: sim-8b, blockSize: 16, labels: {kvplane.io/cluster: a}}\n---\n",
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferencePolicy\nmetadata: {name: stay}\n",
+            "spec:\n  appliesToModels: [sim-8b]\n  rules:\n  - name: home\n",
+            "    filter: {sameLocality: Cluster}\n",
+            "    onEmpty: {action: Reject, reason: kept in the asking proxy's cluster}\n",
+        ),
+    )
+    .unwrap();
+    let (cluster, engines) = harness::node_with_engines_under(
+        2,
+        &harness::NodeOptions {
+            policy_dir: Some(policies.path().to_owned()),
+            extra_toml: "[locality]\ncluster = \"a\"\n".into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let node = &cluster.nodes[0];
+    let addr = |e: &harness::Engine| e.http.trim_start_matches("http://").to_owned();
+    let envoy = Envoy::start_changed(
+        node.grpc,
+        [&addr(&engines[0]), &addr(&engines[1])],
+        cluster.root.path(),
+        (
+            "# initial_metadata: [{key: x-kvplane-cluster, value: b}]",
+            "initial_metadata: [{key: x-kvplane-cluster, value: b}]",
+        ),
+    )
+    .await;
+    let body = json!({"model": "sim-8b", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "where am i"}]});
+    let url = |port: u16| format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let r = post(&url(envoy.buffered), &body).await;
+    assert!(r.status().is_success(), "{}", r.status());
+    let worker = r.headers()["x-kvplane-worker"].to_str().unwrap().to_owned();
+    assert!(worker.starts_with("default/engine-"), "{worker}");
+    let r = post(&url(envoy.full_duplex), &body).await;
+    assert_eq!(r.status().as_u16(), 403);
+    let refusal: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        refusal["error"]["message"], "kept in the asking proxy's cluster",
+        "{refusal}"
+    );
+}

@@ -90,6 +90,8 @@ pub(crate) struct Exchange {
     pub(super) routed: Option<Routed>,
     /// Who the proxy is (its client certificate), for the tenants it may route for.
     pub(super) caller: Option<crate::Caller>,
+    /// Where the proxy says it runs (its stream's metadata).
+    pub(super) origin: Option<kvplane_proto::v1::Place>,
 }
 
 /// What handling one message gives: the answers to send, or a stream error.
@@ -102,6 +104,7 @@ impl Exchange {
         own_id: String,
         budget: Arc<Semaphore>,
         caller: Option<crate::Caller>,
+        origin: Option<kvplane_proto::v1::Place>,
     ) -> Self {
         Self {
             router,
@@ -119,6 +122,7 @@ impl Exchange {
             decided: false,
             routed: None,
             caller,
+            origin,
         }
     }
 

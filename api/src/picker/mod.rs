@@ -13,7 +13,9 @@
 //! reports the first token, its end the usage (`usage` of the JSON or the last SSE event), so
 //! tenant reservations settle and predictions calibrate as a gateway's reports would.
 //! A node with no state yet ends the stream with `UNAVAILABLE`: the proxy's failure mode
-//! (open or closed) decides.
+//! (open or closed) decides. Where the proxy runs is the stream's gRPC metadata
+//! ([`ORIGIN_METADATA`], set in the proxy's `grpc_service.initial_metadata`, never by its
+//! clients): the decision's origin, as `kvplane gateway --cluster` gives it.
 
 mod answer;
 mod envoy;
@@ -32,6 +34,7 @@ use tokio::sync::Semaphore;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::Stream;
+use kvplane_proto::v1::Place;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
@@ -48,6 +51,32 @@ const HELD_BODIES_KIB: usize = 256 << 10;
 /// The answer header naming where the request went (`pool/worker` or `provider:name`), as
 /// kvplane's own gateway names it.
 pub const WORKER_HEADER: &str = "x-kvplane-worker";
+
+/// The stream metadata naming where the proxy runs: its cluster, region and zone (each
+/// optional; absent: this replica's place stands).
+pub const ORIGIN_METADATA: [&str; 3] = ["x-kvplane-cluster", "x-kvplane-region", "x-kvplane-zone"];
+
+/// The origin the proxy's stream metadata names, if any.
+fn origin_of(meta: &tonic::metadata::MetadataMap) -> Result<Option<Place>, Status> {
+    let mut said = [String::new(), String::new(), String::new()];
+    for (key, value) in ORIGIN_METADATA.iter().zip(&mut said) {
+        if let Some(v) = meta.get(*key) {
+            let v = v
+                .to_str()
+                .map_err(|_| Status::invalid_argument(format!("{key} is not text")))?;
+            v.trim().clone_into(value);
+        }
+    }
+    if said.iter().all(String::is_empty) {
+        return Ok(None);
+    }
+    let [cluster, region, zone] = said;
+    Ok(Some(Place {
+        cluster,
+        region,
+        zone,
+    }))
+}
 
 /// The `[picker]` section of a node's config.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -96,9 +125,14 @@ impl EndpointPicker {
         }
     }
 
-    /// One request's conversation as the stream would hold it, for `caller`, driven message by
-    /// message (tests and fuzz targets play a proxy with it).
-    pub fn conversation(&self, caller: Option<crate::Caller>) -> Conversation {
+    /// One request's conversation as the stream would hold it, for `caller` at `origin` (the
+    /// stream metadata's), driven message by message (tests and fuzz targets play a proxy
+    /// with it).
+    pub fn conversation(
+        &self,
+        caller: Option<crate::Caller>,
+        origin: Option<Place>,
+    ) -> Conversation {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         Conversation(exchange::Exchange::new(
             self.router.clone(),
@@ -106,6 +140,7 @@ impl EndpointPicker {
             format!("picker-{:x}-{n}", self.started_ns),
             self.held_bodies.clone(),
             caller,
+            origin,
         ))
     }
 
@@ -142,9 +177,10 @@ impl ExternalProcessor for EndpointPicker {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let caller = request.extensions().get::<crate::Caller>().cloned();
+        let origin = origin_of(request.metadata())?;
         let inbound = request.into_inner();
         let (tx, mut rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(16);
-        let exchange = self.conversation(caller).0;
+        let exchange = self.conversation(caller, origin).0;
         let on_panic = tx.clone();
         tokio::spawn(async move {
             // A stream that ends without a status would tell the proxy to go on without a

@@ -133,6 +133,7 @@ impl Exchange {
             headers,
             body: std::mem::take(&mut self.body),
             endpoint_subset: subset.unwrap_or_default(),
+            origin: self.origin.clone(),
             ..Default::default()
         };
         let mut resp = match self.router.route_traced(&req, self.caller.as_ref()).await {
