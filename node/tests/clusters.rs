@@ -378,6 +378,114 @@ async fn gateways_in_three_clusters_reach_another_clusters_engine_only_when_its_
     .await;
 }
 
+/// A replica in cluster b told nothing of the link to cluster c (`measure_rtt`, no figures)
+/// measures it from its gateway's first-token reports and c's engine's own TTFT histogram:
+/// c's engine is reached only through a link that holds each byte 40 ms each way (the bridge
+/// announces the link's address), so the gateway sees each first token 80 ms after the engine
+/// does - the reference is the delay the test puts on the link, not anything kvplane computes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_measures_the_round_trip_to_another_clusters_engine_behind_a_delayed_link() {
+    use serde_json::json;
+    let one_way = Duration::from_millis(40);
+    let policies = tempfile::tempdir().unwrap();
+    std::fs::write(
+        policies.path().join("fleet.yaml"),
+        concat!(
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: near}\n",
+            "spec: {model: sim-8b, blockSize: 16, labels: {kvplane.io/cluster: b}}\n---\n",
+            "apiVersion: kvplane.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: far}\n",
+            "spec: {model: sim-8b, blockSize: 16, labels: {kvplane.io/cluster: c}}\n---\n",
+            "apiVersion: kvplane.io/v1alpha1\nkind: GatewayBackend\nmetadata: {name: to-c}\n",
+            "spec: {publicModel: to-c, backends: [{workerSet: far}]}\n",
+        ),
+    )
+    .unwrap();
+    let cluster = Cluster::start_with(
+        1,
+        &NodeOptions {
+            policy_dir: Some(policies.path().to_owned()),
+            extra_toml: "[locality]\ncluster = \"b\"\nmeasure_rtt = true\n".into(),
+            ..Default::default()
+        },
+    );
+    let node = &cluster.nodes[0];
+    let dir = tempfile::tempdir().unwrap();
+    let far_http = harness::free_port();
+    let link = Link::start_delayed(far_http, one_way).await;
+    let _near = harness::Engine::start_for(
+        dir.path(),
+        &cluster.nats.url(),
+        "near",
+        "b0",
+        [0, 0, 0],
+        &[],
+    );
+    let _far = harness::Engine::start_with(
+        dir.path(),
+        &cluster.nats.url(),
+        "c0",
+        &harness::EngineOptions {
+            pool: "far".into(),
+            ports: [far_http, 0, 0],
+            bridge_args: vec![
+                "--announce-address".into(),
+                format!("http://127.0.0.1:{}", link.port),
+            ],
+            ..Default::default()
+        },
+    );
+    harness::wait_workers_up(node, 2).await;
+    let far_network = || async {
+        let x = node
+            .router()
+            .await
+            .explain(kvplane_proto::v1::RouteRequest {
+                body: serde_json::to_vec(&json!({"model": "sim-8b", "prompt": "a b c"})).unwrap(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        x.candidates
+            .iter()
+            .find(|c| c.endpoint.as_ref().unwrap().pool == "far")
+            .unwrap()
+            .network_ms
+    };
+    assert_eq!(far_network().await, 0.0, "told nothing, nothing added");
+
+    // Streamed chats for c's engine through b's gateway: each first token is reported.
+    let gateway = harness::gateway(&node.endpoint(), dir.path().join("gateway.log"));
+    let url = format!("http://{}/v1/chat/completions", gateway.field("http"));
+    let http = reqwest::Client::new();
+    let measured = || async {
+        harness::metric_value(&node.metrics().await, "kvplane_locality_measured_rtt_ms")
+    };
+    let mut sent = 0;
+    while measured().await == 0.0 {
+        assert!(sent < 60, "no round trip measured after {sent} requests");
+        let body = json!({"model": "to-c", "max_tokens": 2, "stream": true,
+            "messages": [{"role": "user", "content": words(&format!("q{sent}-"), 20)}]});
+        let r = http.post(&url).json(&body).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+        assert_eq!(r.headers()["x-kvplane-worker"], "far/c0");
+        r.bytes().await.unwrap();
+        sent += 1;
+    }
+    let rtt = measured().await;
+    eprintln!("measured {rtt:.1} ms for an 80 ms link after {sent} requests");
+    assert!(
+        (70.0..=110.0).contains(&rtt),
+        "measured {rtt} ms for an 80 ms link after {sent} requests"
+    );
+    // Decisions use it from then on.
+    assert!(
+        (far_network().await - rtt).abs() < 1e-6,
+        "{} vs {rtt}",
+        far_network().await
+    );
+}
+
 /// Sends a chat straight to an engine (not through kvplane), as a warm-up.
 async fn send_direct(http: &reqwest::Client, url: &str, body: &serde_json::Value) {
     let r = http.post(url).json(body).send().await.unwrap();

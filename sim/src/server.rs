@@ -211,7 +211,9 @@ async fn drive(app: App) {
         for o in out.outputs {
             let id = match o {
                 Output::FirstToken { id, ttft_ms } => {
-                    s.ttft.observe(ttft_ms / 1000.0);
+                    // In wall time, as vLLM's histogram is: what a client next to the engine
+                    // waited (engine time runs `speedup` times faster).
+                    s.ttft.observe(ttft_ms / 1000.0 / app.cfg.speedup);
                     id
                 }
                 Output::Token { id } | Output::Finished { id, .. } => id,
