@@ -335,7 +335,8 @@ impl pb::admin_server::Admin for AdminService {
         request: Request<RemoveMemberRequest>,
     ) -> Result<Response<ClusterStatusResponse>, Status> {
         let c = self.cluster()?;
-        c.remove(request.into_inner().id)
+        let r = request.into_inner();
+        c.remove(r.id, r.relay, r.learner_only)
             .await
             .map_err(cluster_status)?;
         Ok(Response::new(c.status()))
@@ -347,6 +348,7 @@ fn cluster_status(e: ClusterError) -> Status {
         ClusterError::NotLeader { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::UnreachableSelf(_)
         | ClusterError::AlreadyVoter(_)
+        | ClusterError::VoterKept(_)
         | ClusterError::UnreachableTarget(_)
         | ClusterError::AnotherCluster { .. } => Status::failed_precondition(e.to_string()),
         ClusterError::Raft(_) => Status::aborted(e.to_string()),

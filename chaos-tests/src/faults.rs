@@ -103,7 +103,10 @@ impl Fleet {
                 match self.cluster.nodes[l]
                     .admin()
                     .await
-                    .remove_member(RemoveMemberRequest { id })
+                    .remove_member(RemoveMemberRequest {
+                        id,
+                        ..Default::default()
+                    })
                     .await
                 {
                     Ok(_) => return Ok(()),

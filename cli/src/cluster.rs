@@ -99,7 +99,10 @@ pub async fn run(a: ClusterArgs) -> anyhow::Result<()> {
             .into_inner(),
         ClusterCmd::Remove { id } => leader(&a.node.tls, &a.node.addr)
             .await?
-            .remove_member(RemoveMemberRequest { id })
+            .remove_member(RemoveMemberRequest {
+                id,
+                ..Default::default()
+            })
             .await?
             .into_inner(),
     };

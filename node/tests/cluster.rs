@@ -242,15 +242,23 @@ async fn a_member_back_with_an_empty_volume_joins_under_a_new_id_and_its_old_id_
 /// `kvplane-b-0` and `kvplane-b-1` ask the members they are given (`join`) under their own
 /// published names (`advertise_addr`), each with an id chosen on its volume - not `ordinal + 1`,
 /// which the members' own pods hold - and ordinal 0 starts no cluster of its own. Both
-/// replicate and agree with the voters; b-0 restarted keeps its id and its place.
+/// replicate and agree with the voters; b-0 restarted keeps its id and its place. Scaled down
+/// to one pod (its own cluster's API server says so, a fake one here that b-0 reads through its
+/// kubeconfig; the voters cannot read it), b-1 leaves the membership, asked by b-0 through the
+/// members it joined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of_its_own() {
+async fn a_learner_set_under_kubernetes_joins_under_ids_and_names_of_its_own_and_leaves_when_scaled_down()
+ {
     let (mut cluster, js) = started(&NodeOptions::default()).await;
     let mut last = publish_chains(&js, 0, 10).await;
-    // Each pod on a loopback address of its own, named by its ordinal.
+    let replicas = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(2));
+    let kubeconfig = statefulset_api(cluster.root.path(), replicas.clone()).await;
+    // Each pod on a loopback address of its own, named by its ordinal, all on one port (as a
+    // StatefulSet's pods are).
     let mut addrs = Vec::new();
+    let port = harness::free_port();
     for ordinal in 0..2u64 {
-        let addr = format!("127.0.{ordinal}.1:{}", harness::free_port());
+        let addr = format!("127.0.{ordinal}.1:{port}");
         addrs.push(addr.clone());
         let o = NodeOptions {
             grpc_listen: addr,
@@ -258,10 +266,11 @@ async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of
                 join: vec![cluster.nodes[1].grpc.to_string()],
                 learner: true,
                 kubernetes: Some(format!(
-                    "pod_name = \"kvplane-b-{ordinal}\"\nservice = \"kvplane-peers\"\nnamespace = \"b\"\nadvertise_addr = \"127.0.{{ordinal}}.1:{{port}}\"\n"
+                    "pod_name = \"kvplane-b-{ordinal}\"\nservice = \"kvplane-peers\"\nnamespace = \"b\"\nadvertise_addr = \"127.0.{{ordinal}}.1:{{port}}\"\nmembership_check_ms = 200\n"
                 )),
                 ..Default::default()
             }),
+            env: vec![("KUBECONFIG".into(), kubeconfig.display().to_string())],
             ..Default::default()
         };
         cluster.add_node(&format!("kvplane-b-{ordinal}"), &o);
@@ -307,6 +316,71 @@ async fn a_learner_set_under_kubernetes_joins_the_members_under_ids_and_names_of
     assert_eq!(m.iter().filter(|x| x.voter).count(), 3, "{m:?}");
     let s = cluster.nodes[3].cluster_status().await;
     assert_eq!(s.node, learners[0].0);
+
+    // Scaled down to one pod: Kubernetes deletes b-1, and b-0 has it leave.
+    replicas.store(1, std::sync::atomic::Ordering::SeqCst);
+    cluster.nodes[4].kill();
+    let m = eventually("b-1 removed", Duration::from_secs(30), || async {
+        let m = members(&cluster.nodes[0]).await?;
+        (!m.iter().any(|x| x.id == learners[1].0)).then_some(m)
+    })
+    .await;
+    assert_eq!(m.len(), 4, "{m:?}");
+    assert!(m.iter().any(|x| x.id == learners[0].0 && !x.voter), "{m:?}");
+    // Such an ask never removes a voter, relayed or not.
+    let voter = cluster.nodes[0].raft_id.unwrap();
+    let refused = cluster.nodes[3]
+        .admin()
+        .await
+        .remove_member(kvplane_proto::v1::RemoveMemberRequest {
+            id: voter,
+            relay: true,
+            learner_only: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+    assert!(
+        refused.message().contains(&format!("member {voter} is a voter")),
+        "{refused}"
+    );
+    last = last.max(publish_chains(&js, 30, 40).await);
+    cluster.all_agree(&[0, 1, 2, 3], last).await;
+}
+
+/// A Kubernetes API server that answers one request, StatefulSet `kvplane-b` in namespace `b`
+/// scaled to `replicas`, and a kubeconfig naming it (written in `dir`).
+async fn statefulset_api(
+    dir: &std::path::Path,
+    replicas: std::sync::Arc<std::sync::atomic::AtomicI32>,
+) -> std::path::PathBuf {
+    let app = axum::Router::new().route(
+        "/apis/apps/v1/namespaces/b/statefulsets/kvplane-b",
+        axum::routing::get(move || {
+            let n = replicas.load(std::sync::atomic::Ordering::SeqCst);
+            async move {
+                axum::Json(serde_json::json!({
+                    "apiVersion": "apps/v1", "kind": "StatefulSet",
+                    "metadata": {"name": "kvplane-b", "namespace": "b"},
+                    "spec": {"replicas": n, "serviceName": "kvplane-peers",
+                        "selector": {"matchLabels": {"app": "kvplane"}},
+                        "template": {"metadata": {"labels": {"app": "kvplane"}}}}
+                }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: b, cluster: {{server: \"http://127.0.0.1:{port}\"}}}}]\nusers: [{{name: b, user: {{}}}}]\ncontexts: [{{name: b, context: {{cluster: b, user: b, namespace: b}}}}]\ncurrent-context: b\n"
+        ),
+    )
+    .unwrap();
+    path
 }
 
 /// A learner (`[raft] learner = true`, added through `join`): it applies the same entries as

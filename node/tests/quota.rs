@@ -792,6 +792,7 @@ async fn a_report_whose_routing_replica_was_removed_for_good_still_gives_back() 
         .await
         .remove_member(kvplane_proto::v1::RemoveMemberRequest {
             id: ticket.routed_by,
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -52,10 +52,14 @@ pub enum ClusterError {
             >,
         >,
     ),
+    #[error("member {0} is a voter: only a learner may be removed this way")]
+    VoterKept(u64),
     /// A relayed ask the leader refused, or that did not reach it (its status).
-    #[error("asking the leader at {leader} to add the member failed: {message}")]
+    #[error("asking the leader at {leader} to {what} failed: {message}")]
     Relay {
         leader: String,
+        /// `add the member` or `remove the member`.
+        what: &'static str,
         code: tonic::Code,
         message: String,
     },
@@ -77,7 +81,14 @@ pub trait ClusterControl: Send + Sync {
         learner: bool,
         relay: bool,
     ) -> BoxFuture<'_, Result<(), ClusterError>>;
-    fn remove(&self, id: u64) -> BoxFuture<'_, Result<(), ClusterError>>;
+    /// Removes member `id`; when this node does not lead and `relay`, asks its leader to (see
+    /// `RemoveMemberRequest`); `learner_only`: refuses a voter.
+    fn remove(
+        &self,
+        id: u64,
+        relay: bool,
+        learner_only: bool,
+    ) -> BoxFuture<'_, Result<(), ClusterError>>;
     /// Test-only fault layer: the peers this node stops sending Raft traffic to.
     fn set_faults(&self, blocked: Vec<u64>) -> Result<Vec<u64>, ClusterError>;
     /// Test-only disk faults: the failpoints set (`name=actions;...`, empty clears them);

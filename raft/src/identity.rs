@@ -189,9 +189,56 @@ pub fn departed<'a>(
         .collect()
 }
 
+/// Members of a learner set scaled down to `replicas` (not 0: a paused set keeps its
+/// membership): those recorded at the address of an ordinal at or above it (`ordinals`, each
+/// ordinal's address as the set's pods record theirs, whatever the template), voters never.
+pub fn departed_learners<'a>(
+    nodes: impl IntoIterator<Item = (u64, &'a str)>,
+    is_voter: impl Fn(u64) -> bool,
+    ordinals: &[String],
+    replicas: u64,
+) -> Vec<u64> {
+    let Ok(from) = usize::try_from(replicas) else {
+        return Vec::new();
+    };
+    if from == 0 {
+        return Vec::new();
+    }
+    let gone = ordinals.get(from..).unwrap_or_default();
+    nodes
+        .into_iter()
+        .filter(|(id, addr)| !is_voter(*id) && gone.iter().any(|g| g == addr))
+        .map(|(id, _)| id)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_learner_set_scaled_down_loses_its_higher_ordinals_and_never_a_voter() {
+        // Pods on addresses of a template that names no pod: `127.0.{ordinal}.1:7070`.
+        let ordinals: Vec<String> = (0..7).map(|o| format!("127.0.{o}.1:7070")).collect();
+        let nodes = [
+            (1, "a-0:7070"),
+            (10, "127.0.0.1:7070"),
+            (11, "127.0.1.1:7070"),
+            (12, "127.0.2.1:7070"),
+            // A voter at a learner's address (misconfigured) stays.
+            (2, "127.0.3.1:7070"),
+            // Not of this set.
+            (13, "127.0.9.1:7070"),
+        ];
+        let voters = [1u64, 2];
+        let gone =
+            |replicas| departed_learners(nodes, |id| voters.contains(&id), &ordinals, replicas);
+        assert_eq!(gone(1), [11, 12]);
+        assert_eq!(gone(2), [12]);
+        assert_eq!(gone(3), Vec::<u64>::new());
+        assert_eq!(gone(0), Vec::<u64>::new(), "a paused set keeps its members");
+        assert_eq!(gone(9), Vec::<u64>::new());
+    }
 
     #[test]
     fn a_new_volume_gets_a_new_id_and_keeps_it() {

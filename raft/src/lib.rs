@@ -52,7 +52,7 @@ pub use proposal::{ApplyResult, Proposal};
 pub use propose_metrics::ProposeFailures;
 pub use section::{KubernetesSection, Membership, PeerSection, Pod, RaftSection, SectionError};
 pub use state_machine::{OnApplied, ReplicatedState, SNAPSHOT_FILE, read_snapshot_file};
-pub use statefulset::run as follow_statefulset;
+pub use statefulset::{run as follow_statefulset, run_learner_set as follow_learner_set};
 
 openraft::declare_raft_types!(
     /// kvplane's Raft types.

@@ -229,7 +229,7 @@ impl RaftMember {
     }
 
     /// Whether this node belongs to a membership (its own log says so).
-    fn is_member(&self) -> bool {
+    pub(crate) fn is_member(&self) -> bool {
         let m = self.raft.metrics().borrow_watched().clone();
         m.membership_config.membership().get_node(&m.id).is_some()
     }
@@ -241,7 +241,7 @@ impl RaftMember {
     }
 
     /// Whether member `id` votes.
-    fn is_voter_id(&self, id: u64) -> bool {
+    pub(crate) fn is_voter_id(&self, id: u64) -> bool {
         let m = self.raft.metrics().borrow_watched().clone();
         m.membership_config
             .membership()
@@ -525,6 +525,7 @@ impl crate::ClusterControl for RaftMember {
                         .await
                         .map_err(|s| crate::ClusterError::Relay {
                             leader,
+                            what: "add the member",
                             code: s.code(),
                             message: s.message().to_owned(),
                         });
@@ -582,9 +583,32 @@ impl crate::ClusterControl for RaftMember {
         })
     }
 
-    fn remove(&self, id: u64) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
+    fn remove(
+        &self,
+        id: u64,
+        relay: bool,
+        learner_only: bool,
+    ) -> futures::future::BoxFuture<'_, Result<(), crate::ClusterError>> {
         Box::pin(async move {
-            self.leader_only()?;
+            match self.leader_only() {
+                Ok(()) => {}
+                Err(crate::ClusterError::NotLeader {
+                    leader: Some(leader),
+                }) if relay => {
+                    return remove_through(&self.dialer, &leader, id, false, learner_only)
+                        .await
+                        .map_err(|s| crate::ClusterError::Relay {
+                            leader,
+                            what: "remove the member",
+                            code: s.code(),
+                            message: s.message().to_owned(),
+                        });
+                }
+                Err(e) => return Err(e),
+            }
+            if learner_only && self.is_voter_id(id) {
+                return Err(crate::ClusterError::VoterKept(id));
+            }
             self.remove_member(id).await?;
             tracing::info!(id, "member removed");
             Ok(())
@@ -734,6 +758,29 @@ pub enum MemberError {
 /// Asks the cluster reachable at `via` to add node `id` at `addr`: learner, then voter (or a
 /// learner for good). It follows `via`'s leader hint, or with `relay` has `via` pass the ask on
 /// to its leader.
+/// Asks the node at `via` to remove member `id` (`relay`: its leader, if it does not lead).
+pub(crate) async fn remove_through(
+    dialer: &kvplane_tls::Dialer,
+    via: &str,
+    id: u64,
+    relay: bool,
+    learner_only: bool,
+) -> Result<(), tonic::Status> {
+    use kvplane_proto::v1::admin_client::AdminClient;
+    let channel = dialer
+        .connect(via)
+        .await
+        .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))?;
+    AdminClient::new(channel)
+        .remove_member(kvplane_proto::v1::RemoveMemberRequest {
+            id,
+            relay,
+            learner_only,
+        })
+        .await?;
+    Ok(())
+}
+
 async fn add_through(
     dialer: &kvplane_tls::Dialer,
     via: &str,

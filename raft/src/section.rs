@@ -199,6 +199,9 @@ pub struct Membership {
 pub struct Pod {
     pub set: String,
     pub ordinal: u64,
+    /// The address of every ordinal of its set below `max_members` (and its own), as it
+    /// records its own: where a scaled-down ordinal's member is found in the membership.
+    pub ordinals: Vec<String>,
 }
 
 impl Membership {
@@ -297,6 +300,9 @@ impl RaftSection {
             let namespace = k.namespace()?;
             let id = ordinal + 1;
             let addr = k.own_addr((&pod, ordinal), &namespace, port);
+            let ordinals: Vec<String> = (0..k.max_members.max(ordinal + 1))
+                .map(|o| k.own_addr((&format!("{set}-{o}"), o), &namespace, port))
+                .collect();
             if self.learner {
                 return Ok(Membership {
                     id,
@@ -306,6 +312,7 @@ impl RaftSection {
                     pod: Some(Pod {
                         set: set.to_owned(),
                         ordinal,
+                        ordinals,
                     }),
                     learner: true,
                     relay_through_join: self.relay_through_join,
@@ -329,6 +336,7 @@ impl RaftSection {
                 pod: Some(Pod {
                     set: set.to_owned(),
                     ordinal,
+                    ordinals,
                 }),
                 learner: false,
                 relay_through_join: false,
@@ -562,7 +570,10 @@ mod tests {
             m.pod,
             Some(Pod {
                 set: "kvplane-b".into(),
-                ordinal: 1
+                ordinal: 1,
+                ordinals: (0..7)
+                    .map(|o| format!("kvplane-b-{o}.b.example:7443"))
+                    .collect(),
             })
         );
         // Ordinal 0 of a learner set initializes nothing either.
@@ -645,7 +656,10 @@ mod tests {
             m.pod,
             Some(Pod {
                 set: "kvplane".into(),
-                ordinal: 2
+                ordinal: 2,
+                ordinals: (0..7)
+                    .map(|o| format!("kvplane-{o}.kvplane-peers.infra.svc.cluster.local:7070"))
+                    .collect(),
             })
         );
         let others: Vec<String> = [0, 1, 3, 4, 5, 6]

@@ -1,4 +1,5 @@
-//! Scale-down: the leader removes the members whose ordinal the StatefulSet no longer has.
+//! Scale-down: the leader removes the members whose ordinal the StatefulSet no longer has;
+//! a learner set's ordinal 0 has its own set's removed (below).
 //!
 //! Every `membership_check_ms` the leader reads its StatefulSet's `spec.replicas` and removes,
 //! one per round, a member whose address is `<set>-<ordinal>....` with `ordinal >= replicas`
@@ -59,6 +60,76 @@ pub async fn run(
                 Ok(()) => tracing::info!(id, replicas, "member of a scaled-down ordinal removed"),
                 Err(e) => tracing::warn!(id, error = %e, "cannot remove a scaled-down member"),
             }
+        }
+    }
+}
+
+/// A learner set's scale-down, followed by its ordinal 0 (which a scale-down never removes):
+/// every `every` it reads its own StatefulSet's `spec.replicas` (in its own cluster, which the
+/// voters cannot read) and asks the members it joined through to remove, one per round, a
+/// learner recorded at the address of an ordinal the set no longer has (see
+/// [`crate::identity::departed_learners`]). The ask is relayed to the leader and refused for a
+/// voter. Without it such a member stays in the membership - replicated to in vain, its quota
+/// share held - until `kvplane cluster remove`.
+pub async fn run_learner_set(
+    client: kube::Client,
+    namespace: String,
+    set: String,
+    every: Duration,
+    member: Arc<RaftMember>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let api: kube::Api<StatefulSet> = kube::Api::namespaced(client, &namespace);
+    let Some(pod) = member.membership.pod.clone() else {
+        return;
+    };
+    let mut failures = 0u32;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        if !member.is_member() {
+            continue;
+        }
+        let replicas = match api.get(&set).await {
+            Ok(s) => s.spec.and_then(|s| s.replicas).unwrap_or(1),
+            Err(e) => {
+                if failures.is_multiple_of(30) {
+                    tracing::warn!(statefulset = set, error = %e, "cannot read the learner set's replicas");
+                }
+                failures += 1;
+                continue;
+            }
+        };
+        let members = member.members();
+        let gone = crate::identity::departed_learners(
+            members.iter().map(|(i, a)| (*i, a.as_str())),
+            |id| member.is_voter_id(id),
+            &pod.ordinals,
+            u64::try_from(replicas).unwrap_or(0),
+        );
+        let Some(&id) = gone.first() else {
+            continue;
+        };
+        let mut asked = Vec::new();
+        for via in &member.membership.join {
+            match crate::member::remove_through(&member.dialer, via, id, true, true).await {
+                Ok(()) => {
+                    tracing::info!(
+                        id,
+                        replicas,
+                        via,
+                        "learner of a scaled-down ordinal removed"
+                    );
+                    asked.clear();
+                    break;
+                }
+                Err(e) => asked.push(format!("{via}: {}", e.message())),
+            }
+        }
+        if !asked.is_empty() {
+            tracing::warn!(id, errors = ?asked, "cannot remove a scaled-down learner");
         }
     }
 }

@@ -46,8 +46,9 @@ pub(super) async fn member(p: &Parts, tasks: &mut Tasks, ready: Ready) {
         .as_ref()
         .filter(|k| k.manage_membership)
         && let Some(pod) = &p.member.membership.pod
-        // A learner set (another cluster's) never leads: it has no scale-down to follow.
-        && !p.member.membership.learner
+        // A learner set (another cluster's) never leads: its ordinal 0 follows its own set's
+        // scale-down through the members it joined.
+        && (!p.member.membership.learner || pod.ordinal == 0)
     {
         match kube::Client::try_default().await {
             Ok(client) => {
@@ -59,9 +60,19 @@ pub(super) async fn member(p: &Parts, tasks: &mut Tasks, ready: Ready) {
                     Duration::from_millis(k.membership_check_ms),
                     p.member.clone(),
                 );
-                tasks.spawn("statefulset membership", |stop| {
-                    kvplane_raft::follow_statefulset(client, namespace, set, every, member, stop)
-                });
+                if p.member.membership.learner {
+                    tasks.spawn("learner set membership", |stop| {
+                        kvplane_raft::follow_learner_set(
+                            client, namespace, set, every, member, stop,
+                        )
+                    });
+                } else {
+                    tasks.spawn("statefulset membership", |stop| {
+                        kvplane_raft::follow_statefulset(
+                            client, namespace, set, every, member, stop,
+                        )
+                    });
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "no kubernetes client: scale-downs will not leave the membership by themselves")
