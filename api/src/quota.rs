@@ -16,6 +16,9 @@ use tokio::sync::{Notify, watch};
 
 use crate::quota_metrics::QuotaMetrics;
 
+/// Grant attempts failed in a row after which a short request is refused without waiting.
+const FAILED_IN_A_ROW: u32 = 2;
+
 /// How a replica admits against its escrow.
 #[derive(Debug, Clone)]
 pub struct QuotaConfig {
@@ -185,8 +188,8 @@ struct Local {
     /// and when they were last used.
     in_use: BTreeMap<LimitKey, (u64, u64, Instant)>,
     seq: u64,
-    /// Why the last grant attempt failed, if it did.
-    failing: Option<kvplane_state::ProposeError>,
+    /// Why the last grant attempt failed, if it did, and how many failed in a row.
+    failing: Option<(kvplane_state::ProposeError, u32)>,
     /// Other replicas' reservations to settle through the ledger, sent in every batch until
     /// the ledger has them (it takes each ticket once).
     settles: Vec<QuotaSettle>,
@@ -336,13 +339,20 @@ impl Escrow {
             {
                 return Ok(self.admitted(r));
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            // Failing again and again (a partition, no leader): no grant is coming within the
+            // wait, so the request is refused at once rather than held for nothing. One failure
+            // may be a blip: it still waits.
+            let left = if failing.as_ref().is_some_and(|(_, n)| *n >= FAILED_IN_A_ROW) {
+                Duration::ZERO
+            } else {
+                deadline.saturating_duration_since(Instant::now())
+            };
             let attempt = tokio::time::timeout(left, attempts.changed()).await;
             if left.is_zero() || attempt.is_err() {
                 if let Ok(r) = self.try_reserve(limits, tokens, false) {
                     return Ok(self.admitted(r));
                 }
-                let why = failing.map_or(GrantPending::InFlight, GrantPending::Failed);
+                let why = failing.map_or(GrantPending::InFlight, |(e, _)| GrantPending::Failed(e));
                 let r = Refusal::NoGrant {
                     key: short.key,
                     waited_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
@@ -670,7 +680,15 @@ impl Escrow {
         took: Duration,
     ) {
         self.metrics.grant(took.as_secs_f64(), result.is_ok());
-        self.lock().failing = result.err();
+        let mut local = self.lock();
+        local.failing = match result {
+            Ok(()) => None,
+            Err(e) => {
+                let before = local.failing.as_ref().map_or(0, |(_, n)| *n);
+                Some((e, before.saturating_add(1)))
+            }
+        };
+        drop(local);
         self.attempts.send_modify(|n| *n += 1);
     }
 
@@ -896,6 +914,26 @@ mod tests {
         assert!(a[0].fail_open);
         assert!(reserve(&sm, &open, 400).await.is_err());
         assert_eq!(open.status()[0].fail_open_tokens, 400);
+    }
+
+    #[tokio::test]
+    async fn grants_failing_again_and_again_refuse_at_once_and_a_success_restores_the_wait() {
+        let (sm, e) = state(limit(200, 1000, None), 0);
+        let waited = |r: Refusal| match r {
+            Refusal::NoGrant { waited_ms, .. } => waited_ms,
+            other => panic!("{other}"),
+        };
+        // One failure may be a blip: the request waits out grant_wait (20 ms here).
+        e.attempted(Err(no_quorum()), Duration::ZERO);
+        assert!(waited(reserve(&sm, &e, 100).await.unwrap_err()) >= 20);
+        // Two in a row: refused at once, saying why.
+        e.attempted(Err(no_quorum()), Duration::ZERO);
+        let r = reserve(&sm, &e, 100).await.unwrap_err();
+        assert!(r.to_string().contains("no quorum reachable"), "{r}");
+        assert!(waited(r) < 20);
+        // A grant attempt that worked: short requests wait for the next one again.
+        e.attempted(Ok(()), Duration::ZERO);
+        assert!(waited(reserve(&sm, &e, 100).await.unwrap_err()) >= 20);
     }
 
     /// Replicas of one 600-token window (grants of 200), committing through `sm`.

@@ -341,7 +341,9 @@ async fn a_learner_set_under_kubernetes_joins_under_ids_and_names_of_its_own_and
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
     assert!(
-        refused.message().contains(&format!("member {voter} is a voter")),
+        refused
+            .message()
+            .contains(&format!("member {voter} is a voter")),
         "{refused}"
     );
     last = last.max(publish_chains(&js, 30, 40).await);

@@ -106,8 +106,9 @@ pub struct KubernetesSection {
     /// ordinals `0..max_members`.
     #[serde(default = "KubernetesSection::default_max_members")]
     pub max_members: u64,
-    /// The leader removes members whose ordinal the StatefulSet no longer has (scale-down),
-    /// checking `spec.replicas` every `membership_check_ms` (needs `get` on statefulsets).
+    /// Members whose ordinal the StatefulSet no longer has (scale-down) leave the membership,
+    /// `spec.replicas` checked every `membership_check_ms` (needs `get` on statefulsets): by
+    /// the leader for the members' set, by ordinal 0 for a learner set.
     #[serde(default = "KubernetesSection::default_manage")]
     pub manage_membership: bool,
     #[serde(default = "KubernetesSection::default_check_ms")]
