@@ -36,6 +36,7 @@ pub struct ApiMetrics {
     tags: Family<TagLabel, Counter>,
     picker: Family<OutcomeLabel, Counter>,
     limits: Family<LimitLabel, Counter>,
+    below_round_trip: Counter,
 }
 
 impl Default for ApiMetrics {
@@ -49,6 +50,7 @@ impl Default for ApiMetrics {
             tags: Family::default(),
             picker: Family::default(),
             limits: Family::default(),
+            below_round_trip: Counter::default(),
         }
     }
 }
@@ -85,6 +87,7 @@ const PICKER: &[&str] = &[
     "picker_busy",
     "served_elsewhere",
     "permission_denied",
+    "bad_origin",
 ];
 
 impl ApiMetrics {
@@ -122,6 +125,11 @@ impl ApiMetrics {
             self.usage_reports.clone(),
         );
         registry.register(
+            "kvplane_ttft_reports_below_round_trip",
+            "First-token reports of requests sent to another cluster observed sooner than the round trip added to their prediction (the configured or measured round trip is longer than the link): the engine model learns nothing from them",
+            self.below_round_trip.clone(),
+        );
+        registry.register(
             "kvplane_route_filtered_candidates",
             "Candidates a Route decision's filters removed, by filter",
             self.filtered.clone(),
@@ -133,7 +141,7 @@ impl ApiMetrics {
         );
         registry.register(
             "kvplane_picker_requests",
-            "Requests through the Envoy endpoint picker, by outcome (routed, provider, the refusal, unavailable, served_elsewhere: the proxy reported another endpoint served)",
+            "Requests through the Envoy endpoint picker, by outcome (routed, provider, the refusal, unavailable, served_elsewhere: the proxy reported another endpoint served, bad_origin: its stream's origin metadata was unreadable)",
             self.picker.clone(),
         );
     }
@@ -177,6 +185,16 @@ impl ApiMetrics {
     }
 
     /// An endpoint picker request's outcome.
+    /// A first-token report observed sooner than the round trip its prediction added.
+    pub(crate) fn below_round_trip(&self) {
+        self.below_round_trip.inc();
+    }
+
+    /// First-token reports observed sooner than their added round trip so far.
+    pub fn reports_below_round_trip(&self) -> u64 {
+        self.below_round_trip.get()
+    }
+
     pub(crate) fn picker(&self, outcome: &'static str) {
         self.picker.get_or_create(&OutcomeLabel { outcome }).inc();
     }

@@ -30,6 +30,9 @@ use rustc_hash::FxHashMap;
 pub const WINDOW_REPORTS: u64 = 8;
 /// The weight of a new sample in a cluster's measurement.
 const ALPHA: f64 = 0.3;
+/// Remote workers whose windows are kept; past it the one reported on longest ago goes (a
+/// fleet whose pods come and go under new names would otherwise grow the map for ever).
+pub const MAX_WINDOWS: usize = 4096;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClusterLabel {
@@ -44,11 +47,15 @@ struct Window {
     observed_ms: f64,
     reports: u64,
     from: (f64, u64),
+    /// When it was last reported on (`Inner::reports`).
+    touched: u64,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     windows: FxHashMap<(String, String), Window>,
+    /// Reports taken, for `Window::touched`.
+    reports: u64,
     /// Each cluster's measured round trip (ms) and its samples.
     clusters: BTreeMap<String, (f64, u64)>,
 }
@@ -112,19 +119,33 @@ impl RttMeter {
             return;
         }
         let mut g = self.lock();
+        g.reports += 1;
+        let touched = g.reports;
         let fresh = || Window {
             cluster: cluster.to_owned(),
             observed_ms: 0.0,
             reports: 0,
             from: histogram,
+            touched,
         };
         let key = (worker_set.to_owned(), worker.to_owned());
         let Some(w) = g.windows.get_mut(&key) else {
             // The first report only sets where the engine's count stands: whether its own
             // first token is counted there already is not known.
+            if g.windows.len() >= MAX_WINDOWS {
+                let oldest = g
+                    .windows
+                    .iter()
+                    .min_by_key(|(_, w)| w.touched)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    g.windows.remove(&k);
+                }
+            }
             g.windows.insert(key, fresh());
             return;
         };
+        w.touched = touched;
         if histogram.1 < w.from.1 || histogram.0 < w.from.0 || w.cluster != cluster {
             // The engine restarted (its histogram began again), or its set moved: start over.
             *w = fresh();
@@ -190,6 +211,36 @@ mod tests {
             hist.1 += 1;
             m.observed(("far", worker), "c", e + link_ms, *hist);
         }
+    }
+
+    #[test]
+    fn windows_of_workers_gone_quiet_make_room_and_a_busy_ones_window_is_kept() {
+        let m = meter();
+        let mut busy = (0.0, 0);
+        // The busy worker's first report, then a churning fleet's workers one report each.
+        serve(&m, "busy", &[30.0], 100.0, &mut busy);
+        for i in 0..MAX_WINDOWS + 10 {
+            if i % 512 == 0 {
+                serve(&m, "busy", &[30.0], 100.0, &mut busy);
+            }
+            m.observed(("far", &format!("gone-{i}")), "c", 50.0, (0.0, 0));
+        }
+        assert_eq!(m.lock().windows.len(), MAX_WINDOWS);
+        assert!(
+            m.lock()
+                .windows
+                .contains_key(&("far".into(), "busy".into()))
+        );
+        assert!(
+            !m.lock()
+                .windows
+                .contains_key(&("far".into(), "gone-0".into()))
+        );
+        // Its window went on counting: the link is measured from it.
+        while m.measured("c").is_none() {
+            serve(&m, "busy", &[30.0], 100.0, &mut busy);
+        }
+        assert!((m.measured("c").unwrap().0 - 100.0).abs() < 1e-6);
     }
 
     #[test]

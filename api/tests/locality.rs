@@ -256,6 +256,33 @@ fn the_engines_time_is_learned_without_the_links() {
     );
 }
 
+/// A gateway that saw the first token sooner than the round trip taken for the link: the
+/// configured round trip is too long, the engine's own time unknown - counted, not learned.
+#[test]
+fn a_first_token_sooner_than_the_round_trip_is_counted_and_teaches_nothing() {
+    let prompt = tokens(28, 4096);
+    let f = fleet(&prompt);
+    let metrics = Arc::new(kvplane_api::ApiMetrics::default());
+    let predictor = Arc::new(Predictor::new(kvplane_api::predict::wall_clock()));
+    let s = kvplane_api::RouterService::new(
+        f.sm.handle(),
+        kvplane_api::CostModel::default(),
+        metrics.clone(),
+    )
+    .with_origin(in_cluster_b(40.0))
+    .with_predictor(predictor.clone());
+    let r = route(&s, request("soon", "m", &[], prompt.clone()));
+    assert_eq!(target(&r), "far/f0");
+    report_first_token(&s, "soon", 30.0);
+    assert_eq!(metrics.reports_below_round_trip(), 1);
+    assert_eq!(predictor.outcome("soon"), None, "nothing learned");
+    // One that waited longer than the link is no such report.
+    let r = route(&s, request("later", "m", &[], prompt));
+    report_first_token(&s, "later", r.predicted_ttft_ms);
+    assert_eq!(metrics.reports_below_round_trip(), 1);
+    assert!(predictor.outcome("later").is_some());
+}
+
 /// With `measure_rtt` a replica in cluster b that was told nothing of the link to c learns it:
 /// gateways observe c's engine's first tokens 300 ms after the engine's own histogram counts
 /// them (the reference: the delay the test puts on every observation), and after a window of

@@ -675,10 +675,13 @@ async fn a_proxy_that_says_where_it_runs_is_decided_for_as_from_there() {
         "    filter: {sameLocality: Cluster}\n",
     ));
     f.up("near", &["n0"]).up("far", &["f0"]);
-    let svc = f.service().with_origin(kvplane_policy::Origin {
-        cluster: Some("c".into()),
-        ..Default::default()
-    });
+    let metrics = Arc::new(ApiMetrics::default());
+    let svc = RouterService::new(f.sm.handle(), CostModel::default(), metrics.clone()).with_origin(
+        kvplane_policy::Origin {
+            cluster: Some("c".into()),
+            ..Default::default()
+        },
+    );
     let mut client = picker(svc).await;
     let body = completion("m");
     let places: [(&[(&'static str, &str)], &str); 3] = [
@@ -710,6 +713,18 @@ async fn a_proxy_that_says_where_it_runs_is_decided_for_as_from_there() {
             "{metadata:?}"
         );
     }
+    // A value that is not text (the proxy's configuration is wrong): the stream fails, counted.
+    let (_tx, rx) = mpsc::channel::<ProcessingRequest>(1);
+    let out = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let mut req = tonic::Request::new(out);
+    req.metadata_mut().insert(
+        "x-kvplane-cluster",
+        tonic::metadata::MetadataValue::try_from(&b"b\xff"[..]).unwrap(),
+    );
+    let refused = client.process(req).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
+    assert_eq!(refused.message(), "x-kvplane-cluster is not text");
+    assert_eq!(metrics.picker_requests("bad_origin"), 1);
 }
 
 #[tokio::test]

@@ -606,10 +606,24 @@ impl crate::ClusterControl for RaftMember {
                 }
                 Err(e) => return Err(e),
             }
-            if learner_only && self.is_voter_id(id) {
-                return Err(crate::ClusterError::VoterKept(id));
+            if learner_only {
+                // One membership change that removes a learner only: openraft refuses it for a
+                // voter, so a learner promoted meanwhile is kept too.
+                let ids: std::collections::BTreeSet<u64> = [id].into();
+                if let Err(e) = self
+                    .raft
+                    .change_membership(openraft::ChangeMembers::RemoveNodes(ids), false)
+                    .await
+                {
+                    return Err(if self.is_voter_id(id) {
+                        crate::ClusterError::VoterKept(id)
+                    } else {
+                        membership_error(e)
+                    });
+                }
+            } else {
+                self.remove_member(id).await?;
             }
-            self.remove_member(id).await?;
             tracing::info!(id, "member removed");
             Ok(())
         })
@@ -755,10 +769,11 @@ pub enum MemberError {
     Start(#[from] openraft::errors::Fatal<crate::TypeConfig>),
 }
 
-/// Asks the cluster reachable at `via` to add node `id` at `addr`: learner, then voter (or a
-/// learner for good). It follows `via`'s leader hint, or with `relay` has `via` pass the ask on
-/// to its leader.
-/// Asks the node at `via` to remove member `id` (`relay`: its leader, if it does not lead).
+/// How long an ask to remove a member may take (a leader without a quorum never commits it).
+const REMOVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Asks the node at `via` to remove member `id` (`relay`: its leader, if it does not lead),
+/// giving up after [`REMOVE_TIMEOUT`].
 pub(crate) async fn remove_through(
     dialer: &kvplane_tls::Dialer,
     via: &str,
@@ -767,20 +782,33 @@ pub(crate) async fn remove_through(
     learner_only: bool,
 ) -> Result<(), tonic::Status> {
     use kvplane_proto::v1::admin_client::AdminClient;
-    let channel = dialer
-        .connect(via)
+    let ask = async {
+        let channel = dialer
+            .connect(via)
+            .await
+            .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))?;
+        AdminClient::new(channel)
+            .remove_member(kvplane_proto::v1::RemoveMemberRequest {
+                id,
+                relay,
+                learner_only,
+            })
+            .await?;
+        Ok(())
+    };
+    tokio::time::timeout(REMOVE_TIMEOUT, ask)
         .await
-        .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))?;
-    AdminClient::new(channel)
-        .remove_member(kvplane_proto::v1::RemoveMemberRequest {
-            id,
-            relay,
-            learner_only,
+        .unwrap_or_else(|_| {
+            Err(tonic::Status::deadline_exceeded(format!(
+                "no answer within {} s",
+                REMOVE_TIMEOUT.as_secs()
+            )))
         })
-        .await?;
-    Ok(())
 }
 
+/// Asks the cluster reachable at `via` to add node `id` at `addr`: learner, then voter (or a
+/// learner for good). It follows `via`'s leader hint, or with `relay` has `via` pass the ask on
+/// to its leader.
 async fn add_through(
     dialer: &kvplane_tls::Dialer,
     via: &str,

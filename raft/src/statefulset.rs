@@ -114,7 +114,11 @@ pub async fn run_learner_set(
         };
         let mut asked = Vec::new();
         for via in &member.membership.join {
-            match crate::member::remove_through(&member.dialer, via, id, true, true).await {
+            let asked_via = tokio::select! {
+                r = crate::member::remove_through(&member.dialer, via, id, true, true) => r,
+                _ = stop.changed() => return,
+            };
+            match asked_via {
                 Ok(()) => {
                     tracing::info!(
                         id,

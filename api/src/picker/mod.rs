@@ -177,7 +177,11 @@ impl ExternalProcessor for EndpointPicker {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let caller = request.extensions().get::<crate::Caller>().cloned();
-        let origin = origin_of(request.metadata())?;
+        let origin = origin_of(request.metadata()).inspect_err(|e| {
+            // The proxy's configuration, not a client: every stream of it fails until fixed.
+            self.router.metrics.picker("bad_origin");
+            tracing::warn!(error = %e.message(), "the proxy's origin metadata is unreadable");
+        })?;
         let inbound = request.into_inner();
         let (tx, mut rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(16);
         let exchange = self.conversation(caller, origin).0;

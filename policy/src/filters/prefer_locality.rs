@@ -67,9 +67,11 @@ pub(super) fn apply(
             .and_then(|l| l.get(p.level.label()))
             .is_some_and(|t| t == here)
     };
+    // A prediction that is no number (of either sign: `total_cmp` puts a negative NaN first)
+    // is no evidence of a fast local candidate.
     let best = cands
         .iter()
-        .filter(|c| c.filtered.is_none() && is_here(c))
+        .filter(|c| c.filtered.is_none() && is_here(c) && !c.client_ttft_ms().is_nan())
         .min_by(|a, b| a.client_ttft_ms().total_cmp(&b.client_ttft_ms()));
     let Some(best) = best else {
         return words.then(|| {
@@ -82,7 +84,7 @@ pub(super) fn apply(
     } else {
         String::new()
     };
-    if ms > limit || ms.is_nan() {
+    if ms > limit {
         return words.then(|| {
             format!(
                 "preferLocality: the fastest in {level} {here}, {name}, is predicted {ms:.0} ms > {limit} ms: spilling elsewhere"
@@ -174,6 +176,7 @@ mod tests {
     /// The rule as an operator states it, over (set, cluster, predicted ms, eligible):
     /// elsewhere is kept iff no eligible candidate in b is predicted within the threshold.
     fn kept_by_statement(cands: &[(&str, Option<&str>, f64, bool)], limit: f64) -> Vec<bool> {
+        // (A NaN is not `<=` anything.)
         let local_fast = cands
             .iter()
             .any(|(_, cl, ms, ok)| *ok && *cl == Some("b") && *ms <= limit);
@@ -198,7 +201,7 @@ mod tests {
         };
         // Every combination of the local workers' predictions and eligibility around a 400 ms
         // threshold, with a remote and an unlabeled candidate that are faster than both.
-        let local_ms = [100.0, 400.0, 401.0, 2000.0];
+        let local_ms = [100.0, 400.0, 401.0, 2000.0, f64::NAN, -f64::NAN];
         for b0_ms in local_ms {
             for b1_ms in local_ms {
                 for (b0_ok, b1_ok) in [(true, true), (true, false), (false, true), (false, false)] {
