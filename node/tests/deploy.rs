@@ -631,6 +631,96 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
     );
 }
 
+/// The learner-set form: each pod of the StatefulSet, as the node reads its configuration under
+/// its own pod name, is a learner recorded under a published name of its own, which a
+/// LoadBalancer Service selecting that pod alone publishes on the advertised port and the
+/// members' certificate holds; ordinal 0 may read its StatefulSet (scale-downs).
+#[test]
+fn the_remote_learner_set_overlay_records_each_pod_under_a_published_name_of_its_own() {
+    let r = parse(&render("overlays/remote-learner-set"));
+    let [set] = &r.statefulsets[..] else {
+        panic!("one StatefulSet")
+    };
+    let set_name = set.metadata.name.clone().unwrap();
+    let replicas = set.spec.as_ref().unwrap().replicas.unwrap();
+    assert!(replicas >= 2, "a set, not one pod");
+    assert!(r.pdbs.is_empty(), "learners are not in the quorum's budget");
+    assert!(
+        r.services
+            .iter()
+            .all(|s| s.metadata.name.as_deref() != Some("kvplane-external")),
+        "no one name for the set"
+    );
+    let [map] = &r.config_maps[..] else {
+        panic!("one ConfigMap")
+    };
+    let text = map.data.as_ref().unwrap()["kvplane.toml"].clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvplane.toml");
+    std::fs::write(&path, &text).unwrap();
+    let member = r
+        .certificates
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
+        .unwrap();
+    let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
+    for ordinal in 0..u64::try_from(replicas).unwrap() {
+        let pod = format!("{set_name}-{ordinal}");
+        let mut cfg = kvplane_node::config::Config::from_file(&path).unwrap();
+        cfg.node_id.clone_from(&pod);
+        let k = cfg.raft.kubernetes.as_mut().expect("[raft.kubernetes]");
+        k.pod_name = Some(pod.clone());
+        k.namespace = Some("kvplane".into());
+        assert_eq!(cfg.problems(), Vec::<String>::new(), "{pod}");
+        let m = cfg.raft.membership(&cfg.grpc_listen).unwrap();
+        assert!(
+            m.learner && m.relay_through_join && m.initial.is_empty() && !m.join.is_empty(),
+            "{m:?}"
+        );
+        assert_eq!(m.pod.as_ref().map(|p| p.ordinal), Some(ordinal));
+        let (host, port) = m.addr.rsplit_once(':').unwrap();
+        assert!(host.starts_with(&format!("{pod}.")), "{host}");
+        assert!(
+            verifies_for(&member.spec.uris[0], &names, host).is_ok(),
+            "{host} in {names:?}"
+        );
+        // Published by a load balancer that selects this pod alone, on the advertised port.
+        let port: i32 = port.parse().unwrap();
+        let published = r.services.iter().filter_map(|s| s.spec.as_ref()).find(|s| {
+            s.selector.as_ref().is_some_and(|sel| {
+                sel.len() == 1 && sel.get("statefulset.kubernetes.io/pod-name") == Some(&pod)
+            })
+        });
+        let published = published.unwrap_or_else(|| panic!("no Service publishes {pod}"));
+        assert_eq!(published.type_.as_deref(), Some("LoadBalancer"));
+        assert!(
+            published
+                .ports
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|p| p.port == port),
+            "{pod}"
+        );
+    }
+    // Ordinal 0 follows the set's scale-downs: it may read the set.
+    assert!(
+        r.roles
+            .iter()
+            .flat_map(|x| x.rules.iter().flatten())
+            .any(|rule| {
+                rule.resources
+                    .as_ref()
+                    .is_some_and(|v| v.contains(&"statefulsets".to_owned()))
+                    && rule
+                        .resource_names
+                        .as_ref()
+                        .is_some_and(|n| n.contains(&set_name))
+                    && rule.verbs.contains(&"get".to_owned())
+            })
+    );
+}
+
 #[test]
 fn the_node_configuration_in_the_config_map_is_valid() {
     for overlay in ["overlays/dev", "overlays/prod"] {
