@@ -530,6 +530,27 @@ fn the_istio_example_gives_the_gateways_proxy_a_certificate_kvplane_trusts_and_t
     }
 }
 
+/// A rendering's one ConfigMap, its `kvplane.toml` written to a file (in the directory
+/// returned, kept as long as it is).
+fn config_file(r: &Rendered) -> (&ConfigMap, tempfile::TempDir, std::path::PathBuf) {
+    let [map] = &r.config_maps[..] else {
+        panic!("one ConfigMap")
+    };
+    let text = map.data.as_ref().unwrap()["kvplane.toml"].clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvplane.toml");
+    std::fs::write(&path, &text).unwrap();
+    (map, dir, path)
+}
+
+/// The members' certificate of a rendering.
+fn member_certificate(r: &Rendered) -> &cert_manager::Certificate {
+    r.certificates
+        .iter()
+        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
+        .unwrap()
+}
+
 #[test]
 fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certificate_holds() {
     let r = parse(&render("overlays/remote-learner"));
@@ -558,13 +579,7 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
     // Its configuration, as the node reads it: valid, a learner that joins and relays through
     // A's published name, no StatefulSet identity, and the StatefulSet mounts this very
     // ConfigMap.
-    let [map] = &r.config_maps[..] else {
-        panic!("one ConfigMap")
-    };
-    let text = map.data.as_ref().unwrap()["kvplane.toml"].clone();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kvplane.toml");
-    std::fs::write(&path, &text).unwrap();
+    let (map, _dir, path) = config_file(&r);
     let mut cfg = kvplane_node::config::Config::from_file(&path).unwrap();
     cfg.node_id = "kvplane-0".into();
     assert_eq!(cfg.problems(), Vec::<String>::new());
@@ -588,11 +603,7 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
         v.config_map.as_ref().map(|c| c.name.as_str()) == map.metadata.name.as_deref()
     }));
     // The members in A dial it at its advertised name: the member certificate holds it.
-    let member = r
-        .certificates
-        .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
-        .unwrap();
+    let member = member_certificate(&r);
     let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
     let host = m.addr.rsplit_once(':').unwrap().0;
     assert!(
@@ -651,18 +662,8 @@ fn the_remote_learner_set_overlay_records_each_pod_under_a_published_name_of_its
             .all(|s| s.metadata.name.as_deref() != Some("kvplane-external")),
         "no one name for the set"
     );
-    let [map] = &r.config_maps[..] else {
-        panic!("one ConfigMap")
-    };
-    let text = map.data.as_ref().unwrap()["kvplane.toml"].clone();
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("kvplane.toml");
-    std::fs::write(&path, &text).unwrap();
-    let member = r
-        .certificates
-        .iter()
-        .find(|c| c.metadata.name.as_deref() == Some("kvplane-member"))
-        .unwrap();
+    let (_, _dir, path) = config_file(&r);
+    let member = member_certificate(&r);
     let names: Vec<&str> = member.spec.dns_names.iter().map(String::as_str).collect();
     for ordinal in 0..u64::try_from(replicas).unwrap() {
         let pod = format!("{set_name}-{ordinal}");

@@ -15,6 +15,38 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 
 use crate::member::RaftMember;
 
+/// A StatefulSet's `spec.replicas`, read through the API (unset: Kubernetes' default, 1).
+struct Replicas {
+    api: kube::Api<StatefulSet>,
+    set: String,
+    failures: u32,
+}
+
+impl Replicas {
+    fn new(client: kube::Client, namespace: &str, set: String) -> Self {
+        Self {
+            api: kube::Api::namespaced(client, namespace),
+            set,
+            failures: 0,
+        }
+    }
+
+    /// The replicas now; `None` when they cannot be read (logged on the first failure and
+    /// every 30th after it).
+    async fn read(&mut self) -> Option<i32> {
+        match self.api.get(&self.set).await {
+            Ok(s) => Some(s.spec.and_then(|s| s.replicas).unwrap_or(1)),
+            Err(e) => {
+                if self.failures.is_multiple_of(30) {
+                    tracing::warn!(statefulset = self.set, error = %e, "cannot read the statefulset's replicas");
+                }
+                self.failures += 1;
+                None
+            }
+        }
+    }
+}
+
 pub async fn run(
     client: kube::Client,
     namespace: String,
@@ -23,8 +55,7 @@ pub async fn run(
     member: Arc<RaftMember>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let api: kube::Api<StatefulSet> = kube::Api::namespaced(client, &namespace);
-    let mut failures = 0u32;
+    let mut set = Replicas::new(client, &namespace, set);
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -33,15 +64,8 @@ pub async fn run(
         if !member.is_leader() {
             continue;
         }
-        let replicas = match api.get(&set).await {
-            Ok(s) => s.spec.and_then(|s| s.replicas).unwrap_or(1),
-            Err(e) => {
-                if failures.is_multiple_of(30) {
-                    tracing::warn!(statefulset = set, error = %e, "cannot read the statefulset's replicas");
-                }
-                failures += 1;
-                continue;
-            }
+        let Some(replicas) = set.read().await else {
+            continue;
         };
         let members = member.members();
         // What follows the pod's name in its address: the same for every pod of this set.
@@ -52,7 +76,7 @@ pub async fn run(
             .map_or("", |at| &member.membership.addr[at..]);
         let gone = crate::identity::departed(
             members.iter().map(|(i, a)| (*i, a.as_str())),
-            (&set, rest),
+            (&set.set, rest),
             u64::try_from(replicas).unwrap_or(0),
         );
         if let Some(&id) = gone.first() {
@@ -79,11 +103,10 @@ pub async fn run_learner_set(
     member: Arc<RaftMember>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let api: kube::Api<StatefulSet> = kube::Api::namespaced(client, &namespace);
     let Some(pod) = member.membership.pod.clone() else {
         return;
     };
-    let mut failures = 0u32;
+    let mut set = Replicas::new(client, &namespace, set);
     loop {
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -92,15 +115,8 @@ pub async fn run_learner_set(
         if !member.is_member() {
             continue;
         }
-        let replicas = match api.get(&set).await {
-            Ok(s) => s.spec.and_then(|s| s.replicas).unwrap_or(1),
-            Err(e) => {
-                if failures.is_multiple_of(30) {
-                    tracing::warn!(statefulset = set, error = %e, "cannot read the learner set's replicas");
-                }
-                failures += 1;
-                continue;
-            }
+        let Some(replicas) = set.read().await else {
+            continue;
         };
         let members = member.members();
         let gone = crate::identity::departed_learners(
