@@ -184,7 +184,6 @@ impl ApiMetrics {
         self.latency.observe(seconds);
     }
 
-    /// An endpoint picker request's outcome.
     /// A first-token report observed sooner than the round trip its prediction added.
     pub(crate) fn below_round_trip(&self) {
         self.below_round_trip.inc();
@@ -195,6 +194,7 @@ impl ApiMetrics {
         self.below_round_trip.get()
     }
 
+    /// An endpoint picker request's outcome.
     pub(crate) fn picker(&self, outcome: &'static str) {
         self.picker.get_or_create(&OutcomeLabel { outcome }).inc();
     }

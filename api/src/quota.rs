@@ -16,8 +16,11 @@ use tokio::sync::{Notify, watch};
 
 use crate::quota_metrics::QuotaMetrics;
 
-/// Grant attempts failed in a row after which a short request is refused without waiting.
+/// Grant attempts failed in a row after which a short request is refused without waiting...
 const FAILED_IN_A_ROW: u32 = 2;
+/// ...while the last of them failed this recently (an older streak is no news: nothing was
+/// asked since, and the next ask may well work).
+const FAILED_RECENTLY: Duration = Duration::from_secs(1);
 
 /// How a replica admits against its escrow.
 #[derive(Debug, Clone)]
@@ -188,8 +191,8 @@ struct Local {
     /// and when they were last used.
     in_use: BTreeMap<LimitKey, (u64, u64, Instant)>,
     seq: u64,
-    /// Why the last grant attempt failed, if it did, and how many failed in a row.
-    failing: Option<(kvplane_state::ProposeError, u32)>,
+    /// Why the last grant attempt failed, if it did, how many failed in a row, and when.
+    failing: Option<(kvplane_state::ProposeError, u32, Instant)>,
     /// Other replicas' reservations to settle through the ledger, sent in every batch until
     /// the ledger has them (it takes each ticket once).
     settles: Vec<QuotaSettle>,
@@ -342,7 +345,10 @@ impl Escrow {
             // Failing again and again (a partition, no leader): no grant is coming within the
             // wait, so the request is refused at once rather than held for nothing. One failure
             // may be a blip: it still waits.
-            let left = if failing.as_ref().is_some_and(|(_, n)| *n >= FAILED_IN_A_ROW) {
+            let streak = failing
+                .as_ref()
+                .is_some_and(|(_, n, at)| *n >= FAILED_IN_A_ROW && at.elapsed() < FAILED_RECENTLY);
+            let left = if streak {
                 Duration::ZERO
             } else {
                 deadline.saturating_duration_since(Instant::now())
@@ -352,7 +358,8 @@ impl Escrow {
                 if let Ok(r) = self.try_reserve(limits, tokens, false) {
                     return Ok(self.admitted(r));
                 }
-                let why = failing.map_or(GrantPending::InFlight, |(e, _)| GrantPending::Failed(e));
+                let why =
+                    failing.map_or(GrantPending::InFlight, |(e, _, _)| GrantPending::Failed(e));
                 let r = Refusal::NoGrant {
                     key: short.key,
                     waited_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(0),
@@ -683,9 +690,15 @@ impl Escrow {
         let mut local = self.lock();
         local.failing = match result {
             Ok(()) => None,
+            // Committed but applied late here: grants are being made, no streak of failures.
+            Err(
+                e @ kvplane_state::ProposeError::Unavailable(
+                    kvplane_state::Unavailable::NotApplied { .. },
+                ),
+            ) => Some((e, 0, Instant::now())),
             Err(e) => {
-                let before = local.failing.as_ref().map_or(0, |(_, n)| *n);
-                Some((e, before.saturating_add(1)))
+                let before = local.failing.as_ref().map_or(0, |(_, n, _)| *n);
+                Some((e, before.saturating_add(1), Instant::now()))
             }
         };
         drop(local);
@@ -931,8 +944,27 @@ mod tests {
         let r = reserve(&sm, &e, 100).await.unwrap_err();
         assert!(r.to_string().contains("no quorum reachable"), "{r}");
         assert!(waited(r) < 20);
+        // A streak that ended long ago (nothing asked since) is no news: it waits again.
+        if let Some((_, _, at)) = &mut e.lock().failing {
+            *at = Instant::now().checked_sub(FAILED_RECENTLY).unwrap();
+        }
+        assert!(waited(reserve(&sm, &e, 100).await.unwrap_err()) >= 20);
         // A grant attempt that worked: short requests wait for the next one again.
         e.attempted(Ok(()), Duration::ZERO);
+        assert!(waited(reserve(&sm, &e, 100).await.unwrap_err()) >= 20);
+        // Grants committed but applied late here are being made: no streak.
+        for _ in 0..FAILED_IN_A_ROW {
+            e.attempted(
+                Err(kvplane_state::ProposeError::Unavailable(
+                    kvplane_state::Unavailable::NotApplied {
+                        what: "write",
+                        index: 7,
+                        cause: std::sync::Arc::new(std::io::Error::other("slow apply")),
+                    },
+                )),
+                Duration::ZERO,
+            );
+        }
         assert!(waited(reserve(&sm, &e, 100).await.unwrap_err()) >= 20);
     }
 

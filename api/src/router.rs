@@ -381,7 +381,10 @@ impl RouterService {
             {
                 match served_elsewhere(report.served.as_ref(), (ws, w), &self.state) {
                     None => {
-                        if *network_ms > 0.0 && report.observed_ttft_ms <= *network_ms {
+                        if *network_ms > 0.0
+                            && report.observed_ttft_ms > 0.0
+                            && report.observed_ttft_ms <= *network_ms
+                        {
                             // The round trip taken for the link is longer than the whole wait
                             // the gateway saw: the engine's own time is unknown.
                             self.metrics.below_round_trip();

@@ -30,8 +30,11 @@ use rustc_hash::FxHashMap;
 pub const WINDOW_REPORTS: u64 = 8;
 /// The weight of a new sample in a cluster's measurement.
 const ALPHA: f64 = 0.3;
-/// Remote workers whose windows are kept; past it the one reported on longest ago goes (a
-/// fleet whose pods come and go under new names would otherwise grow the map for ever).
+/// Remote workers whose windows are kept. Past it, the one reported on longest ago goes if no
+/// report came for it in the last `MAX_WINDOWS` reports (a fleet whose pods come and go under
+/// new names would otherwise grow the map for ever); otherwise the new worker is not measured
+/// (with more remote workers than this all reporting, evicting would end every window before
+/// it filled).
 pub const MAX_WINDOWS: usize = 4096;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -133,13 +136,18 @@ impl RttMeter {
             // The first report only sets where the engine's count stands: whether its own
             // first token is counted there already is not known.
             if g.windows.len() >= MAX_WINDOWS {
+                let idle = touched.saturating_sub(MAX_WINDOWS as u64);
                 let oldest = g
                     .windows
                     .iter()
                     .min_by_key(|(_, w)| w.touched)
+                    .filter(|(_, w)| w.touched < idle)
                     .map(|(k, _)| k.clone());
-                if let Some(k) = oldest {
-                    g.windows.remove(&k);
+                match oldest {
+                    Some(k) => {
+                        g.windows.remove(&k);
+                    }
+                    None => return,
                 }
             }
             g.windows.insert(key, fresh());
@@ -241,6 +249,19 @@ mod tests {
             serve(&m, "busy", &[30.0], 100.0, &mut busy);
         }
         assert!((m.measured("c").unwrap().0 - 100.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn with_every_window_reported_on_lately_a_newcomer_is_not_measured_and_none_is_cut() {
+        let m = meter();
+        for i in 0..MAX_WINDOWS {
+            m.observed(("far", &format!("w{i}")), "c", 50.0, (0.0, 0));
+        }
+        m.observed(("far", "newcomer"), "c", 50.0, (0.0, 0));
+        let g = m.lock();
+        assert_eq!(g.windows.len(), MAX_WINDOWS);
+        assert!(!g.windows.contains_key(&("far".into(), "newcomer".into())));
+        assert!(g.windows.contains_key(&("far".into(), "w0".into())));
     }
 
     #[test]

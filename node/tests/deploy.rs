@@ -543,6 +543,16 @@ fn config_file(r: &Rendered) -> (&ConfigMap, tempfile::TempDir, std::path::PathB
     (map, dir, path)
 }
 
+/// A learner's published Service: a load balancer in the pods' namespace that publishes a pod
+/// before it is ready (a learner is ready only once the leader reached it through this).
+fn published_where_the_pods_are(s: &Service) {
+    let name = s.metadata.name.as_deref().unwrap_or_default();
+    assert_eq!(s.metadata.namespace.as_deref(), Some("kvplane"), "{name}");
+    let spec = s.spec.as_ref().unwrap();
+    assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"), "{name}");
+    assert_eq!(spec.publish_not_ready_addresses, Some(true), "{name}");
+}
+
 /// The members' certificate of a rendering.
 fn member_certificate(r: &Rendered) -> &cert_manager::Certificate {
     r.certificates
@@ -615,11 +625,9 @@ fn the_remote_learner_overlay_joins_as_a_learner_under_a_name_the_members_certif
         .services
         .iter()
         .find(|s| s.metadata.name.as_deref() == Some("kvplane-external"))
-        .unwrap()
-        .spec
-        .as_ref()
         .unwrap();
-    assert_eq!(external.type_.as_deref(), Some("LoadBalancer"));
+    published_where_the_pods_are(external);
+    let external = external.spec.as_ref().unwrap();
     let labels = spec
         .template
         .metadata
@@ -687,13 +695,17 @@ fn the_remote_learner_set_overlay_records_each_pod_under_a_published_name_of_its
         );
         // Published by a load balancer that selects this pod alone, on the advertised port.
         let port: i32 = port.parse().unwrap();
-        let published = r.services.iter().filter_map(|s| s.spec.as_ref()).find(|s| {
-            s.selector.as_ref().is_some_and(|sel| {
-                sel.len() == 1 && sel.get("statefulset.kubernetes.io/pod-name") == Some(&pod)
-            })
+        let published = r.services.iter().find(|s| {
+            s.spec
+                .as_ref()
+                .and_then(|s| s.selector.as_ref())
+                .is_some_and(|sel| {
+                    sel.len() == 1 && sel.get("statefulset.kubernetes.io/pod-name") == Some(&pod)
+                })
         });
         let published = published.unwrap_or_else(|| panic!("no Service publishes {pod}"));
-        assert_eq!(published.type_.as_deref(), Some("LoadBalancer"));
+        published_where_the_pods_are(published);
+        let published = published.spec.as_ref().unwrap();
         assert!(
             published
                 .ports

@@ -325,7 +325,12 @@ impl Replica {
     }
 
     /// A write sent to leader `id` at `addr`, or (no id) to the relay at `addr`. A relayed
-    /// write is tried again only when it surely never left: its connection was refused.
+    /// write is tried again only when it surely never left: its connection was refused. One
+    /// sent to the leader itself is tried again after any error, though it may have been
+    /// applied: every command a follower forwards (`Admin` config puts and deletes, quota
+    /// batches and closes) is idempotent - a quota batch carries a sequence the ledger applies
+    /// once, a config object or deletion replaces, a close restates - so applying it twice
+    /// leaves the same state.
     async fn write_at(
         &self,
         id: Option<u64>,
@@ -376,7 +381,8 @@ impl Replica {
     }
 
     /// One RPC to the leader `id` at `addr`, or (no id) to a member at `addr` that relays it.
-    /// An error means the request did not reach it (so retrying cannot apply a command twice).
+    /// An error may come after the request reached it (a reset or a lost answer): see
+    /// [`PeerError::delivered_maybe`].
     async fn call<R: serde::de::DeserializeOwned>(
         &self,
         id: Option<u64>,

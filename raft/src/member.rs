@@ -607,19 +607,23 @@ impl crate::ClusterControl for RaftMember {
                 Err(e) => return Err(e),
             }
             if learner_only {
+                if !self.members().iter().any(|(m, _)| *m == id) {
+                    // Gone already (an ask repeated from a stale view): nothing to change.
+                    return Ok(());
+                }
                 // One membership change that removes a learner only: openraft refuses it for a
                 // voter, so a learner promoted meanwhile is kept too.
                 let ids: std::collections::BTreeSet<u64> = [id].into();
-                if let Err(e) = self
+                match self
                     .raft
                     .change_membership(openraft::ChangeMembers::RemoveNodes(ids), false)
                     .await
                 {
-                    return Err(if self.is_voter_id(id) {
-                        crate::ClusterError::VoterKept(id)
-                    } else {
-                        membership_error(e)
-                    });
+                    Ok(_) => {}
+                    Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
+                        openraft::error::ChangeMembershipError::LearnerNotFound(_),
+                    ))) => return Err(crate::ClusterError::VoterKept(id)),
+                    Err(e) => return Err(membership_error(e)),
                 }
             } else {
                 self.remove_member(id).await?;
