@@ -30,11 +30,11 @@ use rustc_hash::FxHashMap;
 pub const WINDOW_REPORTS: u64 = 8;
 /// The weight of a new sample in a cluster's measurement.
 const ALPHA: f64 = 0.3;
-/// Remote workers whose windows are kept. Past it, the one reported on longest ago goes if no
-/// report came for it in the last `MAX_WINDOWS` reports (a fleet whose pods come and go under
-/// new names would otherwise grow the map for ever); otherwise the new worker is not measured
-/// (with more remote workers than this all reporting, evicting would end every window before
-/// it filled).
+/// Remote workers whose windows are kept. When it is full, the one reported on longest ago
+/// goes if no report came for it in the `MAX_WINDOWS` reports before this one (a fleet whose
+/// pods come and go under new names would otherwise grow the map for ever); otherwise this
+/// report of the new worker is dropped, and a later one may find room (with more remote
+/// workers than this all reporting, evicting would end every window before it filled).
 pub const MAX_WINDOWS: usize = 4096;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
