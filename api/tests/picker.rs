@@ -73,7 +73,18 @@ impl Proxy {
         body: &[u8],
         metadata: Option<Metadata>,
     ) -> Self {
-        let p = Self::open(client).await;
+        Self::ask_from(client, &[], id, body, metadata).await
+    }
+
+    /// The same on a stream whose gRPC metadata is `stream` (see [`Self::open_with`]).
+    async fn ask_from(
+        client: &mut ExternalProcessorClient<Channel>,
+        stream: &[(&'static str, &str)],
+        id: &str,
+        body: &[u8],
+        metadata: Option<Metadata>,
+    ) -> Self {
+        let p = Self::open_with(client, stream).await;
         p.send(request_headers(
             id,
             BodySendMode::FullDuplexStreamed,
@@ -693,14 +704,7 @@ async fn a_proxy_that_says_where_it_runs_is_decided_for_as_from_there() {
         ),
     ];
     for (i, (metadata, endpoint)) in places.into_iter().enumerate() {
-        let mut p = Proxy::open_with(&mut client, metadata).await;
-        p.send(request_headers(
-            &format!("o{i}"),
-            BodySendMode::FullDuplexStreamed,
-            None,
-        ))
-        .await;
-        p.send(body_chunk(&body, true)).await;
+        let mut p = Proxy::ask_from(&mut client, metadata, &format!("o{i}"), &body, None).await;
         let Out::RequestHeaders(h) = p.recv().await else {
             panic!("expected the pick");
         };

@@ -31,6 +31,26 @@ impl Replicas {
         }
     }
 
+    /// Every `every`, while `active()` holds: the replicas, once read; `None` once `stop`.
+    async fn next(
+        &mut self,
+        every: Duration,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+        active: impl Fn() -> bool,
+    ) -> Option<i32> {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.changed() => return None,
+            }
+            if active()
+                && let Some(replicas) = self.read().await
+            {
+                return Some(replicas);
+            }
+        }
+    }
+
     /// The replicas now; `None` when they cannot be read (logged on the first failure and
     /// every 30th after it).
     async fn read(&mut self) -> Option<i32> {
@@ -56,17 +76,7 @@ pub async fn run(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut set = Replicas::new(client, &namespace, set);
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
-        }
-        if !member.is_leader() {
-            continue;
-        }
-        let Some(replicas) = set.read().await else {
-            continue;
-        };
+    while let Some(replicas) = set.next(every, &mut stop, || member.is_leader()).await {
         let members = member.members();
         // What follows the pod's name in its address: the same for every pod of this set.
         let rest = member
@@ -107,17 +117,7 @@ pub async fn run_learner_set(
         return;
     };
     let mut set = Replicas::new(client, &namespace, set);
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
-        }
-        if !member.is_member() {
-            continue;
-        }
-        let Some(replicas) = set.read().await else {
-            continue;
-        };
+    while let Some(replicas) = set.next(every, &mut stop, || member.is_member()).await {
         let members = member.members();
         let gone = crate::identity::departed_learners(
             members.iter().map(|(i, a)| (*i, a.as_str())),
