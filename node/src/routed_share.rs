@@ -3,12 +3,15 @@
 //! replica publishes the worker it chose and when that request's first token is due, and the
 //! others count it in that worker's queue until then ([`Predictor::routed_elsewhere`]), so
 //! that replicas routing at once from the same state do not all pick the same idle worker.
-//! Best effort: a note lost or late only makes a prediction less exact.
+//! Best effort: a note lost or late only makes a prediction less exact. How late notes arrive
+//! is `kvplane_routed_note_delay_seconds`: replicas deciding within that time of each other do
+//! not know of each other's decision and may take the same idle worker.
 
 use std::sync::Arc;
 
 use kvplane_api::predict::{Predictor, RoutedNote, RoutedSink};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -20,14 +23,41 @@ struct Wire {
     replica: String,
     #[serde(flatten)]
     note: RoutedNote,
+    /// When the replica decided, in microseconds of its wall clock (notes of older versions
+    /// have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    decided_us: Option<u64>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ShareMetrics {
     published: Counter,
     dropped: Counter,
     received: Counter,
     malformed: Counter,
+    /// From a decision to another replica counting it (the two replicas' clocks are taken to
+    /// agree: a note from a clock ahead counts as 0).
+    delay: Histogram,
+}
+
+impl Default for ShareMetrics {
+    fn default() -> Self {
+        Self {
+            published: Counter::default(),
+            dropped: Counter::default(),
+            received: Counter::default(),
+            malformed: Counter::default(),
+            // 50 us to about 3.3 s.
+            delay: Histogram::new(exponential_buckets(0.000_05, 2.0, 17)),
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch by this host's clock.
+fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 impl ShareMetrics {
@@ -52,14 +82,20 @@ impl ShareMetrics {
             "Messages on kvplane-gossip.routed that were not routing decisions",
             self.malformed.clone(),
         );
+        r.register(
+            "kvplane_routed_note_delay_seconds",
+            "From another replica's routing decision to its note being counted here",
+            self.delay.clone(),
+        );
     }
 }
 
 /// The sink the router calls, and the queue behind it.
-pub fn sink(metrics: Arc<ShareMetrics>) -> (RoutedSink, mpsc::Receiver<RoutedNote>) {
+/// Each note is stamped with the time it was decided.
+pub fn sink(metrics: Arc<ShareMetrics>) -> (RoutedSink, mpsc::Receiver<(RoutedNote, u64)>) {
     let (tx, rx) = mpsc::channel(4096);
     let sink = RoutedSink(Arc::new(move |n| {
-        if tx.try_send(n).is_err() {
+        if tx.try_send((n, wall_us())).is_err() {
             metrics.dropped.inc();
         }
     }));
@@ -71,7 +107,7 @@ pub async fn run(
     client: async_nats::Client,
     replica: String,
     predictor: Arc<Predictor>,
-    mut outgoing: mpsc::Receiver<RoutedNote>,
+    mut outgoing: mpsc::Receiver<(RoutedNote, u64)>,
     metrics: Arc<ShareMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -85,8 +121,8 @@ pub async fn run(
     loop {
         tokio::select! {
             n = outgoing.recv() => {
-                let Some(note) = n else { return };
-                let wire = Wire { replica: replica.clone(), note };
+                let Some((note, decided_us)) = n else { return };
+                let wire = Wire { replica: replica.clone(), note, decided_us: Some(decided_us) };
                 if let Ok(bytes) = serde_json::to_vec(&wire)
                     && client.publish(SUBJECT, bytes.into()).await.is_ok()
                 {
@@ -99,6 +135,10 @@ pub async fn run(
                     Ok(w) if w.replica == replica => {}
                     Ok(w) => {
                         metrics.received.inc();
+                        if let Some(at) = w.decided_us {
+                            let us = wall_us().saturating_sub(at);
+                            metrics.delay.observe(us as f64 / 1e6);
+                        }
                         predictor.routed_elsewhere(
                             &w.note.worker_set,
                             &w.note.worker,
