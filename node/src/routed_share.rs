@@ -35,9 +35,10 @@ pub struct ShareMetrics {
     dropped: Counter,
     received: Counter,
     malformed: Counter,
-    /// From a decision to another replica counting it (the two replicas' clocks are taken to
-    /// agree: a note from a clock ahead counts as 0).
+    /// From a decision to another replica counting it (by the two replicas' clocks).
     delay: Histogram,
+    /// Notes stamped later than this replica's clock says it is: not timed.
+    from_clock_ahead: Counter,
 }
 
 impl Default for ShareMetrics {
@@ -47,6 +48,7 @@ impl Default for ShareMetrics {
             dropped: Counter::default(),
             received: Counter::default(),
             malformed: Counter::default(),
+            from_clock_ahead: Counter::default(),
             // 50 us to about 3.3 s.
             delay: Histogram::new(exponential_buckets(0.000_05, 2.0, 17)),
         }
@@ -87,15 +89,43 @@ impl ShareMetrics {
             "From another replica's routing decision to its note being counted here",
             self.delay.clone(),
         );
+        r.register(
+            "kvplane_routed_notes_from_clock_ahead",
+            "Other replicas' routing decisions stamped later than this replica's clock (not timed)",
+            self.from_clock_ahead.clone(),
+        );
     }
+
+    fn timed(&self, decided_us: u64, now_us: u64) {
+        match now_us.checked_sub(decided_us) {
+            Some(us) => self.delay.observe(us as f64 / 1e6),
+            None => {
+                self.from_clock_ahead.inc();
+            }
+        }
+    }
+}
+
+/// A decision and when it was made, on its way out.
+#[derive(Debug)]
+pub struct Decided {
+    note: RoutedNote,
+    /// Microseconds since the Unix epoch.
+    at_us: u64,
 }
 
 /// The sink the router calls, and the queue behind it.
 /// Each note is stamped with the time it was decided.
-pub fn sink(metrics: Arc<ShareMetrics>) -> (RoutedSink, mpsc::Receiver<(RoutedNote, u64)>) {
+pub fn sink(metrics: Arc<ShareMetrics>) -> (RoutedSink, mpsc::Receiver<Decided>) {
     let (tx, rx) = mpsc::channel(4096);
-    let sink = RoutedSink(Arc::new(move |n| {
-        if tx.try_send((n, wall_us())).is_err() {
+    let sink = RoutedSink(Arc::new(move |note| {
+        if tx
+            .try_send(Decided {
+                note,
+                at_us: wall_us(),
+            })
+            .is_err()
+        {
             metrics.dropped.inc();
         }
     }));
@@ -107,7 +137,7 @@ pub async fn run(
     client: async_nats::Client,
     replica: String,
     predictor: Arc<Predictor>,
-    mut outgoing: mpsc::Receiver<(RoutedNote, u64)>,
+    mut outgoing: mpsc::Receiver<Decided>,
     metrics: Arc<ShareMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -121,8 +151,8 @@ pub async fn run(
     loop {
         tokio::select! {
             n = outgoing.recv() => {
-                let Some((note, decided_us)) = n else { return };
-                let wire = Wire { replica: replica.clone(), note, decided_us: Some(decided_us) };
+                let Some(Decided { note, at_us }) = n else { return };
+                let wire = Wire { replica: replica.clone(), note, decided_us: Some(at_us) };
                 if let Ok(bytes) = serde_json::to_vec(&wire)
                     && client.publish(SUBJECT, bytes.into()).await.is_ok()
                 {
@@ -136,8 +166,7 @@ pub async fn run(
                     Ok(w) => {
                         metrics.received.inc();
                         if let Some(at) = w.decided_us {
-                            let us = wall_us().saturating_sub(at);
-                            metrics.delay.observe(us as f64 / 1e6);
+                            metrics.timed(at, wall_us());
                         }
                         predictor.routed_elsewhere(
                             &w.note.worker_set,
@@ -153,5 +182,45 @@ pub async fn run(
             }
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_note_without_its_decision_time_reads_as_older_versions_send_it() {
+        let old = r#"{"replica":"a","worker_set":"ws","worker":"w0","at_ms":5,"due_ms":9}"#;
+        let w: Wire = serde_json::from_str(old).unwrap();
+        assert_eq!(w.decided_us, None);
+        assert_eq!(
+            (w.note.worker.as_str(), w.note.at_ms, w.note.due_ms),
+            ("w0", 5, 9)
+        );
+        let new = r#"{"replica":"a","worker_set":"ws","worker":"w0","at_ms":5,"due_ms":9,"decided_us":7}"#;
+        let w: Wire = serde_json::from_str(new).unwrap();
+        assert_eq!(w.decided_us, Some(7));
+        assert_eq!(w.note.worker_set, "ws");
+    }
+
+    #[test]
+    fn a_note_from_a_clock_ahead_is_counted_not_timed() {
+        let m = ShareMetrics::default();
+        m.timed(2_000, 1_000);
+        m.timed(1_000, 1_500);
+        assert_eq!(m.from_clock_ahead.get(), 1);
+        let mut r = Registry::default();
+        m.register(&mut r);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+        assert!(
+            text.contains("kvplane_routed_note_delay_seconds_count 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvplane_routed_note_delay_seconds_sum 0.0005\n"),
+            "{text}"
+        );
     }
 }

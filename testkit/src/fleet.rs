@@ -16,6 +16,7 @@ use tempfile::TempDir;
 use tonic::transport::Channel;
 
 use crate::eventually;
+pub use crate::metrics_text::metric_value;
 use crate::process::{self, Spec, kill as stop, kvplane_binary};
 
 /// Runs the `kvplane` binary with `args`, asserts it succeeded, and returns its stdout.
@@ -964,14 +965,4 @@ pub fn http_client(ca: Option<&Path>) -> reqwest::Client {
 
 pub async fn http_get(url: &str) -> String {
     reqwest::get(url).await.unwrap().text().await.unwrap()
-}
-
-/// The value of the first sample of `name` (any labels) in Prometheus text.
-pub fn metric_value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find(|l| l.split(['{', ' ']).next() == Some(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
 }

@@ -7,6 +7,8 @@
 //!   each on free loopback ports in its own directory, killed when dropped. These panic with
 //!   the process's log on failure: they are for tests.
 //! - [`eventually`]: one way to wait, on a condition polled until it holds.
+//! - [`metrics_text`]: a sample's value, a histogram's buckets and quantiles, read from a
+//!   Prometheus metrics text.
 //! - [`link`]: a TCP link between a client and a server that a test can cut and heal.
 //! - [`ext_proc`]: an ext_proc stream's messages as Envoy sends them (the picker's clients).
 //! - [`state`]: a fleet in a state ([`state::TestFleet`]): policies, workers, metrics and KV
@@ -14,7 +16,7 @@
 //!   semantics that need no process (policies, quotas, routing) in milliseconds.
 //!
 //! The `kvplane` binary is found by [`process::kvplane_binary`]. `fleet` and `state` are the
-//! `fleet` feature (on by default, for tests); the demo links only `process` and `eventually`.
+//! `fleet` feature (on by default, for tests); the benchmarks and the demo link only `process`, `eventually` and `metrics_text`.
 
 pub mod eventually;
 #[cfg(feature = "fleet")]
@@ -23,6 +25,7 @@ pub mod ext_proc;
 pub mod fleet;
 #[cfg(feature = "fleet")]
 pub mod link;
+pub mod metrics_text;
 #[cfg(feature = "fleet")]
 pub mod pki;
 pub mod process;
@@ -33,5 +36,6 @@ pub use eventually::{eventually, eventually_sync};
 #[cfg(feature = "fleet")]
 pub use fleet::{
     Cluster, Engine, EngineOptions, Nats, Node, NodeOptions, Proc, RaftOptions, field, free_port,
-    gateway, gateway_with, http_get, kvplane_ok, metric_value, publish, spawn_ready,
+    gateway, gateway_with, http_get, kvplane_ok, publish, spawn_ready,
 };
+pub use metrics_text::{histogram_buckets, metric_value, quantile_bound};

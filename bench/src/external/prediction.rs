@@ -40,30 +40,16 @@ pub(super) async fn read(members: &[String]) -> Ratios {
 }
 
 fn parse(text: &str) -> Ratios {
-    let mut r = Ratios::default();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("kvplane_ttft_prediction_ratio") else {
-            continue;
-        };
-        let value = rest.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        let Some(value) = value else { continue };
-        if let Some(le) = rest
-            .strip_prefix("_bucket{le=\"")
-            .and_then(|b| b.split('"').next())
-        {
-            let bound = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().unwrap_or(f64::NAN)
-            };
-            r.buckets.push((bound, value as u64));
-        } else if rest.starts_with("_count") {
-            r.count = value as u64;
-        } else if rest.starts_with("_sum") {
-            r.sum = value;
-        }
+    const NAME: &str = "kvplane_ttft_prediction_ratio";
+    let value = |suffix: &str| kvplane_testkit::metric_value(text, &format!("{NAME}{suffix}"));
+    Ratios {
+        buckets: kvplane_testkit::histogram_buckets(text, NAME)
+            .into_iter()
+            .map(|(le, n)| (le, n as u64))
+            .collect(),
+        count: value("_count") as u64,
+        sum: value("_sum"),
     }
-    r
 }
 
 impl Ratios {

@@ -17,11 +17,10 @@ use serde::Serialize;
 use fleet::Router;
 use strategies::{DynamoCost, Feed, KvRouter, Kvplane, LeastQueue, Oracle, PrefixHash, RoundRobin};
 
-/// How late replicas hear of each other's decisions by default (ms): the bound of the
-/// 99th percentile that real nodes measured over a real nats-server
-/// (`kvplane_routed_note_delay_seconds`, in
+/// How late replicas hear of each other's decisions by default (ms): what real nodes measured
+/// over a real nats-server (`kvplane_routed_note_delay_seconds`, in
 /// `node/tests/policy_routing.rs::replicas_hear_of_each_others_decisions_within_a_few_milliseconds`:
-/// p50 at most 0.4 ms, p99 at most 1.6 ms, on loopback).
+/// p50 at most 0.4 ms, p99 at most 1.6 ms, on loopback), rounded up.
 pub const SHARE_MS: f64 = 2.0;
 
 #[derive(Debug, Clone, clap::Args)]
