@@ -14,7 +14,7 @@
 //! BPE model without dropout or word prefixes and suffixes - and only when a probe text encodes
 //! to the tokenizer's own ids at load. Anything else is encoded by the tokenizer itself.
 
-use std::sync::RwLock;
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use ahash::AHashMap;
 use tokenizers::models::ModelWrapper;
@@ -133,25 +133,102 @@ impl Pretokens {
 /// match came from that tail (all whitespace, no earlier alternative matching where it starts)
 /// and a non-space follows, gives the last character back - what the lookahead does. Other
 /// patterns run on the tokenizer's own regex engine (Oniguruma), whose every search costs more.
+///
+/// Each pre-token is searched for where the last one ended, anchored, on a dense DFA built
+/// whole at load ([`Anchored`]): a request never waits for a lazy DFA to build its states (a
+/// tokenizer just loaded built them for every pre-token of its first prompts) and no search
+/// runs backwards to find where its match starts. Only where no match starts there (a gap
+/// the pattern does not cover, kept as a pre-token of its own) does the unanchored search run.
 enum Splitter {
     Dfa {
         /// The pattern with its tail `\s+`.
         all: regex_automata::meta::Regex,
         /// The pattern without its tail, asked only where an all-whitespace match starts.
         head: regex_automata::meta::Regex,
+        /// `all` and `head` as anchored dense DFAs, when they could be built within
+        /// [`DFA_BYTES`]; shared by every tokenizer of the process with the same pattern.
+        anchored: Option<Arc<Anchored>>,
     },
     Onig(SysRegex),
 }
 
+/// The most a split pattern's two dense DFAs may take; a larger pattern searches on the lazy
+/// DFAs of `meta::Regex` instead.
+const DFA_BYTES: usize = 16 << 20;
+
+/// A split pattern's forward DFAs, each search anchored where it starts.
+struct Anchored {
+    all: regex_automata::dfa::dense::DFA<Vec<u32>>,
+    head: regex_automata::dfa::dense::DFA<Vec<u32>>,
+}
+
+impl Anchored {
+    /// The DFAs of the pattern `all` (its head `head`): built once per pattern and kept while
+    /// a tokenizer uses them (models of one family share a pattern).
+    fn shared(all: &str, head: &str) -> Option<Arc<Self>> {
+        static BUILT: Mutex<Vec<(String, Weak<Anchored>)>> = Mutex::new(Vec::new());
+        let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+        built.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(a) = built
+            .iter()
+            .find(|(p, _)| p == all)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Some(a);
+        }
+        let a = Arc::new(Self::new(all, head)?);
+        built.push((all.to_owned(), Arc::downgrade(&a)));
+        Some(a)
+    }
+
+    fn new(all: &str, head: &str) -> Option<Self> {
+        use regex_automata::dfa::{StartKind, dense};
+        let build = |pattern: &str| {
+            dense::Builder::new()
+                .configure(
+                    dense::Config::new()
+                        .start_kind(StartKind::Anchored)
+                        .dfa_size_limit(Some(DFA_BYTES / 2))
+                        .determinize_size_limit(Some(DFA_BYTES)),
+                )
+                .build(pattern)
+                .ok()
+        };
+        Some(Self {
+            all: build(all)?,
+            head: build(head)?,
+        })
+    }
+
+    /// Where the leftmost-first match of `dfa` starting at `at` ends (`Err`: the DFA gave
+    /// up, which a DFA built without quit bytes or heuristics never does).
+    fn end(
+        dfa: &regex_automata::dfa::dense::DFA<Vec<u32>>,
+        text: &str,
+        at: usize,
+    ) -> Result<Option<usize>, regex_automata::MatchError> {
+        use regex_automata::dfa::Automaton;
+        let input = regex_automata::Input::new(text)
+            .range(at..)
+            .anchored(regex_automata::Anchored::Yes);
+        Ok(dfa.try_search_fwd(&input)?.map(|m| m.offset()))
+    }
+}
+
 impl Splitter {
     fn new(pattern: &str) -> Option<Self> {
-        if let Some(head) = pattern.strip_suffix(r"|\s+(?!\S)|\s+")
-            && let (Ok(all), Ok(head)) = (
-                regex_automata::meta::Regex::new(&format!(r"{head}|\s+")),
+        if let Some(head) = pattern.strip_suffix(r"|\s+(?!\S)|\s+") {
+            let with_tail = format!(r"{head}|\s+");
+            if let (Ok(all), Ok(head_re)) = (
+                regex_automata::meta::Regex::new(&with_tail),
                 regex_automata::meta::Regex::new(head),
-            )
-        {
-            return Some(Self::Dfa { all, head });
+            ) {
+                return Some(Self::Dfa {
+                    all,
+                    head: head_re,
+                    anchored: Anchored::shared(&with_tail, head),
+                });
+            }
         }
         SysRegex::new(pattern).ok().map(Self::Onig)
     }
@@ -161,12 +238,29 @@ impl Splitter {
     fn spans<'a>(&'a self, text: &'a str) -> Box<dyn Iterator<Item = (usize, usize)> + 'a> {
         let matches: Box<dyn Iterator<Item = (usize, usize)> + 'a> = match self {
             Self::Onig(re) => Box::new(re.find_iter(text)),
-            Self::Dfa { all, head } => {
+            Self::Dfa {
+                all,
+                head,
+                anchored,
+            } => {
                 let mut at = 0;
                 Box::new(std::iter::from_fn(move || {
-                    use regex_automata::{Anchored, Input};
-                    let m = all.find(Input::new(text).range(at..))?;
-                    let (start, mut end) = (m.start(), m.end());
+                    use regex_automata::Input;
+                    if at > text.len() {
+                        return None;
+                    }
+                    // The leftmost-first match: one that starts here if any does, else the
+                    // next one found.
+                    let here = anchored
+                        .as_ref()
+                        .and_then(|a| Anchored::end(&a.all, text, at).ok().flatten());
+                    let (start, mut end) = match here {
+                        Some(end) => (at, end),
+                        None => {
+                            let m = all.find(Input::new(text).range(at..))?;
+                            (m.start(), m.end())
+                        }
+                    };
                     if start == end {
                         // An empty match: the search goes on after the next character.
                         at = end + text[end..].chars().next().map_or(1, char::len_utf8);
@@ -176,7 +270,7 @@ impl Splitter {
                     if end < text.len()
                         && run.chars().nth(1).is_some()
                         && run.chars().all(char::is_whitespace)
-                        && !head.is_match(Input::new(text).range(start..).anchored(Anchored::Yes))
+                        && !Self::head_matches(head, anchored.as_deref(), text, start)
                     {
                         end -= run.chars().next_back().map_or(0, char::len_utf8);
                     }
@@ -196,6 +290,20 @@ impl Splitter {
                 })
                 .filter(|(start, end)| start < end),
         )
+    }
+
+    /// Whether the pattern without its whitespace tail matches at `start`.
+    fn head_matches(
+        head: &regex_automata::meta::Regex,
+        anchored: Option<&Anchored>,
+        text: &str,
+        start: usize,
+    ) -> bool {
+        use regex_automata::{Anchored as Anchor, Input};
+        match anchored.map(|a| Anchored::end(&a.head, text, start)) {
+            Some(Ok(end)) => end.is_some(),
+            _ => head.is_match(Input::new(text).range(start..).anchored(Anchor::Yes)),
+        }
     }
 }
 
@@ -264,6 +372,9 @@ mod tests {
     use super::*;
 
     const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    /// A pattern that leaves gaps (single letters, punctuation): where no match starts, the
+    /// unanchored search finds the next one.
+    const GAPPY_PATTERN: &str = r"\p{N}+| ?\p{L}{2,}|\s+(?!\S)|\s+";
     const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
     /// Where the `tokenizers` crate's own `Split` pre-tokenizer (isolated) splits `text`.
@@ -284,9 +395,15 @@ mod tests {
 
     #[test]
     fn the_byte_level_patterns_run_on_the_dfa() {
-        for p in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN] {
+        for p in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, GAPPY_PATTERN] {
             assert!(
-                matches!(Splitter::new(p), Some(Splitter::Dfa { .. })),
+                matches!(
+                    Splitter::new(p),
+                    Some(Splitter::Dfa {
+                        anchored: Some(_),
+                        ..
+                    })
+                ),
                 "{p}"
             );
         }
@@ -319,11 +436,11 @@ mod tests {
 
         /// The DFA with the lookahead given back, and Oniguruma on the whole pattern, split
         /// any text where the `tokenizers` crate's `Split` pre-tokenizer splits it, on the
-        /// patterns of GPT-2, Llama 3 and Qwen 2.
+        /// patterns of GPT-2, Llama 3 and Qwen 2 and one that leaves gaps.
         #[test]
         fn pretokens_split_where_the_tokenizer_splits(
             text in "(\\PC|[ \t\r\n\u{b}\u{c}\u{85}\u{a0}\u{2028}\u{3000}\u{200b}\u{feff}\u{17f}]|'(s|S|t|T|re|RE|Re|ve|VE|m|M|ll|LL|d|D)|[0-9]{1,5}){0,80}",
-            pattern in proptest::sample::select(vec![GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN]),
+            pattern in proptest::sample::select(vec![GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, GAPPY_PATTERN]),
         ) {
             let expected = tokenizers_spans(pattern, &text);
             let dfa: Vec<_> = Splitter::new(pattern).unwrap().spans(&text).collect();
