@@ -35,10 +35,102 @@ impl Held {
     }
 }
 
+/// What a rank holds, by engine hash, in two maps: the GPU tier's blocks (nearly all of them)
+/// with only their sequence hash, 16 bytes an entry where one map of [`Held`] took 24 (its
+/// tier bits pad it to 16 bytes), and the blocks of any other tier with their other tiers'
+/// bits. A block in two tiers is in both maps.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Residency {
+    /// Engine hash -> sequence hash, for the blocks on the GPU tier.
+    gpu: FxHashMap<u64, u64>,
+    /// Engine hash -> tier bits without the GPU's, for the blocks in another tier.
+    other: FxHashMap<u64, u8>,
+}
+
+const GPU_BIT: u8 = 1 << 0;
+const _: () = assert!(GPU_BIT == 1 << Tier::Gpu as usize);
+
+impl Residency {
+    /// What the rank holds under `hash` (no tier: nothing).
+    pub(crate) fn get(&self, hash: u64) -> Held {
+        let other = if self.other.is_empty() {
+            0
+        } else {
+            self.other.get(&hash).copied().unwrap_or(0)
+        };
+        match self.gpu.get(&hash) {
+            Some(&seq) => Held {
+                seq,
+                tiers: other | GPU_BIT,
+            },
+            None => Held {
+                seq: 0,
+                tiers: other,
+            },
+        }
+    }
+
+    /// Sets what the rank holds under `hash` (a block in no tier is removed; off the GPU tier
+    /// a block keeps no sequence hash).
+    pub(crate) fn set(&mut self, hash: u64, held: Held) {
+        debug_assert!(held.has(Tier::Gpu) || held.seq == 0, "{held:?}");
+        if held.has(Tier::Gpu) {
+            self.gpu.insert(hash, held.seq);
+        } else {
+            self.gpu.remove(&hash);
+        }
+        let other = held.tiers & !GPU_BIT;
+        if other != 0 {
+            self.other.insert(hash, other);
+        } else if !self.other.is_empty() {
+            self.other.remove(&hash);
+        }
+    }
+
+    /// The sequence hash of a block on the GPU tier.
+    pub(crate) fn gpu_seq(&self, hash: u64) -> Option<u64> {
+        self.gpu.get(&hash).copied()
+    }
+
+    /// The sequence hashes of the blocks on the GPU tier (one per engine hash).
+    pub(crate) fn gpu_seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.gpu.values().copied()
+    }
+
+    /// Every block the rank holds, each engine hash once, in no order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Held)> + '_ {
+        let on_gpu = self.gpu.iter().map(|(&h, &seq)| {
+            let other = self.other.get(&h).copied().unwrap_or(0);
+            (
+                h,
+                Held {
+                    seq,
+                    tiers: other | GPU_BIT,
+                },
+            )
+        });
+        let elsewhere = self
+            .other
+            .iter()
+            .filter(|(h, _)| !self.gpu.contains_key(h))
+            .map(|(&h, &tiers)| (h, Held { seq: 0, tiers }));
+        on_gpu.chain(elsewhere)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.gpu.is_empty() && self.other.is_empty()
+    }
+
+    /// Room for `n` more GPU blocks.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.gpu.reserve(n);
+    }
+}
+
 /// The blocks of one `(worker, dp_rank)`.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct RankBlocks {
-    pub(crate) blocks: FxHashMap<u64, Held>,
+    pub(crate) blocks: Residency,
     /// Wrapping sum of this rank's block facts.
     pub(crate) digest: u128,
     /// Blocks on the GPU tier.
@@ -92,15 +184,12 @@ pub(crate) struct Adjusted {
 
 impl RankBlocks {
     pub(crate) fn get(&self, hash: u64) -> Held {
-        self.blocks.get(&hash).copied().unwrap_or_default()
+        self.blocks.get(hash)
     }
 
     /// The sequence hash of a block this rank holds on the GPU tier.
     pub(crate) fn gpu_seq(&self, hash: u64) -> Option<u64> {
-        self.blocks
-            .get(&hash)
-            .filter(|b| b.has(Tier::Gpu))
-            .map(|b| b.seq)
+        self.blocks.gpu_seq(hash)
     }
 
     pub(crate) fn salt(&self, hash: u64) -> Option<Arc<str>> {
@@ -213,14 +302,13 @@ impl RankBlocks {
             removed = block_fact(worker, dp_rank, hash, old);
         }
         if new.tiers == 0 {
-            self.blocks.remove(&hash);
             if let Some(salt) = self.salts.remove(&hash) {
                 removed = removed.wrapping_add(salt_fact(worker, dp_rank, hash, &salt));
             }
         } else {
             added = block_fact(worker, dp_rank, hash, new);
-            self.blocks.insert(hash, new);
         }
+        self.blocks.set(hash, new);
         self.digest = self.digest.wrapping_sub(removed).wrapping_add(added);
         let gpu = match (tier, &change) {
             (Tier::Gpu, Change::Appeared) => 1,
@@ -232,6 +320,73 @@ impl RankBlocks {
             change,
             digest: added.wrapping_sub(removed),
             gpu,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A store or a removal of one of a few engine hashes in one tier.
+    fn op() -> impl Strategy<Value = (bool, u64, usize, u64)> {
+        (any::<bool>(), 0..6u64, 0..Tier::ALL.len(), 1..4u64)
+    }
+
+    proptest! {
+        /// Blocks stored and removed in any tiers read back as one map of what each engine
+        /// hash holds says they do: its tiers, and its sequence hash while it is on the GPU.
+        #[test]
+        fn residency_holds_what_a_map_of_each_blocks_tiers_holds(
+            ops in proptest::collection::vec(op(), 0..200)
+        ) {
+            let mut rank = RankBlocks::default();
+            let mut model: BTreeMap<u64, Held> = BTreeMap::new();
+            for (store, hash, slot, seq) in ops {
+                let tier = Tier::ALL[slot];
+                let old = model.get(&hash).copied().unwrap_or_default();
+                let mut new = old;
+                if store {
+                    new.tiers |= 1 << tier.slot();
+                    if tier == Tier::Gpu {
+                        new.seq = seq;
+                    }
+                    rank.store(1, 0, hash, tier, seq);
+                } else {
+                    new.tiers &= !(1 << tier.slot());
+                    if !new.has(Tier::Gpu) {
+                        new.seq = 0;
+                    }
+                    rank.remove(1, 0, hash, tier);
+                }
+                if new.tiers == 0 {
+                    model.remove(&hash);
+                } else {
+                    model.insert(hash, new);
+                }
+                let held: BTreeMap<u64, Held> = rank.blocks.iter().collect();
+                prop_assert_eq!(&held, &model);
+                prop_assert_eq!(rank.blocks.iter().count(), model.len());
+                for h in 0..6 {
+                    prop_assert_eq!(rank.get(h), model.get(&h).copied().unwrap_or_default());
+                }
+                let mut seqs: Vec<u64> = rank.blocks.gpu_seqs().collect();
+                let mut expected: Vec<u64> =
+                    model.values().filter(|b| b.has(Tier::Gpu)).map(|b| b.seq).collect();
+                seqs.sort_unstable();
+                expected.sort_unstable();
+                prop_assert_eq!(seqs, expected);
+                prop_assert_eq!(rank.gpu_blocks, model.values().filter(|b| b.has(Tier::Gpu)).count() as u64);
+                prop_assert_eq!(rank.blocks.is_empty(), model.is_empty());
+                let digest = model
+                    .iter()
+                    .fold(0u128, |d, (&h, &b)| d.wrapping_add(block_fact(1, 0, h, b)));
+                prop_assert_eq!(rank.digest, digest);
+            }
         }
     }
 }

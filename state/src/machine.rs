@@ -837,8 +837,8 @@ impl StateMachine {
         if let Some(rank) = self.ranks.remove(&(wid, dp)) {
             self.blocks_digest = self.blocks_digest.wrapping_sub(rank.digest);
             self.indexed_blocks = self.indexed_blocks.saturating_sub(rank.gpu_blocks);
-            for b in rank.blocks.values().filter(|b| b.has(Tier::Gpu)) {
-                self.writes.remove(b.seq, wid, dp);
+            for seq in rank.blocks.gpu_seqs() {
+                self.writes.remove(seq, wid, dp);
             }
         }
     }
@@ -1145,7 +1145,7 @@ impl StateMachine {
     fn computed_blocks(&self) -> u128 {
         let mut sum = 0u128;
         for (&(worker, dp_rank), rank) in &self.ranks {
-            for (&hash, &held) in &rank.blocks {
+            for (hash, held) in rank.blocks.iter() {
                 sum = sum.wrapping_add(crate::digest::block_fact(worker, dp_rank, hash, held));
             }
             for (&hash, salt) in &rank.salts {

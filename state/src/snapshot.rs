@@ -101,7 +101,7 @@ impl StateMachine {
             .ranks
             .iter()
             .map(|(&(worker, dp_rank), r)| {
-                let mut blocks: Vec<(u64, Held)> = r.blocks.iter().map(|(h, v)| (*h, *v)).collect();
+                let mut blocks: Vec<(u64, Held)> = r.blocks.iter().collect();
                 blocks.sort_unstable_by_key(|(h, _)| *h);
                 RankSnap {
                     worker,
@@ -238,7 +238,7 @@ impl StateMachine {
                 if held.has(crate::Tier::Gpu) {
                     rank.gpu_blocks += 1;
                 }
-                rank.blocks.insert(h, held);
+                rank.blocks.set(h, held);
             }
             for (h, salt) in r.salts {
                 rank.set_salt(r.worker, r.dp_rank, h, salt.into());
@@ -262,12 +262,7 @@ impl StateMachine {
                 .and_then(|p| sm.pools.get(*p))
                 .map(|p| p.index.clone())
                 .ok_or(SnapshotError::OrphanBlocks { worker, dp_rank })?;
-            let seqs: Vec<u64> = rank
-                .blocks
-                .values()
-                .filter(|b| b.has(crate::Tier::Gpu))
-                .map(|b| b.seq)
-                .collect();
+            let seqs: Vec<u64> = rank.blocks.gpu_seqs().collect();
             let mut writes = crate::index::Writes::default();
             for seq in seqs {
                 writes.add(seq, worker, dp_rank);
