@@ -43,6 +43,10 @@ pub struct SimEngineArgs {
     pub step_base_ms: f64,
     #[arg(long, default_value_t = EngineParams::default().per_seq_ms)]
     pub per_seq_ms: f64,
+    /// Milliseconds a step adds per thousand prefill tokens squared (a prefill time convex in
+    /// its tokens; 0: linear).
+    #[arg(long, default_value_t = EngineParams::default().prefill_ms_per_ktoken_squared)]
+    pub prefill_ms_per_ktoken_squared: f64,
     /// A directory with the model's `tokenizer.json` and `tokenizer_config.json`: prompts are
     /// then tokenized as vLLM does (else with the built-in word tokenizer).
     #[arg(long)]
@@ -69,6 +73,7 @@ pub async fn engine(
         prefill_tokens_per_s: a.prefill_tokens_per_s,
         step_base_ms: a.step_base_ms,
         per_seq_ms: a.per_seq_ms,
+        prefill_ms_per_ktoken_squared: a.prefill_ms_per_ktoken_squared,
     };
     let mut problems = params.problems();
     if !(a.speedup.is_finite() && a.speedup > 0.0) {

@@ -148,6 +148,12 @@ pub async fn bridge(
     );
     let mut rx = stop_rx.clone();
     let http = tokio::spawn(async move {
+        // Nagle off, as on every other listener of kvplane's (a scrape's answer is not held
+        // for the scraper's ACK of its headers).
+        use axum::serve::ListenerExt as _;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = rx.wait_for(|s| *s).await;

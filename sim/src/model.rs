@@ -9,7 +9,8 @@
 //! - Scheduling: first come, first served. A waiting request is admitted when a sequence slot
 //!   and KV blocks for its prompt plus `max_tokens` are free. Each step decodes one token for
 //!   every running request and spends the rest of `max_num_batched_tokens` on prefill chunks.
-//! - Step time: `step_base_ms + per_seq_ms * sequences_in_step + prefill_tokens / rate`.
+//! - Step time: `step_base_ms + per_seq_ms * sequences_in_step + prefill_tokens / rate +
+//!   prefill_ms_per_ktoken_squared * (prefill_tokens / 1000)^2`.
 //!   The step that completes a prompt produces its first token.
 //! - Events: blocks become cached (BlockStored) at the end of the step that computed them;
 //!   evictions are BlockRemoved. One batch per step, like vLLM's publisher.
@@ -358,7 +359,8 @@ impl Engine {
         let seqs = decode_tokens as usize + chunks.len();
         let duration = self.p.step_base_ms
             + self.p.per_seq_ms * seqs as f64
-            + f64::from(prefill_tokens) / self.p.prefill_tokens_per_s * 1000.0;
+            + f64::from(prefill_tokens) / self.p.prefill_tokens_per_s * 1000.0
+            + self.p.prefill_ms_per_ktoken_squared * (f64::from(prefill_tokens) / 1000.0).powi(2);
         let start = self.now_ms;
         let end = start + duration;
 

@@ -26,6 +26,10 @@ pub struct EngineParams {
     pub step_base_ms: f64,
     /// Added per running sequence in a step (reading its KV cache).
     pub per_seq_ms: f64,
+    /// Added for a step's prefill tokens, per thousand squared: attention over the chunk grows
+    /// with its square (0: prefill time is linear in its tokens). NVIDIA Dynamo's mocker, for
+    /// one, times a prefill pass as a quadratic in its tokens.
+    pub prefill_ms_per_ktoken_squared: f64,
 }
 
 impl Default for EngineParams {
@@ -38,6 +42,7 @@ impl Default for EngineParams {
             prefill_tokens_per_s: 10_000.0,
             step_base_ms: 20.0,
             per_seq_ms: 0.1,
+            prefill_ms_per_ktoken_squared: 0.0,
         }
     }
 }
@@ -66,6 +71,11 @@ impl EngineParams {
         }
         if !(self.per_seq_ms.is_finite() && self.per_seq_ms >= 0.0) {
             p.push("per_seq_ms must be non-negative".into());
+        }
+        if !(self.prefill_ms_per_ktoken_squared.is_finite()
+            && self.prefill_ms_per_ktoken_squared >= 0.0)
+        {
+            p.push("prefill_ms_per_ktoken_squared must be non-negative".into());
         }
         p
     }

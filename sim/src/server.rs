@@ -178,9 +178,24 @@ pub async fn run(
         http: http.local_addr()?,
         zmq,
     });
-    axum::serve(http, router)
+    axum::serve(without_nagle(http), router)
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// `http` with Nagle's algorithm off on every connection it accepts, as vLLM's server has it
+/// (asyncio, under uvicorn, turns it off on every TCP transport): a stream's first chunk, a few bytes after the response's headers, is otherwise held
+/// until the client acknowledges the headers, which a delayed ACK holds up to 40 ms - a first
+/// token that came in one step measured as one step or as 40 ms, depending on the connection.
+fn without_nagle(
+    http: TcpListener,
+) -> axum::serve::TapIo<TcpListener, impl FnMut(&mut tokio::net::TcpStream) + Send + 'static> {
+    use axum::serve::ListenerExt;
+    http.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not turn Nagle's algorithm off");
+        }
+    })
 }
 
 /// The scheduler loop: step, wait out the step in wall time, deliver.
@@ -647,4 +662,28 @@ pub fn render_metrics(model: &str, s: &EngineStats, ttft: &(Vec<u64>, f64, u64))
     let _ = writeln!(out, "{name}_count{{{labels}}} {:?}", ttft.2 as f64);
     let _ = writeln!(out, "{name}_sum{{{labels}}} {:?}", ttft.1);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::serve::{Listener, ListenerExt};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn every_connection_the_engine_accepts_has_nagles_algorithm_off() {
+        let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = http.local_addr().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // What the operating system says of each accepted socket, after the engine's own tap.
+        let mut listener = without_nagle(http).tap_io(move |tcp| {
+            let _ = tx.send(tcp.nodelay().unwrap());
+        });
+        for _ in 0..2 {
+            let client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (_io, _) = listener.accept().await;
+            assert_eq!(rx.recv().await, Some(true));
+            drop(client);
+        }
+    }
 }

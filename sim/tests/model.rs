@@ -220,3 +220,32 @@ fn the_same_requests_give_the_same_run() {
     };
     assert_eq!(run(), run());
 }
+
+#[test]
+fn a_convex_prefill_adds_its_square_to_each_step() {
+    // One prompt of 6,000 tokens in steps of at most 4,096: a step of 4,096 prefill tokens,
+    // then one of 1,904 (the first token). Every term is in the step's time, as its params say.
+    let params = EngineParams {
+        max_num_batched_tokens: 4_096,
+        prefill_tokens_per_s: 20_000.0,
+        step_base_ms: 10.0,
+        per_seq_ms: 0.5,
+        prefill_ms_per_ktoken_squared: 2.0,
+        ..Default::default()
+    };
+    let step = |tokens: f64| 10.0 + 0.5 + tokens / 20.0 + 2.0 * (tokens / 1000.0).powi(2);
+    let mut e = Engine::new(params);
+    e.submit(req(1, (0..6_000).collect())).unwrap();
+    let t = ttft(&run_all(&mut e), 1);
+    let expected = step(4_096.0) + step(1_904.0);
+    assert!((t - expected).abs() < 1e-6, "{t} vs {expected}");
+    // Linear (the default): the same prompt without the squares.
+    let mut e = Engine::new(EngineParams {
+        prefill_ms_per_ktoken_squared: 0.0,
+        ..params
+    });
+    e.submit(req(1, (0..6_000).collect())).unwrap();
+    let linear = ttft(&run_all(&mut e), 1);
+    let squares = 2.0 * (4.096f64.powi(2) + 1.904f64.powi(2));
+    assert!((t - linear - squares).abs() < 1e-6, "{t} vs {linear}");
+}

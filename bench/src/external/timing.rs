@@ -36,12 +36,23 @@ pub(super) struct Check {
     pub(super) fitted_prefill_tokens_per_s: f64,
     pub(super) fitted_step_base_ms: f64,
     pub(super) fitted_max_num_batched_tokens: u32,
+    pub(super) fitted_prefill_ms_per_ktoken_squared: f64,
+    /// What the simulator's answer path adds to its steps, measured on its default run.
+    pub(super) sim_answer_overhead_ms: f64,
 }
 
 /// Median uncached and cached TTFT at each of [`LENGTHS`] on the engine at `url`, in engine
 /// time (wall time times `speedup`).
+///
+/// Each request on a connection of its own: a Dynamo frontend (as any server that leaves
+/// Nagle's algorithm on) holds a stream's first chunk until the client acknowledges the
+/// response's headers, which a connection's delayed ACKs hold up to 40 ms, so on a kept
+/// connection a first token measured 16 or 40-odd ms by turns, whatever the engine's time; a new
+/// connection acknowledges at once.
 async fn measure(url: &str, seed: usize, speedup: f64) -> anyhow::Result<Vec<Point>> {
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()?;
     let mut points = Vec::new();
     for (l, &words) in LENGTHS.iter().enumerate() {
         let (mut uncached, mut cached, mut tokens) = (Vec::new(), Vec::new(), 0);
@@ -110,6 +121,8 @@ fn start_sim(
             params.step_base_ms.to_string(),
             "--max-num-batched-tokens".into(),
             params.max_num_batched_tokens.to_string(),
+            "--prefill-ms-per-ktoken-squared".into(),
+            params.prefill_ms_per_ktoken_squared.to_string(),
         ],
     )?;
     Ok(format!(
@@ -122,27 +135,69 @@ fn start_sim(
 /// prefilled in one step.
 const MOCKER_BATCHED_TOKENS: u32 = 8_192;
 
+/// What the simulator's answer path adds to its steps (its HTTP, its tokenizer, its clock),
+/// from its run with `params`: each cached TTFT less the one step it is (that step's sequence
+/// and the prompt's last tokens, after its last full block), the median.
+fn answer_overhead_ms(points: &[Point], params: &EngineParams) -> f64 {
+    let bs = u64::from(params.block_size.max(1));
+    let over: Vec<f64> = points
+        .iter()
+        .map(|p| {
+            let computed = p.prompt_tokens - p.prompt_tokens.saturating_sub(1) / bs * bs;
+            let step = params.step_base_ms
+                + params.per_seq_ms
+                + computed as f64 / params.prefill_tokens_per_s * 1000.0;
+            p.cached_ms - step
+        })
+        .collect();
+    percentile(&over, 0.5).max(0.0)
+}
+
 /// The simulator's speed fitted to `mocker`, with the mocker's token budget: a cached prompt
-/// costs one step, so a step costs the median cached TTFT; an uncached prompt costs a step
-/// and its tokens at the prefill rate, the rate least-squares over the uncached TTFTs.
-fn fit(mocker: &[Point]) -> EngineParams {
+/// costs one step and the simulator's own answer path (`overhead_ms`, see
+/// [`answer_overhead_ms`]), so a step costs the median cached TTFT less both; an uncached
+/// prompt costs a cached one's time and its tokens' prefill, `a * tokens + b * tokens^2` (the
+/// mocker's prefill is convex), `a` and `b` least-squares over the uncached TTFTs less the
+/// median cached one (`b` 0 when the best fit is concave).
+fn fit(mocker: &[Point], overhead_ms: f64) -> EngineParams {
     let defaults = EngineParams::default();
-    let step = percentile(&mocker.iter().map(|p| p.cached_ms).collect::<Vec<_>>(), 0.5).max(0.0);
-    let (sxy, sxx) = mocker.iter().fold((0.0, 0.0), |(sxy, sxx), p| {
-        let x = p.prompt_tokens as f64;
-        (sxy + x * (p.uncached_ms - step), sxx + x * x)
-    });
-    let ms_per_token = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    let cached = percentile(&mocker.iter().map(|p| p.cached_ms).collect::<Vec<_>>(), 0.5);
+    let pts: Vec<(f64, f64)> = mocker
+        .iter()
+        .map(|p| (p.prompt_tokens as f64, p.uncached_ms - cached))
+        .collect();
+    let (per_token, per_token_squared) = prefill_fit(&pts);
     EngineParams {
-        step_base_ms: step,
+        step_base_ms: (cached - overhead_ms - defaults.per_seq_ms).max(0.0),
         max_num_batched_tokens: MOCKER_BATCHED_TOKENS,
-        prefill_tokens_per_s: if ms_per_token > 0.0 {
-            1000.0 / ms_per_token
+        prefill_tokens_per_s: if per_token > 0.0 {
+            1000.0 / per_token
         } else {
             defaults.prefill_tokens_per_s
         },
+        prefill_ms_per_ktoken_squared: per_token_squared * 1e6,
         ..defaults
     }
+}
+
+/// `(a, b)` minimizing the squared error of `y = a x + b x^2` over `pts`, with `b >= 0` (when
+/// the unconstrained `b` is negative, the line through the origin).
+fn prefill_fit(pts: &[(f64, f64)]) -> (f64, f64) {
+    let sum = |f: &dyn Fn(f64, f64) -> f64| pts.iter().map(|&(x, y)| f(x, y)).sum::<f64>();
+    let (s2, s3, s4) = (
+        sum(&|x, _| x * x),
+        sum(&|x, _| x.powi(3)),
+        sum(&|x, _| x.powi(4)),
+    );
+    let (s1y, s2y) = (sum(&|x, y| x * y), sum(&|x, y| x * x * y));
+    let det = s2 * s4 - s3 * s3;
+    if det > 0.0 {
+        let (a, b) = ((s1y * s4 - s2y * s3) / det, (s2 * s2y - s3 * s1y) / det);
+        if b >= 0.0 {
+            return (a, b);
+        }
+    }
+    (if s2 > 0.0 { s1y / s2 } else { 0.0 }, 0.0)
 }
 
 /// Runs the check in `dir` with engines of `gpu_blocks` blocks.
@@ -165,7 +220,8 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
         &defaults,
     )?;
     let sim_default = measure(&url, 2, 1.0).await?;
-    let fitted = fit(&mocker);
+    let overhead_ms = answer_overhead_ms(&sim_default, &defaults);
+    let fitted = fit(&mocker, overhead_ms);
     let url = start_sim(
         &mut procs,
         "sim-fitted",
@@ -181,6 +237,8 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
         fitted_prefill_tokens_per_s: fitted.prefill_tokens_per_s,
         fitted_step_base_ms: fitted.step_base_ms,
         fitted_max_num_batched_tokens: fitted.max_num_batched_tokens,
+        fitted_prefill_ms_per_ktoken_squared: fitted.prefill_ms_per_ktoken_squared,
+        sim_answer_overhead_ms: overhead_ms,
     })
 }
 
@@ -188,8 +246,12 @@ pub(super) async fn check(dir: &Path, setup: &dynamo::Setup) -> anyhow::Result<C
 pub(super) fn print(c: &Check) {
     eprintln!();
     eprintln!(
-        "in-house simulator against the mocker (one request at a time; fitted: {:.0} prefill tokens/s, {:.1} ms a step, {} tokens a step)",
-        c.fitted_prefill_tokens_per_s, c.fitted_step_base_ms, c.fitted_max_num_batched_tokens
+        "in-house simulator against the mocker (one request at a time; fitted: {:.0} prefill tokens/s, {:.3} ms per thousand prefill tokens squared, {:.1} ms a step, {} tokens a step; the simulator's answer path adds {:.1} ms)",
+        c.fitted_prefill_tokens_per_s,
+        c.fitted_prefill_ms_per_ktoken_squared,
+        c.fitted_step_base_ms,
+        c.fitted_max_num_batched_tokens,
+        c.sim_answer_overhead_ms
     );
     eprintln!(
         "{:>8} {:>21} {:>21} {:>21} {:>15} {:>15}",
@@ -215,5 +277,34 @@ pub(super) fn print(c: &Check) {
             f.uncached_ms / m.uncached_ms,
             f.cached_ms / m.cached_ms,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_fit_finds_a_quadratic_and_keeps_a_concave_one_a_line() {
+        // Dynamo's mocker's own prefill polynomial, without its intercept (the step's).
+        let mocker = |x: f64| 1.518_344e-2 * x + 4.209_989e-7 * x * x;
+        let pts: Vec<(f64, f64)> = [300.0, 1_200.0, 2_400.0, 4_700.0]
+            .iter()
+            .map(|&x| (x, mocker(x)))
+            .collect();
+        let (a, b) = prefill_fit(&pts);
+        assert!(
+            (a - 1.518_344e-2).abs() < 1e-9 && (b - 4.209_989e-7).abs() < 1e-12,
+            "{a} {b}"
+        );
+        // Concave data: the best line through the origin, no square.
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 3.0]
+            .iter()
+            .map(|&x: &f64| (x, x.sqrt()))
+            .collect();
+        let (a, b) = prefill_fit(&pts);
+        let line = pts.iter().map(|(x, y)| x * y).sum::<f64>() / 14.0;
+        assert_eq!(b, 0.0);
+        assert!((a - line).abs() < 1e-12);
     }
 }
