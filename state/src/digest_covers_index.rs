@@ -147,3 +147,29 @@ fn snapshots_of_older_digest_formats_restore_to_the_digest_of_today() {
         );
     }
 }
+
+#[test]
+fn a_snapshot_block_no_apply_leaves_is_refused_by_name() {
+    let (a, _) = replicas();
+    // In no tier; off the GPU with a sequence hash: refused, naming the block.
+    for damage in [
+        (|h: &mut crate::blocks::Held| h.tiers = 0) as fn(&mut crate::blocks::Held),
+        |h| h.tiers = 1 << Tier::Cpu.slot(),
+    ] {
+        let err = StateMachine::restore(&a.snapshot_with_a_block(damage).unwrap()).unwrap_err();
+        assert!(
+            matches!(err, crate::SnapshotError::BadBlock { .. }),
+            "{err}"
+        );
+    }
+    // Off the GPU without one: a block as apply leaves it, refused only by the digest check.
+    let moved = |h: &mut crate::blocks::Held| {
+        h.tiers = 1 << Tier::Cpu.slot();
+        h.seq = 0;
+    };
+    let err = StateMachine::restore(&a.snapshot_with_a_block(moved).unwrap()).unwrap_err();
+    assert!(
+        matches!(err, crate::SnapshotError::DigestMismatch { .. }),
+        "{err}"
+    );
+}

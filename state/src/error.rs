@@ -52,6 +52,14 @@ pub enum SnapshotError {
     Decode(String),
     #[error("snapshot restored to digest {got}, but it recorded {want}")]
     DigestMismatch { want: String, got: String },
+    #[error(
+        "snapshot holds block {hash:#x} of worker {worker} rank {dp_rank} in no tier, or off the gpu with a sequence hash"
+    )]
+    BadBlock {
+        worker: u64,
+        dp_rank: u32,
+        hash: u64,
+    },
     #[error("snapshot holds blocks of worker {worker} rank {dp_rank}, which is in no pool")]
     OrphanBlocks { worker: u64, dp_rank: u32 },
 }

@@ -147,6 +147,24 @@ impl StateMachine {
     }
 
     /// A snapshot as format 4 wrote it (its digest without the indexes' content).
+    /// A snapshot whose first rank's first block `damage` changed (what no apply leaves).
+    #[cfg(test)]
+    pub(crate) fn snapshot_with_a_block(
+        &self,
+        damage: impl FnOnce(&mut Held),
+    ) -> Result<Vec<u8>, SnapshotError> {
+        let mut c = self.capture()?;
+        if let Some((_, held)) = c
+            .payload
+            .ranks
+            .first_mut()
+            .and_then(|r| r.blocks.first_mut())
+        {
+            damage(held);
+        }
+        c.encode()
+    }
+
     #[cfg(test)]
     pub(crate) fn snapshot_in_format_4(&self) -> Result<Vec<u8>, SnapshotError> {
         let mut c = self.capture()?;
@@ -233,6 +251,14 @@ impl StateMachine {
             let mut rank = RankBlocks::default();
             rank.blocks.reserve(r.blocks.len());
             for (h, held) in r.blocks {
+                // What no apply leaves: a block in no tier, or a sequence hash off the GPU.
+                if held.tiers == 0 || (!held.has(crate::Tier::Gpu) && held.seq != 0) {
+                    return Err(SnapshotError::BadBlock {
+                        worker: r.worker,
+                        dp_rank: r.dp_rank,
+                        hash: h,
+                    });
+                }
                 let fact = crate::digest::block_fact(r.worker, r.dp_rank, h, held);
                 rank.digest = rank.digest.wrapping_add(fact);
                 if held.has(crate::Tier::Gpu) {

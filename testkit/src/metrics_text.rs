@@ -10,8 +10,8 @@ pub fn metric_value(text: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// `(le, cumulative count)` of histogram `name`'s buckets (its first series) in a Prometheus
-/// text, in the text's order; `+Inf` is infinity.
+/// `(le, cumulative count)` of histogram `name`'s buckets in a Prometheus text, in the text's
+/// order; `+Inf` is infinity. Every series' buckets: for an unlabelled histogram.
 pub fn histogram_buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
     let prefix = format!("{name}_bucket{{");
     text.lines()

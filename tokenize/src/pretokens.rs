@@ -152,8 +152,8 @@ enum Splitter {
     Onig(SysRegex),
 }
 
-/// The most a split pattern's two dense DFAs may take; a larger pattern searches on the lazy
-/// DFAs of `meta::Regex` instead.
+/// The most a split pattern's two dense DFAs may take (half each; twice as much while one is
+/// built); a larger pattern searches on the lazy DFAs of `meta::Regex` instead.
 const DFA_BYTES: usize = 16 << 20;
 
 /// A split pattern's forward DFAs, each search anchored where it starts.
@@ -394,7 +394,7 @@ mod tests {
     }
 
     #[test]
-    fn the_byte_level_patterns_run_on_the_dfa() {
+    fn the_byte_level_patterns_and_a_gappy_one_get_their_anchored_dfas() {
         for p in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, GAPPY_PATTERN] {
             assert!(
                 matches!(
@@ -411,6 +411,25 @@ mod tests {
             Splitter::new(r"\s+(?!\S)"),
             Some(Splitter::Onig(_))
         ));
+    }
+
+    #[test]
+    fn an_anchored_search_ends_where_the_match_starting_there_ends() {
+        let Some(Splitter::Dfa {
+            anchored: Some(a), ..
+        }) = Splitter::new(GPT2_PATTERN)
+        else {
+            panic!("the GPT-2 pattern has its anchored DFAs");
+        };
+        let text = " hello, it's 42";
+        // Leftmost-first from each start: a word with its space, punctuation, a contraction.
+        assert_eq!(Anchored::end(&a.all, text, 0).unwrap(), Some(6));
+        assert_eq!(Anchored::end(&a.all, text, 6).unwrap(), Some(7));
+        assert_eq!(Anchored::end(&a.all, text, 10).unwrap(), Some(12));
+        assert_eq!(Anchored::end(&a.all, text, 12).unwrap(), Some(15));
+        // The head, without the whitespace tail, takes a space only with what follows it.
+        assert_eq!(Anchored::end(&a.head, text, 12).unwrap(), Some(15));
+        assert_eq!(Anchored::end(&a.head, "  x", 0).unwrap(), None);
     }
 
     #[test]

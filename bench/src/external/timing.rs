@@ -158,7 +158,7 @@ fn answer_overhead_ms(points: &[Point], params: &EngineParams) -> f64 {
 /// [`answer_overhead_ms`]), so a step costs the median cached TTFT less both; an uncached
 /// prompt costs a cached one's time and its tokens' prefill, `a * tokens + b * tokens^2` (the
 /// mocker's prefill is convex), `a` and `b` least-squares over the uncached TTFTs less the
-/// median cached one (`b` 0 when the best fit is concave).
+/// median cached one, neither negative (see [`prefill_fit`]).
 fn fit(mocker: &[Point], overhead_ms: f64) -> EngineParams {
     let defaults = EngineParams::default();
     let cached = percentile(&mocker.iter().map(|p| p.cached_ms).collect::<Vec<_>>(), 0.5);
@@ -170,18 +170,20 @@ fn fit(mocker: &[Point], overhead_ms: f64) -> EngineParams {
     EngineParams {
         step_base_ms: (cached - overhead_ms - defaults.per_seq_ms).max(0.0),
         max_num_batched_tokens: MOCKER_BATCHED_TOKENS,
+        // No linear part (a prefill all square): a rate too high to count.
         prefill_tokens_per_s: if per_token > 0.0 {
             1000.0 / per_token
         } else {
-            defaults.prefill_tokens_per_s
+            1e12
         },
         prefill_ms_per_ktoken_squared: per_token_squared * 1e6,
         ..defaults
     }
 }
 
-/// `(a, b)` minimizing the squared error of `y = a x + b x^2` over `pts`, with `b >= 0` (when
-/// the unconstrained `b` is negative, the line through the origin).
+/// `(a, b)` minimizing the squared error of `y = a x + b x^2` over `pts` with `a, b >= 0`:
+/// the unconstrained pair when both are, else the better of the line through the origin and
+/// the parabola through it (each clamped at 0).
 fn prefill_fit(pts: &[(f64, f64)]) -> (f64, f64) {
     let sum = |f: &dyn Fn(f64, f64) -> f64| pts.iter().map(|&(x, y)| f(x, y)).sum::<f64>();
     let (s2, s3, s4) = (
@@ -193,11 +195,18 @@ fn prefill_fit(pts: &[(f64, f64)]) -> (f64, f64) {
     let det = s2 * s4 - s3 * s3;
     if det > 0.0 {
         let (a, b) = ((s1y * s4 - s2y * s3) / det, (s2 * s2y - s3 * s1y) / det);
-        if b >= 0.0 {
+        if a >= 0.0 && b >= 0.0 {
             return (a, b);
         }
     }
-    (if s2 > 0.0 { s1y / s2 } else { 0.0 }, 0.0)
+    let error = |(a, b): (f64, f64)| sum(&|x, y| (y - a * x - b * x * x).powi(2));
+    let line = (if s2 > 0.0 { (s1y / s2).max(0.0) } else { 0.0 }, 0.0);
+    let parabola = (0.0, if s4 > 0.0 { (s2y / s4).max(0.0) } else { 0.0 });
+    if error(parabola) < error(line) {
+        parabola
+    } else {
+        line
+    }
 }
 
 /// Runs the check in `dir` with engines of `gpu_blocks` blocks.
@@ -285,7 +294,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_prefill_fit_finds_a_quadratic_and_keeps_a_concave_one_a_line() {
+    fn the_prefill_fit_finds_a_quadratic_with_no_negative_term() {
         // Dynamo's mocker's own prefill polynomial, without its intercept (the step's).
         let mocker = |x: f64| 1.518_344e-2 * x + 4.209_989e-7 * x * x;
         let pts: Vec<(f64, f64)> = [300.0, 1_200.0, 2_400.0, 4_700.0]
@@ -297,6 +306,16 @@ mod tests {
             (a - 1.518_344e-2).abs() < 1e-9 && (b - 4.209_989e-7).abs() < 1e-12,
             "{a} {b}"
         );
+        // Strongly convex, the free fit's line part negative: the parabola alone.
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 3.0, 4.0]
+            .iter()
+            .map(|&x: &f64| (x, x.powi(3)))
+            .collect();
+        let (a, b) = prefill_fit(&pts);
+        let parabola = pts.iter().map(|(x, y)| x * x * y).sum::<f64>()
+            / pts.iter().map(|(x, _)| x.powi(4)).sum::<f64>();
+        assert_eq!(a, 0.0);
+        assert!((b - parabola).abs() < 1e-12, "{b} {parabola}");
         // Concave data: the best line through the origin, no square.
         let pts: Vec<(f64, f64)> = [1.0, 2.0, 3.0]
             .iter()
