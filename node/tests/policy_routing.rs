@@ -378,23 +378,7 @@ async fn routed_requests_add_no_stream_message_and_no_log_entry() {
     for n in &cluster.nodes {
         applied_before.push(n.status().await.applied_index);
     }
-    let mut routers = Vec::new();
-    for n in &cluster.nodes {
-        routers.push(n.router().await);
-    }
-    for i in 0..1_000 {
-        let r = routers[i % 2]
-            .route(RouteRequest {
-                request_id: format!("r-{i}"),
-                model: "m".into(),
-                token_ids: (0..64).collect(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
-    }
+    route_alternately(&cluster, 1_000).await;
     // Every routed request was told to the other replica before the counts are compared.
     harness::eventually(
         "both replicas to publish their 1,000 routed notes",
@@ -417,18 +401,12 @@ async fn routed_requests_add_no_stream_message_and_no_log_entry() {
     }
 }
 
-/// How late a replica learns of another's decision, measured on real processes over a real
-/// nats-server, one Route at a time (not under load): the window in which two replicas may
-/// take the same idle worker (the routing benchmark's `--share-ms`). Every note a replica
-/// counted was timed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_hear_of_each_others_decisions_within_a_few_milliseconds() {
-    let (cluster, _js, _dir) = two_replicas_of_one_worker_set().await;
+/// `n` Routes of one prompt, alternately on the cluster's two replicas, each one routed.
+async fn route_alternately(cluster: &Cluster, n: usize) {
     let mut routers = Vec::new();
-    for n in &cluster.nodes {
-        routers.push(n.router().await);
+    for node in &cluster.nodes {
+        routers.push(node.router().await);
     }
-    let n = 400;
     for i in 0..n {
         let r = routers[i % 2]
             .route(RouteRequest {
@@ -442,6 +420,17 @@ async fn replicas_hear_of_each_others_decisions_within_a_few_milliseconds() {
             .into_inner();
         assert!(matches!(r.decision, Some(Decision::Endpoint(_))), "{r:?}");
     }
+}
+
+/// How late a replica learns of another's decision, measured on real processes over a real
+/// nats-server, one Route at a time (not under load): the window in which two replicas may
+/// take the same idle worker (the routing benchmark's `--share-ms`). Every note a replica
+/// counted was timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_hear_of_each_others_decisions_within_a_few_milliseconds() {
+    let (cluster, _js, _dir) = two_replicas_of_one_worker_set().await;
+    let n = 400;
+    route_alternately(&cluster, n).await;
     const DELAY: &str = "kvplane_routed_note_delay_seconds";
     let texts = harness::eventually(
         "each replica to count and time the other's routed notes",
