@@ -158,8 +158,9 @@ struct Queue {
     /// Requests whose first token was reported and whose end was not yet: (request id, first
     /// token at); at most a minute each.
     decoding: Vec<(String, u64)>,
-    /// The engine model learned from this worker's first tokens.
-    fit: Option<EngineFit>,
+    /// The engine model learned from this worker's first tokens (boxed: most queues have
+    /// none, and a decision reads every queue of a set).
+    fit: Option<Box<EngineFit>>,
     /// Observed over predicted TTFT, an exponential average of its reports.
     ratio: Option<f64>,
     /// When a request was last routed here (by any replica, as this one heard).
@@ -219,7 +220,7 @@ impl SetQueues {
             |terms: &Features| -> f64 { terms.iter().zip(&l.inputs).map(|(t, x)| t * x).sum() };
         let configured_ms = l.ahead_ms + l.calibration * own(&l.prior);
         let q = &self.queues[slot];
-        if let Some(terms) = learned_terms(q.fit.as_ref().or(self.fit.as_ref()), self.typical_ms)
+        if let Some(terms) = learned_terms(q.fit.as_deref().or(self.fit.as_ref()), self.typical_ms)
             && configured_ms > 0.0
         {
             let learned_ms = l.ahead_ms + own(&terms.map(|t| t.max(0.0)));
@@ -240,7 +241,7 @@ impl SetQueues {
             let set_fit = self.fit.get_or_insert_with(|| EngineFit::new(l.prior));
             self.queues[slot]
                 .fit
-                .get_or_insert_with(|| set_fit.clone())
+                .get_or_insert_with(|| Box::new(set_fit.clone()))
                 .observe(&l.inputs, observed_ms);
             set_fit.observe(&l.inputs, observed_ms);
             let t = self.typical_ms.get_or_insert(observed_ms);
@@ -507,7 +508,7 @@ impl Predictor {
         let typical = set.typical_ms;
         let set_learned = learned_terms(set.fit.as_ref(), typical).filter(|_| use_learned);
         let learned = |q: &Queue| {
-            learned_terms(q.fit.as_ref(), typical)
+            learned_terms(q.fit.as_deref(), typical)
                 .filter(|_| use_learned)
                 .or(set_learned)
         };
@@ -639,12 +640,21 @@ impl Predictor {
         let at_ms = self.now_ms();
         let due_ms = at_ms + predicted_ms.max(0.0) as u64;
         let mut g = self.lock();
-        let t = g
-            .typical_ms
-            .entry(worker_set.to_owned())
-            .or_insert(prefill_ms);
-        *t = *t * (1.0 - ALPHA) + prefill_ms * ALPHA;
-        let w = g.windows.entry(worker_set.to_owned()).or_default();
+        // (Looked up before they are entered: a request routed to a known set allocates no key.)
+        match g.typical_ms.get_mut(worker_set) {
+            Some(t) => *t = *t * (1.0 - ALPHA) + prefill_ms * ALPHA,
+            None => {
+                g.typical_ms.insert(worker_set.to_owned(), prefill_ms);
+            }
+        }
+        if !g.windows.contains_key(worker_set) {
+            g.windows
+                .insert(worker_set.to_owned(), HistogramWindow::default());
+        }
+        let w = g
+            .windows
+            .get_mut(worker_set)
+            .unwrap_or_else(|| unreachable!());
         w.predicted += 1;
         w.predicted_ms += predicted_ms.max(0.0);
         let q = g.queue(worker_set, worker);

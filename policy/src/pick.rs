@@ -49,6 +49,14 @@ pub fn alternatives(cands: &[Candidate<'_>], chosen: usize, n: usize) -> Vec<usi
         if i == chosen || c.filtered.is_some() {
             continue;
         }
+        // No better than the last of `n` kept: it would go after them (most candidates).
+        if best.len() == n
+            && best
+                .last()
+                .is_none_or(|&j| last_if_nan(cands[j].objective) <= last_if_nan(c.objective))
+        {
+            continue;
+        }
         // Insert after every kept one that is no worse: one pass, `n` kept at most.
         let at =
             best.partition_point(|&j| last_if_nan(cands[j].objective) <= last_if_nan(c.objective));

@@ -601,6 +601,59 @@ mod tests {
     }
 
     #[test]
+    fn a_long_prompts_matches_are_each_ranks_run_of_held_blocks_from_the_first() {
+        use proptest::prelude::*;
+        // Prompts of up to a hundred blocks, holds with gaps anywhere.
+        const LONG: u32 = 100;
+        proptest!(|(
+            holds in proptest::collection::vec(
+                (
+                    1u64..5,
+                    0u32..3,
+                    0..=LONG as usize,
+                    proptest::collection::btree_set(0..LONG as usize, 0..8),
+                ),
+                0..6,
+            ),
+            blocks in 0..=LONG,
+            salted in any::<bool>(),
+        )| {
+            let salt = salted.then_some("s");
+            let index = PoolIndex::new(4);
+            let locals = index.hash_tokens(&prompt(LONG), None);
+            let seqs = chain_run(None, locals.iter().map(|l| l.0), salt);
+            // Each hold: a run from the first block, and a few blocks anywhere.
+            let holds: Vec<(u64, u32, std::collections::BTreeSet<usize>)> = holds
+                .into_iter()
+                .map(|(w, r, run, mut extra)| {
+                    extra.extend(0..run);
+                    (w, r, extra)
+                })
+                .collect();
+            for (worker, rank, held) in &holds {
+                let mut w = Writes::default();
+                for &b in held {
+                    w.add(seqs[b], *worker, *rank);
+                }
+                index.write(&mut w);
+            }
+            // The oracle: per rank, the blocks it holds at all, then its run from block 0.
+            let mut held: BTreeMap<(u64, u32), std::collections::BTreeSet<usize>> = BTreeMap::new();
+            for (worker, rank, h) in &holds {
+                held.entry((*worker, *rank)).or_default().extend(h);
+            }
+            let expected: BTreeMap<(u64, u32), u32> = held
+                .into_iter()
+                .map(|(k, h)| (k, (0..blocks as usize).take_while(|b| h.contains(b)).count() as u32))
+                .filter(|&(_, n)| n > 0)
+                .collect();
+            let o = index.overlaps_keyed(&prompt(blocks), None, salt);
+            prop_assert_eq!(o.prompt_blocks, blocks);
+            prop_assert_eq!(o.by_rank(), expected);
+        });
+    }
+
+    #[test]
     fn best_for_each_is_best_for_of_each_worker_in_order() {
         let index = PoolIndex::new(4);
         for (w, rank, blocks) in [

@@ -15,29 +15,37 @@ pub struct OverLimit {
     pub limit: usize,
 }
 
+/// `found` over `limit`, named (`what` said only then: a request within its limits costs no
+/// allocation).
+fn over(
+    name: &'static str,
+    what: impl FnOnce() -> String,
+    found: usize,
+    limit: usize,
+) -> Option<OverLimit> {
+    (found > limit).then(|| OverLimit {
+        name,
+        what: what(),
+        found,
+        limit,
+    })
+}
+
 impl Limits {
     /// The first bound a usage report is over, if any: its request id, and its ticket's
     /// charges (how many, and their names).
     pub fn check_report(&self, report: &kvplane_proto::v1::UsageReport) -> Result<(), OverLimit> {
-        let over = |name, what: String, found: usize, limit: usize| {
-            (found > limit).then_some(OverLimit {
-                name,
-                what,
-                found,
-                limit,
-            })
-        };
         let charges = report.ticket.iter().flat_map(|t| &t.charges);
         let first = over(
             "name_bytes",
-            "the request_id's length in bytes".into(),
+            || "the request_id's length in bytes".into(),
             report.request_id.len(),
             self.name_bytes,
         )
         .or_else(|| {
             over(
                 "ticket_charges",
-                "the number of the ticket's charges".into(),
+                || "the number of the ticket's charges".into(),
                 charges.clone().count(),
                 self.ticket_charges,
             )
@@ -48,7 +56,7 @@ impl Limits {
                 .find_map(|n| {
                     over(
                         "name_bytes",
-                        "a charge's name's length in bytes".into(),
+                        || "a charge's name's length in bytes".into(),
                         n.len(),
                         self.name_bytes,
                     )
@@ -59,14 +67,6 @@ impl Limits {
 
     /// The first bound `req` is over, if any. Cheap: lengths only, nothing is parsed.
     pub fn check_route(&self, req: &RouteRequest) -> Result<(), OverLimit> {
-        let over = |name, what: String, found, limit| {
-            (found > limit).then_some(OverLimit {
-                name,
-                what,
-                found,
-                limit,
-            })
-        };
         let names = [
             ("request_id", &req.request_id),
             ("tenant", &req.tenant),
@@ -78,7 +78,7 @@ impl Limits {
             .find_map(|(field, v)| {
                 over(
                     "name_bytes",
-                    format!("the {field}'s length in bytes"),
+                    || format!("the {field}'s length in bytes"),
                     v.len(),
                     self.name_bytes,
                 )
@@ -86,7 +86,7 @@ impl Limits {
             .or_else(|| {
                 over(
                     "body_bytes",
-                    "the body's length in bytes".into(),
+                    || "the body's length in bytes".into(),
                     req.body.len(),
                     self.body_bytes,
                 )
@@ -94,7 +94,7 @@ impl Limits {
             .or_else(|| {
                 over(
                     "tags",
-                    "the number of tags".into(),
+                    || "the number of tags".into(),
                     req.tags.len(),
                     self.tags,
                 )
@@ -103,7 +103,7 @@ impl Limits {
                 req.tags.iter().enumerate().find_map(|(i, t)| {
                     over(
                         "tag_bytes",
-                        format!("tag {i}'s length in bytes"),
+                        || format!("tag {i}'s length in bytes"),
                         t.len(),
                         self.tag_bytes,
                     )
@@ -112,7 +112,7 @@ impl Limits {
             .or_else(|| {
                 over(
                     "headers",
-                    "the number of headers".into(),
+                    || "the number of headers".into(),
                     req.headers.len(),
                     self.headers,
                 )
@@ -122,7 +122,7 @@ impl Limits {
                 req.headers.iter().find_map(|(k, v)| {
                     over(
                         "header_bytes",
-                        "a header's length in bytes".into(),
+                        || "a header's length in bytes".into(),
                         k.len() + v.len(),
                         self.header_bytes,
                     )
@@ -131,7 +131,7 @@ impl Limits {
             .or_else(|| {
                 over(
                     "token_ids",
-                    "the number of token ids".into(),
+                    || "the number of token ids".into(),
                     req.token_ids.len(),
                     self.token_ids,
                 )
@@ -139,7 +139,7 @@ impl Limits {
             .or_else(|| {
                 over(
                     "endpoint_subset",
-                    "the number of endpoints in the subset".into(),
+                    || "the number of endpoints in the subset".into(),
                     req.endpoint_subset.len(),
                     self.endpoint_subset,
                 )
@@ -148,7 +148,7 @@ impl Limits {
                 req.endpoint_subset.iter().find_map(|e| {
                     over(
                         "name_bytes",
-                        "an endpoint's length in bytes".into(),
+                        || "an endpoint's length in bytes".into(),
                         e.len(),
                         self.name_bytes,
                     )

@@ -23,6 +23,10 @@ impl CandidateFilter for EndpointSubset {
         ENDPOINT_SUBSET
     }
 
+    fn configured(&self, _f: &Filter, req: &Request<'_>) -> bool {
+        !req.endpoint_subset.is_empty()
+    }
+
     fn refuses(
         &self,
         _f: &Filter,

@@ -13,6 +13,10 @@ impl CandidateFilter for ExcludeExternal {
         FilterId("exclude_external")
     }
 
+    fn configured(&self, f: &Filter, _req: &Request<'_>) -> bool {
+        f.exclude_external
+    }
+
     fn refuses(
         &self,
         f: &Filter,

@@ -13,6 +13,10 @@ impl CandidateFilter for LabelsMatch {
         FilterId("labels")
     }
 
+    fn configured(&self, f: &Filter, _req: &Request<'_>) -> bool {
+        !f.labels.is_empty()
+    }
+
     fn refuses(
         &self,
         f: &Filter,

@@ -18,6 +18,10 @@ impl CandidateFilter for MaxKvCacheUsage {
         true
     }
 
+    fn configured(&self, f: &Filter, _req: &Request<'_>) -> bool {
+        f.max_kv_cache_usage.is_some()
+    }
+
     fn refuses(
         &self,
         f: &Filter,

@@ -18,6 +18,10 @@ impl CandidateFilter for MaxQueued {
         true
     }
 
+    fn configured(&self, f: &Filter, _req: &Request<'_>) -> bool {
+        f.max_queued.is_some()
+    }
+
     fn refuses(
         &self,
         f: &Filter,

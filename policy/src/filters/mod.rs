@@ -69,6 +69,12 @@ pub trait CandidateFilter: Sync {
     fn load_limit(&self) -> bool {
         false
     }
+    /// Whether it can refuse anything under `f` for `req` (asked once per decision: a filter
+    /// the rule does not configure is not asked about each candidate). A filter that is not
+    /// configured must refuse nothing (tested for every registered one).
+    fn configured(&self, _f: &Filter, _req: &Request<'_>) -> bool {
+        true
+    }
     /// What it reads besides the worker's metrics.
     fn needs(&self, _f: &Filter) -> Signals {
         Signals::NONE
@@ -109,10 +115,14 @@ pub fn apply(
     words: bool,
 ) -> Option<String> {
     let mut why = Words::kept(words);
+    let active: Vec<&dyn CandidateFilter> = REGISTERED
+        .iter()
+        .copied()
+        .filter(|u| !(fallback && u.load_limit()) && u.configured(f, req))
+        .collect();
     for c in cands.iter_mut().filter(|c| c.filtered.is_none()) {
-        c.filtered = REGISTERED
+        c.filtered = active
             .iter()
-            .filter(|u| !(fallback && u.load_limit()))
             .find(|u| u.refuses(f, req, c, catalog, &mut why))
             .map(|u| Filtered {
                 by: u.id(),
@@ -159,6 +169,65 @@ mod tests {
                 s.up = up;
             })
         }
+    }
+
+    #[test]
+    fn a_filter_that_is_not_configured_refuses_nothing() {
+        use proptest::prelude::*;
+        let levels = [
+            crate::locality::Level::Cluster,
+            crate::locality::Level::Region,
+            crate::locality::Level::Zone,
+        ];
+        proptest!(|(
+            max_queued in proptest::option::of(0u32..4),
+            max_kv in proptest::option::of(0.0f64..1.0),
+            label in any::<bool>(),
+            exclude_external in any::<bool>(),
+            level in proptest::option::of(0usize..3),
+            subset in any::<bool>(),
+            workers in proptest::collection::vec((0u32..6, 0.0f64..1.0, any::<bool>(), any::<bool>()), 0..6),
+            providers in 0usize..3,
+        )| {
+            let f = Filter {
+                max_queued,
+                max_kv_cache_usage: max_kv,
+                labels: if label { [("gpu".into(), "h100".into())].into() } else { Default::default() },
+                exclude_external,
+                same_locality: level.map(|l| levels[l]),
+                ..Filter::default()
+            };
+            let endpoints = ["10.0.0.1:8000".to_owned()];
+            let req = Request {
+                endpoint_subset: if subset { &endpoints } else { &[] },
+                ..Request::for_tests()
+            };
+            let mut cands: Vec<Candidate<'static>> = workers
+                .iter()
+                .map(|&(waiting, kv, up, listed)| {
+                    let mut c = worker(waiting, kv, up);
+                    if let crate::candidate::Target::Worker { state, .. } = &mut c.target {
+                        state.address = Some(if listed { "10.0.0.1:8000" } else { "10.0.0.2:8000" });
+                    }
+                    c
+                })
+                .collect();
+            cands.extend((0..providers).map(|_| Candidate {
+                target: crate::candidate::Target::Provider { name: "p", endpoint: "https://p" },
+                external: true,
+                ..worker(0, 0.0, true)
+            }));
+            let cat = Catalog::default();
+            for u in REGISTERED.iter().filter(|u| !u.configured(&f, &req)) {
+                for c in &cands {
+                    prop_assert!(
+                        !u.refuses(&f, &req, c, &cat, &mut Words::kept(false)),
+                        "{} refused {c:?} under {f:?} although not configured",
+                        u.id().0
+                    );
+                }
+            }
+        });
     }
 
     #[test]

@@ -13,6 +13,10 @@ impl CandidateFilter for SameLocality {
         FilterId("same_locality")
     }
 
+    fn configured(&self, f: &Filter, _req: &Request<'_>) -> bool {
+        f.same_locality.is_some()
+    }
+
     fn refuses(
         &self,
         f: &Filter,
