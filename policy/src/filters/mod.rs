@@ -115,14 +115,18 @@ pub fn apply(
     words: bool,
 ) -> Option<String> {
     let mut why = Words::kept(words);
-    let active: Vec<&dyn CandidateFilter> = REGISTERED
+    // The filters that run, one bit each (no allocation per decision; at most 64 filters).
+    let active: u64 = REGISTERED
         .iter()
-        .copied()
-        .filter(|u| !(fallback && u.load_limit()) && u.configured(f, req))
-        .collect();
+        .enumerate()
+        .filter(|(_, u)| !(fallback && u.load_limit()) && u.configured(f, req))
+        .fold(0, |m, (i, _)| m | 1 << i);
     for c in cands.iter_mut().filter(|c| c.filtered.is_none()) {
-        c.filtered = active
+        c.filtered = REGISTERED
             .iter()
+            .enumerate()
+            .filter(|(i, _)| active & 1 << i != 0)
+            .map(|(_, u)| u)
             .find(|u| u.refuses(f, req, c, catalog, &mut why))
             .map(|u| Filtered {
                 by: u.id(),
@@ -232,6 +236,7 @@ mod tests {
 
     #[test]
     fn filter_ids_are_unique() {
+        assert!(REGISTERED.len() <= 64, "apply keeps one bit per filter");
         let all: Vec<FilterId> = ids().collect();
         let unique: std::collections::BTreeSet<FilterId> = all.iter().copied().collect();
         assert_eq!(unique.len(), all.len());
