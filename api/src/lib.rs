@@ -13,6 +13,7 @@ pub mod limits;
 mod metrics;
 pub mod picker;
 pub mod pipeline;
+pub mod placed;
 pub mod predict;
 mod quota;
 mod quota_metrics;

@@ -36,7 +36,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::learn::{EngineFit, Features};
+use crate::placed::{GRACE_MS, Placed, PlacedMatch};
+use kvplane_state::Anchor;
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 
 /// Milliseconds since the Unix epoch (a benchmark substitutes virtual time).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -70,6 +73,12 @@ pub struct RoutedNote {
     pub worker: String,
     pub at_ms: u64,
     pub due_ms: u64,
+    /// The worker's dp rank the request went to (see [`crate::placed`]).
+    #[serde(default)]
+    pub dp_rank: u32,
+    /// The prompt's anchors (none from older versions, and for a prompt of no complete block).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub anchors: Vec<kvplane_state::Anchor>,
 }
 
 /// Where a replica sends its routing decisions.
@@ -324,6 +333,8 @@ struct Inner {
     typical_ms: BTreeMap<String, f64>,
     /// By worker set (see [`HistogramWindow`]).
     windows: BTreeMap<String, HistogramWindow>,
+    /// By worker set: the prompts routed there, not yet known to be indexed.
+    placed: FxHashMap<String, Placed>,
 }
 
 impl Inner {
@@ -672,7 +683,58 @@ impl Predictor {
             worker: worker.to_owned(),
             at_ms,
             due_ms,
+            dp_rank: 0,
+            anchors: Vec::new(),
         }
+    }
+
+    /// A prompt (its `anchors`) routed to `worker` rank `dp_rank`, its first token due at
+    /// `due_ms`: counted as cached there until [`crate::placed::GRACE_MS`] after that. The
+    /// anchors the worker's index match already covers may be left out.
+    pub fn place(
+        &self,
+        worker_set: &str,
+        worker: &str,
+        dp_rank: u32,
+        anchors: &[Anchor],
+        due_ms: u64,
+    ) {
+        if anchors.is_empty() {
+            return;
+        }
+        let now = self.now_ms();
+        let mut g = self.lock();
+        if !g.placed.contains_key(worker_set) {
+            g.placed.insert(worker_set.to_owned(), Placed::default());
+        }
+        if let Some(p) = g.placed.get_mut(worker_set) {
+            p.place(
+                worker,
+                dp_rank,
+                anchors,
+                due_ms.saturating_add(GRACE_MS),
+                now,
+            );
+        }
+    }
+
+    /// Each worker's longest match of a prompt's `anchors` among the prompts routed to
+    /// `worker_set` and still counted (see [`crate::placed`]); `indexed`: the longest match
+    /// the prefix index shows for it there.
+    pub fn placed_matches(
+        &self,
+        worker_set: &str,
+        anchors: &[Anchor],
+        indexed: u32,
+    ) -> SmallVec<[PlacedMatch; 4]> {
+        if anchors.is_empty() {
+            return SmallVec::new();
+        }
+        let now = self.now_ms();
+        let g = self.lock();
+        g.placed
+            .get(worker_set)
+            .map_or_else(SmallVec::new, |p| p.matches(anchors, indexed, now))
     }
 
     /// Another replica routed a request to `worker` at `at_ms`, predicted to have its first

@@ -280,7 +280,7 @@ impl RouterService {
                             pending: state.pending,
                         }
                     });
-                    let note = self.predictor.routed(
+                    let mut note = self.predictor.routed(
                         worker_set,
                         state.worker,
                         &req.request_id,
@@ -293,7 +293,16 @@ impl RouterService {
                         c.prediction.ttft_ms,
                         learning,
                     );
+                    self.predictor.place(
+                        worker_set,
+                        state.worker,
+                        state.dp_rank,
+                        &d.anchors,
+                        note.due_ms,
+                    );
                     if let Some(sink) = &self.routed_sink {
+                        note.dp_rank = state.dp_rank;
+                        note.anchors.clone_from(&d.anchors);
                         (sink.0)(note);
                     }
                 }

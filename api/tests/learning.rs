@@ -6,6 +6,7 @@
 mod support;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvplane_api::predict::Predictor;
 use support::{TestFleet, pools_node, report, report_first_token, request, route, target, tokens};
@@ -31,7 +32,12 @@ fn fleet() -> (TestFleet, Vec<u32>) {
 /// TTFT of each and the registry the predictor's metrics are in.
 fn run(engine: fn(u32) -> f64) -> (Vec<f64>, prometheus_client::registry::Registry) {
     let (f, shared) = fleet();
-    let predictor = Arc::new(Predictor::new(Arc::new(|| 1_000)));
+    // Each request a few seconds after the last: the reference engines cache only what
+    // `fleet` says, so a prompt routed earlier must not still count as cached there
+    // (`kvplane_api::placed`).
+    let clock = Arc::new(AtomicU64::new(1_000));
+    let c = clock.clone();
+    let predictor = Arc::new(Predictor::new(Arc::new(move || c.load(Ordering::Relaxed))));
     let mut registry = prometheus_client::registry::Registry::default();
     predictor.register(&mut registry);
     let cost = kvplane_api::CostModel {
@@ -49,6 +55,7 @@ fn run(engine: fn(u32) -> f64) -> (Vec<f64>, prometheus_client::registry::Regist
             tokens(1_000 + i, n)
         };
         let id = format!("r{i}");
+        clock.fetch_add(5_000, Ordering::Relaxed);
         let r = route(&s, request(&id, "m", &[], prompt));
         let cached = if target(&r) == "default/w1" && i % 3 == 0 {
             n.min(1_024) / 16 * 16

@@ -99,8 +99,12 @@ fn explain_changes_nothing_and_shows_every_cost_part() {
     let s = f.service_with_stopped_clock();
     // A request routed and not reported: it is in w0's queue.
     route(&s, request("first", "m", &[], prompt.clone()));
-    let a = explain(&s, request("probe", "m", &[], prompt.clone()));
-    let b = explain(&s, request("probe", "m", &[], prompt.clone()));
+    // The probe shares w0's cached half of it, not the rest (which the routed request, if it
+    // went there, would have w0 cache: see `placement.rs`).
+    let mut probed = prompt[..128].to_vec();
+    probed.extend(tokens(5, 128));
+    let a = explain(&s, request("probe", "m", &[], probed.clone()));
+    let b = explain(&s, request("probe", "m", &[], probed));
     assert_eq!(a, b, "a second Explain sees what the first saw");
     for c in &a.candidates {
         assert!(c.prefill_cost > 0.0, "{c:?}");

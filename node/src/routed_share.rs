@@ -174,6 +174,13 @@ pub async fn run(
                             w.note.at_ms,
                             w.note.due_ms,
                         );
+                        predictor.place(
+                            &w.note.worker_set,
+                            &w.note.worker,
+                            w.note.dp_rank,
+                            &w.note.anchors,
+                            w.note.due_ms,
+                        );
                     }
                     Err(_) => {
                         metrics.malformed.inc();
@@ -194,6 +201,7 @@ mod tests {
         let old = r#"{"replica":"a","worker_set":"ws","worker":"w0","at_ms":5,"due_ms":9}"#;
         let w: Wire = serde_json::from_str(old).unwrap();
         assert_eq!(w.decided_us, None);
+        assert!(w.note.anchors.is_empty() && w.note.dp_rank == 0);
         assert_eq!(
             (w.note.worker.as_str(), w.note.at_ms, w.note.due_ms),
             ("w0", 5, 9)

@@ -324,7 +324,12 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
     let Some(Decision::Endpoint(first)) = r.decision else {
         panic!("{r:?}")
     };
-    // The other replica learns it over NATS and counts it in that worker's queue.
+    // The other replica learns it over NATS and counts it in that worker's queue. (A prompt
+    // of its own: the same one would rightly wait there for the cache it will find.)
+    let long = RouteRequest {
+        token_ids: (100_000..140_000).collect(),
+        ..long
+    };
     let mut other = cluster.nodes[1].router().await;
     let x = harness::eventually(
         "the other replica to count the routed request",
@@ -356,6 +361,56 @@ async fn replicas_count_each_others_routed_requests_in_the_queue() {
         second.worker_id, first.worker_id,
         "the replicas did not herd"
     );
+}
+
+/// A prompt routed by one replica, before any engine event says it is cached: the other
+/// replica hears of it over NATS and sends a request sharing its prefix to the same worker,
+/// counting the prefix cached there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_routed_by_one_replica_stays_with_its_worker_on_the_other() {
+    let (cluster, _js, _dir) = two_replicas_of_one_worker_set().await;
+    let prompt = |own: u32| -> Vec<u32> { (0..4_096).chain(own..own + 32).collect() };
+    let r = cluster.nodes[0]
+        .router()
+        .await
+        .route(RouteRequest {
+            request_id: "first".into(),
+            model: "m".into(),
+            token_ids: prompt(50_000),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(Decision::Endpoint(first)) = r.decision else {
+        panic!("{r:?}")
+    };
+    let other = cluster.nodes[1].router().await;
+    let x = harness::eventually(
+        "the other replica to count the prefix cached where it went",
+        std::time::Duration::from_secs(5),
+        || {
+            let mut other = other.clone();
+            let req = RouteRequest {
+                request_id: "second".into(),
+                model: "m".into(),
+                token_ids: prompt(60_000),
+                ..Default::default()
+            };
+            async move {
+                let x = other.explain(req).await.unwrap().into_inner();
+                x.candidates
+                    .iter()
+                    .any(|c| c.overlap_blocks > 0)
+                    .then_some(x)
+            }
+        },
+    )
+    .await;
+    let chosen = x.candidates.iter().find(|c| c.chosen).unwrap();
+    assert_eq!(chosen.endpoint.as_ref().unwrap().worker_id, first.worker_id);
+    // 4,096 shared tokens: 256 blocks, known to the 16th.
+    assert_eq!(chosen.overlap_blocks, 256);
 }
 
 /// Replicas tell each other what they routed outside the durable stream: a thousand routed

@@ -50,6 +50,14 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, xxh3_128};
 
+/// A prompt's first `blocks` blocks as one key: the sequence hash of its last one (chained, so
+/// two prompts share it only if they share all of those blocks, under the same salt).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Anchor {
+    pub blocks: u32,
+    pub seq: u64,
+}
+
 /// How many prompt blocks each worker rank already holds, consecutively from block 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Overlap {
@@ -306,21 +314,60 @@ impl PoolIndex {
     /// Prompt blocks held per worker rank, consecutively from the first, for a prompt already
     /// hashed, under a cache salt (see [`root`]). Safe to call while apply writes.
     pub fn overlaps_hashed(&self, hashes: &[LocalBlockHash], cache_salt: Option<&str>) -> Overlap {
+        self.overlaps_walk(hashes, cache_salt, None)
+    }
+
+    /// [`PoolIndex::overlaps_hashed`], and the prompt's [`Anchor`]s (every `every`th block's
+    /// and the last complete block's): what a router remembers of a prompt it routed before
+    /// the engine's events say what it caches. The chain is hashed once for both.
+    pub fn overlaps_anchored(
+        &self,
+        hashes: &[LocalBlockHash],
+        cache_salt: Option<&str>,
+        every: usize,
+    ) -> (Overlap, Vec<Anchor>) {
+        let mut anchors = Vec::with_capacity(hashes.len() / every.max(1) + 1);
+        let o = self.overlaps_walk(hashes, cache_salt, Some((every.max(1), &mut anchors)));
+        (o, anchors)
+    }
+
+    fn overlaps_walk(
+        &self,
+        hashes: &[LocalBlockHash],
+        cache_salt: Option<&str>,
+        mut anchors: Option<(usize, &mut Vec<Anchor>)>,
+    ) -> Overlap {
         // The ranks holding every block so far (sorted), and how many blocks that is; a rank
         // leaves with the count it reached.
         let mut active: Vec<u64> = Vec::new();
         let mut ended: Vec<(u64, u32)> = Vec::new();
         let mut depth = 0u32;
         let mut seq = None;
+        let mut probing = true;
         for (i, &local) in hashes.iter().enumerate() {
             let s = match seq {
                 None => root(local, cache_salt),
                 Some(p) => chain(Some(p), local),
             };
             seq = Some(s);
+            if let Some((every, out)) = &mut anchors
+                && ((i + 1) % *every == 0 || i + 1 == hashes.len())
+            {
+                out.push(Anchor {
+                    blocks: u32::try_from(i + 1).unwrap_or(u32::MAX),
+                    seq: s,
+                });
+            }
+            if !probing {
+                continue;
+            }
             let shard = self.shards[shard_of(s)].read();
             let Some(here) = shard.get(&s) else {
-                break;
+                probing = false;
+                if anchors.is_none() {
+                    break;
+                }
+                continue;
             };
             if i == 0 {
                 active.extend_from_slice(here);
@@ -332,7 +379,11 @@ impl PoolIndex {
             }
             drop(shard);
             if active.is_empty() {
-                break;
+                probing = false;
+                if anchors.is_none() {
+                    break;
+                }
+                continue;
             }
             depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
         }
@@ -650,6 +701,16 @@ mod tests {
             let o = index.overlaps_keyed(&prompt(blocks), None, salt);
             prop_assert_eq!(o.prompt_blocks, blocks);
             prop_assert_eq!(o.by_rank(), expected);
+            // With anchors: the same matches, and the chain's hash after every 16th block and
+            // after the last, as the stored blocks are keyed.
+            let hashed = index.hash_tokens(&prompt(blocks), None);
+            let (a, anchors) = index.overlaps_anchored(&hashed, salt, 16);
+            prop_assert_eq!(a, o);
+            let want: Vec<Anchor> = (1..=blocks as usize)
+                .filter(|&n| n % 16 == 0 || n == blocks as usize)
+                .map(|n| Anchor { blocks: n as u32, seq: seqs[n - 1] })
+                .collect();
+            prop_assert_eq!(anchors, want);
         });
     }
 

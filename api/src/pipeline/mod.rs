@@ -140,6 +140,9 @@ pub struct Decision<'v> {
     pub alternatives: Vec<(usize, String)>,
     /// Each stage's words (Explain only).
     pub steps: Vec<String>,
+    /// The prompt's anchors in the chosen worker's set, past what the index shows it holding
+    /// (see [`crate::placed`]).
+    pub anchors: Vec<kvplane_state::Anchor>,
 }
 
 impl<'v> Decision<'v> {
@@ -194,6 +197,7 @@ impl RouterService {
             model: String::new(),
             alternatives: Vec::new(),
             steps: Vec::new(),
+            anchors: Vec::new(),
         };
         // 0. bounds: nothing over a limit is read further
         if let Err(e) = self.limits.check_route(req) {
@@ -366,6 +370,12 @@ impl RouterService {
             }
         }
         drop(_in);
+        if let Some(i) = picked
+            && !explain
+            && let Some((set, state)) = cands[i].worker()
+        {
+            d.anchors = fleet.anchors_beyond(set, state.worker);
+        }
         d.rule = rule_name;
         d.objective = rule.minimize;
         d.alternatives = alternatives;

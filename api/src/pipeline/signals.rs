@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use kvplane_policy::kinds::InferenceWorkerSetSpec;
 use kvplane_policy::{Fleet, Prediction, Signals, WorkerState};
-use kvplane_state::{Overlap, View};
+use kvplane_state::{Anchor, Overlap, View};
 
 use crate::CostModel;
 use crate::predict::{Ask, Predictor};
@@ -27,9 +27,10 @@ pub(crate) struct HashKeys<'a> {
 /// A worker set's calibration, and what a waiting request of another replica costs there.
 type Factors = (f64, Option<f64>);
 
-/// A worker set's overlap, and the best match of each of its workers `(blocks, dp rank)`, in
-/// the pool's order.
-type Matched = (Overlap, Vec<(u32, u32)>);
+/// A worker set's overlap, the best match of each of its workers `(blocks, dp rank)` in the
+/// pool's order (the index's, or a prompt just routed there: [`crate::placed`]), and the
+/// prompt's anchors there.
+type Matched = (Overlap, Vec<(u32, u32)>, Vec<Anchor>);
 
 /// The fleet of one view (`'v`), for one prompt. Each worker set's overlap is looked up once.
 pub(crate) struct ViewFleet<'a, 'v> {
@@ -135,15 +136,49 @@ impl<'a, 'v> ViewFleet<'a, 'v> {
                     .map_or(self.keys.model, |r| r.model.as_str()),
             )
         });
-        let o = pool
-            .index
-            .overlaps_keyed(self.tokens, lora, self.keys.cache_salt);
+        let hashes = pool.index.hash_tokens(self.tokens, lora);
+        let (o, anchors) = pool.index.overlaps_anchored(
+            &hashes,
+            self.keys.cache_salt,
+            crate::placed::ANCHOR_EVERY,
+        );
         span.record("best_overlap_blocks", o.best_blocks());
         let ids: Vec<u64> = pool.workers.iter().map(|w| w.id).collect();
-        let best = o.best_for_each(&ids);
+        let mut best = o.best_for_each(&ids);
+        // A prompt routed there that the index does not show yet counts as cached.
+        let indexed = o.best_blocks();
+        for (name, blocks, rank) in self.predictor.placed_matches(worker_set, &anchors, indexed) {
+            if let Some(i) = pool.workers.iter().position(|w| *w.name == *name)
+                && blocks > best[i].0
+            {
+                best[i] = (blocks, rank);
+            }
+        }
         self.overlaps
             .borrow_mut()
-            .insert(worker_set.to_owned(), (o, best));
+            .insert(worker_set.to_owned(), (o, best, anchors));
+    }
+
+    /// The prompt's anchors in `worker_set` past what the index shows `worker` holding: what
+    /// to remember of it once routed there (none if it was not looked up there).
+    pub(crate) fn anchors_beyond(&self, worker_set: &str, worker: &str) -> Vec<Anchor> {
+        let Some(pool) = self.view.pools.get(worker_set) else {
+            return Vec::new();
+        };
+        let cache = self.overlaps.borrow();
+        let Some((o, _, anchors)) = cache.get(worker_set) else {
+            return Vec::new();
+        };
+        let held = pool
+            .workers
+            .iter()
+            .find(|w| *w.name == *worker)
+            .map_or(0, |w| o.best_for(w.id).0);
+        anchors
+            .iter()
+            .filter(|a| a.blocks > held)
+            .copied()
+            .collect()
     }
 }
 
@@ -171,11 +206,11 @@ impl<'v> Fleet<'v> for ViewFleet<'_, 'v> {
             })
             .collect();
         out.reserve(pool.workers.len());
-        let prompt_blocks = overlap.map_or(0, |(o, _)| o.prompt_blocks);
+        let prompt_blocks = overlap.map_or(0, |(o, _, _)| o.prompt_blocks);
         self.predictor
             .pending_set(worker_set, &asks, !self.peek, |i, f| {
                 let w = &pool.workers[i];
-                let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |(_, best)| best[i]);
+                let (overlap_blocks, dp_rank) = overlap.map_or((0, 0), |(_, best, _)| best[i]);
                 let others = w.metrics.waiting.saturating_sub(f.in_metrics);
                 out.push(WorkerState {
                     worker: &w.name,

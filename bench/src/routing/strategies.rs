@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvplane_api::predict::Predictor;
+use kvplane_api::predict::{Predictor, RoutedNote, RoutedSink};
 use kvplane_api::{CostModel, RouterService};
 use kvplane_policy::kinds::InferenceWorkerSetSpec;
 use kvplane_policy::{Object, Spec};
@@ -241,8 +241,10 @@ pub struct KvRouter {
     service: RouterService,
     predictor: Arc<Predictor>,
     clock: Arc<AtomicU64>,
-    /// (visible at, engine, routed at, due at).
-    shared: std::collections::VecDeque<(f64, usize, u64, u64)>,
+    /// The other replicas' decisions, each with when it becomes visible here.
+    shared: std::collections::VecDeque<(f64, RoutedNote)>,
+    /// This replica's decisions as it tells them (its routed sink).
+    told: Arc<std::sync::Mutex<Vec<RoutedNote>>>,
 }
 
 impl KvRouter {
@@ -250,14 +252,20 @@ impl KvRouter {
         let clock = Arc::new(AtomicU64::new(0));
         let c = clock.clone();
         let predictor = Arc::new(Predictor::new(Arc::new(move || c.load(Ordering::Relaxed))));
+        let told: Arc<std::sync::Mutex<Vec<RoutedNote>>> = Arc::default();
+        let sink = told.clone();
         let service = RouterService::new(feed.sm.handle(), cost, Default::default())
-            .with_predictor(predictor.clone());
+            .with_predictor(predictor.clone())
+            .with_routed_sink(RoutedSink(Arc::new(move |n| {
+                sink.lock().unwrap_or_else(|p| p.into_inner()).push(n);
+            })));
         Self {
             feed,
             service,
             predictor,
             clock,
             shared: Default::default(),
+            told,
         }
     }
 
@@ -266,9 +274,11 @@ impl KvRouter {
         self.clock.store(now as u64, Ordering::Relaxed);
         self.feed.catch_up(stream, now);
         while self.shared.front().is_some_and(|s| s.0 <= now) {
-            if let Some((_, e, at, due)) = self.shared.pop_front() {
+            if let Some((_, n)) = self.shared.pop_front() {
                 self.predictor
-                    .routed_elsewhere(WORKER_SET, &super::fleet::engine_name(e), at, due);
+                    .routed_elsewhere(&n.worker_set, &n.worker, n.at_ms, n.due_ms);
+                self.predictor
+                    .place(&n.worker_set, &n.worker, n.dp_rank, &n.anchors, n.due_ms);
             }
         }
         let r =
@@ -331,12 +341,18 @@ impl Router for Kvplane {
         let r = self.next % self.replicas.len();
         self.next += 1;
         self.by_request.insert(id, r);
-        let (e, due) = self.replicas[r].route(id, req, now, stream);
+        let (e, _) = self.replicas[r].route(id, req, now, stream);
+        let told: Vec<RoutedNote> = std::mem::take(
+            &mut *self.replicas[r]
+                .told
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
         for (q, other) in self.replicas.iter_mut().enumerate() {
             if q != r {
-                other
-                    .shared
-                    .push_back((now + self.share_ms, e, now as u64, due));
+                for n in &told {
+                    other.shared.push_back((now + self.share_ms, n.clone()));
+                }
             }
         }
         e
