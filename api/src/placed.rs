@@ -22,12 +22,19 @@ use smallvec::SmallVec;
 pub const ANCHOR_EVERY: usize = 16;
 
 /// How long after its first token was due a routed prompt is still taken as cached there:
-/// enough for the engine's events to reach the index (the index then says it, or says it was
-/// evicted).
+/// enough for the engine's events to reach the index, which says it from then on. (An
+/// eviction within that time is not seen: the longer of the two matches counts.)
 pub const GRACE_MS: u64 = 2_000;
 
-/// At most this many anchors remembered per worker set (the oldest leave first).
+/// At most this many anchors remembered per worker set (those soonest to expire leave first).
 const MAX_ANCHORS: usize = 65_536;
+
+/// At most this many anchors of one prompt are remembered (its first ones): 65,536 blocks,
+/// a million tokens of 16. A gossip note carrying more is cut there.
+pub const MAX_PROMPT_ANCHORS: usize = 4_096;
+
+/// At most this many workers' names per worker set (a placement naming another is not kept).
+const MAX_WORKERS: usize = 65_536;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holder {
@@ -50,15 +57,18 @@ pub(crate) struct Placed {
 pub type PlacedMatch = (Arc<str>, u32, u32);
 
 impl Placed {
-    fn id(&mut self, worker: &str) -> u32 {
+    fn id(&mut self, worker: &str) -> Option<u32> {
         if let Some(&i) = self.ids.get(worker) {
-            return i;
+            return Some(i);
+        }
+        if self.names.len() >= MAX_WORKERS {
+            return None;
         }
         let name: Arc<str> = Arc::from(worker);
-        let i = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
+        let i = u32::try_from(self.names.len()).ok()?;
         self.names.push(name.clone());
         self.ids.insert(name, i);
-        i
+        Some(i)
     }
 
     /// Drops what expired by `now_ms`, and the soonest to expire while over the bound.
@@ -93,13 +103,18 @@ impl Placed {
         if until_ms <= now_ms || anchors.is_empty() {
             return;
         }
-        let worker = self.id(worker);
-        for a in anchors {
+        let Some(worker) = self.id(worker) else {
+            return;
+        };
+        for a in anchors.iter().take(MAX_PROMPT_ANCHORS) {
             let holders = self.by_anchor.entry(a.seq).or_default();
             match holders.iter_mut().find(|h| h.worker == worker) {
+                // Only a later time needs an entry of its own in the heap (the earlier one
+                // would leave nothing); the rank is the one the latest-lasting placement named.
+                Some(h) if h.until_ms >= until_ms => continue,
                 Some(h) => {
                     h.dp_rank = dp_rank;
-                    h.until_ms = h.until_ms.max(until_ms);
+                    h.until_ms = until_ms;
                 }
                 None => holders.push(Holder {
                     worker,
@@ -201,12 +216,15 @@ mod tests {
     }
 
     #[test]
-    fn expired_prompts_are_forgotten_and_the_same_worker_is_kept_once() {
+    fn expired_prompts_are_forgotten_and_a_worker_placed_again_keeps_the_later_placement() {
         let mut p = Placed::default();
         let a = anchors_of(&prompt(64, 0, 0));
         p.place("w", 0, &a, 100, 0);
         p.place("w", 1, &a, 200, 50);
+        // An earlier-ending placement (a late note) changes neither the time nor the rank.
+        p.place("w", 2, &a, 120, 60);
         assert_eq!(p.matches(&a, 0, 150).to_vec(), [(Arc::from("w"), 64, 1)]);
+        assert!(p.matches(&a, 0, 200).is_empty());
         p.place("x", 0, &anchors_of(&prompt(0, 16, 9)), 500, 300);
         assert_eq!(p.anchors_kept(), 1);
     }

@@ -49,6 +49,8 @@ pub fn wall_clock() -> Clock {
 }
 
 const PENDING_TTL_MS: u64 = 60_000;
+/// Worker sets whose routed prompts are remembered at most (a note naming another is not).
+const MAX_PLACED_SETS: usize = 1_024;
 /// First tokens (observed and predicted) a histogram calibration step needs.
 const HISTOGRAM_STEP: u64 = 32;
 /// Histograms stand in for usage reports only when none came for this long.
@@ -649,7 +651,7 @@ impl Predictor {
         learning: Option<Learning>,
     ) -> RoutedNote {
         let at_ms = self.now_ms();
-        let due_ms = at_ms + predicted_ms.max(0.0) as u64;
+        let due_ms = at_ms.saturating_add(predicted_ms.max(0.0) as u64);
         let mut g = self.lock();
         // (Looked up before they are entered: a request routed to a known set allocates no key.)
         match g.typical_ms.get_mut(worker_set) {
@@ -688,33 +690,35 @@ impl Predictor {
         }
     }
 
-    /// A prompt (its `anchors`) routed to `worker` rank `dp_rank`, its first token due at
-    /// `due_ms`: counted as cached there until [`crate::placed::GRACE_MS`] after that. The
-    /// anchors the worker's index match already covers may be left out.
+    /// A prompt (its `anchors`) routed to `worker` rank `dp_rank` at `at_ms`, its first
+    /// token due at `due_ms` (the deciding replica's clock, perhaps another's): counted as
+    /// cached there for as long from now as it had to wait (at most a minute) and
+    /// [`crate::placed::GRACE_MS`] more, by this replica's clock. The anchors the worker's
+    /// index match already covers may be left out; a set's worth is bounded (see
+    /// [`crate::placed`]).
     pub fn place(
         &self,
         worker_set: &str,
         worker: &str,
         dp_rank: u32,
         anchors: &[Anchor],
-        due_ms: u64,
+        (at_ms, due_ms): (u64, u64),
     ) {
         if anchors.is_empty() {
             return;
         }
         let now = self.now_ms();
+        let wait = due_ms.saturating_sub(at_ms).min(PENDING_TTL_MS);
+        let until = now.saturating_add(wait).saturating_add(GRACE_MS);
         let mut g = self.lock();
         if !g.placed.contains_key(worker_set) {
+            if g.placed.len() >= MAX_PLACED_SETS {
+                return;
+            }
             g.placed.insert(worker_set.to_owned(), Placed::default());
         }
         if let Some(p) = g.placed.get_mut(worker_set) {
-            p.place(
-                worker,
-                dp_rank,
-                anchors,
-                due_ms.saturating_add(GRACE_MS),
-                now,
-            );
+            p.place(worker, dp_rank, anchors, until, now);
         }
     }
 

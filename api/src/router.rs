@@ -293,12 +293,15 @@ impl RouterService {
                         c.prediction.ttft_ms,
                         learning,
                     );
+                    // Here, only what this replica's index does not show already; the
+                    // others get every anchor (their index may be behind this one).
+                    let held = d.anchors.partition_point(|a| a.blocks <= d.anchors_held);
                     self.predictor.place(
                         worker_set,
                         state.worker,
                         state.dp_rank,
-                        &d.anchors,
-                        note.due_ms,
+                        &d.anchors[held..],
+                        (note.at_ms, note.due_ms),
                     );
                     if let Some(sink) = &self.routed_sink {
                         note.dp_rank = state.dp_rank;

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use kvplane_api::placed::GRACE_MS;
 use kvplane_api::predict::{Predictor, RoutedNote, RoutedSink};
-use support::{TestFleet, pools_node, request, route, target, tokens};
+use support::{TestFleet, explain, pools_node, request, route, target, tokens};
 
 /// A prompt of a 4,096-token prefix (`prefix`) and a 32-token question of its own (`own`):
 /// 258 blocks of 16, 256 of them the prefix's.
@@ -77,7 +77,7 @@ fn another_replica_that_heard_of_a_routed_prompt_keeps_its_prefix_with_that_work
         &wire.worker,
         wire.dp_rank,
         &wire.anchors,
-        wire.due_ms,
+        (wire.at_ms, wire.due_ms),
     );
     let r = route(&b, request("b1", "m", &[], prompt(3, 1)));
     assert_eq!((target(&r), r.matched_blocks), (target(&first), 256));
@@ -88,4 +88,27 @@ fn another_replica_that_heard_of_a_routed_prompt_keeps_its_prefix_with_that_work
     let c = f.service().with_predictor(c_predictor);
     let r = route(&c, request("c1", "m", &[], prompt(3, 2)));
     assert_ne!(target(&r), target(&first));
+}
+
+#[test]
+fn a_routed_prompt_counts_as_cached_until_two_seconds_after_its_first_token_was_due() {
+    let clock = Arc::new(AtomicU64::new(1_000));
+    let f = pools_node(&[]);
+    let s = service_at(&f, &clock);
+    let first = route(&s, request("a0", "m", &[], prompt(4, 0)));
+    let due = 1_000 + first.predicted_ttft_ms as u64;
+    let chosen = |at: u64| {
+        clock.store(at, Ordering::Relaxed);
+        let x = explain(&s, request("probe", "m", &[], prompt(4, 1)));
+        x.candidates
+            .into_iter()
+            .find(|c| {
+                c.endpoint.as_ref().unwrap().worker_id
+                    == target(&first).trim_start_matches("default/")
+            })
+            .unwrap()
+            .overlap_blocks
+    };
+    assert_eq!(chosen(due + GRACE_MS - 1), 256);
+    assert_eq!(chosen(due + GRACE_MS), 0);
 }

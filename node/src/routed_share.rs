@@ -163,6 +163,9 @@ pub async fn run(
                 let Some(m) = m else { return };
                 match serde_json::from_slice::<Wire>(&m.payload) {
                     Ok(w) if w.replica == replica => {}
+                    Ok(w) if !well_formed(&w.note) => {
+                        metrics.malformed.inc();
+                    }
                     Ok(w) => {
                         metrics.received.inc();
                         if let Some(at) = w.decided_us {
@@ -179,7 +182,7 @@ pub async fn run(
                             &w.note.worker,
                             w.note.dp_rank,
                             &w.note.anchors,
-                            w.note.due_ms,
+                            (w.note.at_ms, w.note.due_ms),
                         );
                     }
                     Err(_) => {
@@ -192,9 +195,38 @@ pub async fn run(
     }
 }
 
+/// A note whose dp rank no engine can have, or with more anchors than a prompt can (see
+/// [`kvplane_api::placed`]), is not a decision of a replica of this version.
+fn well_formed(n: &RoutedNote) -> bool {
+    n.dp_rank <= kvplane_state::MAX_DP_RANK
+        && n.anchors.len() <= kvplane_api::placed::MAX_PROMPT_ANCHORS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_note_with_an_impossible_rank_or_too_many_anchors_is_malformed() {
+        let note = |dp_rank: u32, anchors: usize| RoutedNote {
+            worker_set: "ws".into(),
+            worker: "w0".into(),
+            at_ms: 1,
+            due_ms: 2,
+            dp_rank,
+            anchors: vec![kvplane_state::Anchor { blocks: 16, seq: 7 }; anchors],
+        };
+        assert!(well_formed(&note(3, 17)));
+        assert!(well_formed(&note(
+            kvplane_state::MAX_DP_RANK,
+            kvplane_api::placed::MAX_PROMPT_ANCHORS
+        )));
+        assert!(!well_formed(&note(kvplane_state::MAX_DP_RANK + 1, 0)));
+        assert!(!well_formed(&note(
+            0,
+            kvplane_api::placed::MAX_PROMPT_ANCHORS + 1
+        )));
+    }
 
     #[test]
     fn a_note_without_its_decision_time_reads_as_older_versions_send_it() {

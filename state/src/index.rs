@@ -118,7 +118,7 @@ impl Overlap {
 const RANK_BITS: u32 = 24;
 
 /// The largest dp rank a holder id can carry.
-pub(crate) const MAX_DP_RANK: u32 = (1 << RANK_BITS) - 1;
+pub const MAX_DP_RANK: u32 = (1 << RANK_BITS) - 1;
 
 /// A worker rank as one sortable id: the worker id above the rank.
 fn holder(worker: u64, dp_rank: u32) -> u64 {

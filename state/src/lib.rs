@@ -41,7 +41,7 @@ pub use endpoints::{
     Discovered, DiscoveredEndpoint, EndpointHealth, EndpointsUpdate, Found, HealthUpdate,
 };
 pub use error::{ApplyError, SnapshotError};
-pub use index::{Anchor, Overlap, PoolIndex};
+pub use index::{Anchor, MAX_DP_RANK, Overlap, PoolIndex};
 pub use log::{Cause, LogFailure, ProposeError, Proposer, Unavailable};
 pub use machine::{Applied, DropReason, Stamp, StateMachine};
 pub use owner::Owner;

@@ -140,9 +140,10 @@ pub struct Decision<'v> {
     pub alternatives: Vec<(usize, String)>,
     /// Each stage's words (Explain only).
     pub steps: Vec<String>,
-    /// The prompt's anchors in the chosen worker's set, past what the index shows it holding
-    /// (see [`crate::placed`]).
+    /// The prompt's anchors in the chosen worker's set (see [`crate::placed`]), and how many
+    /// of its blocks the index shows the chosen worker holding.
     pub anchors: Vec<kvplane_state::Anchor>,
+    pub anchors_held: u32,
 }
 
 impl<'v> Decision<'v> {
@@ -198,6 +199,7 @@ impl RouterService {
             alternatives: Vec::new(),
             steps: Vec::new(),
             anchors: Vec::new(),
+            anchors_held: 0,
         };
         // 0. bounds: nothing over a limit is read further
         if let Err(e) = self.limits.check_route(req) {
@@ -374,7 +376,7 @@ impl RouterService {
             && !explain
             && let Some((set, state)) = cands[i].worker()
         {
-            d.anchors = fleet.anchors_beyond(set, state.worker);
+            (d.anchors, d.anchors_held) = fleet.anchors_of(set, state.worker);
         }
         d.rule = rule_name;
         d.objective = rule.minimize;

@@ -159,26 +159,22 @@ impl<'a, 'v> ViewFleet<'a, 'v> {
             .insert(worker_set.to_owned(), (o, best, anchors));
     }
 
-    /// The prompt's anchors in `worker_set` past what the index shows `worker` holding: what
-    /// to remember of it once routed there (none if it was not looked up there).
-    pub(crate) fn anchors_beyond(&self, worker_set: &str, worker: &str) -> Vec<Anchor> {
+    /// The prompt's anchors in `worker_set`, and how many blocks the index shows `worker`
+    /// holding of it (none and 0 if it was not looked up there).
+    pub(crate) fn anchors_of(&self, worker_set: &str, worker: &str) -> (Vec<Anchor>, u32) {
         let Some(pool) = self.view.pools.get(worker_set) else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         let cache = self.overlaps.borrow();
         let Some((o, _, anchors)) = cache.get(worker_set) else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         let held = pool
             .workers
             .iter()
             .find(|w| *w.name == *worker)
             .map_or(0, |w| o.best_for(w.id).0);
-        anchors
-            .iter()
-            .filter(|a| a.blocks > held)
-            .copied()
-            .collect()
+        (anchors.clone(), held)
     }
 }
 

@@ -277,8 +277,13 @@ impl KvRouter {
             if let Some((_, n)) = self.shared.pop_front() {
                 self.predictor
                     .routed_elsewhere(&n.worker_set, &n.worker, n.at_ms, n.due_ms);
-                self.predictor
-                    .place(&n.worker_set, &n.worker, n.dp_rank, &n.anchors, n.due_ms);
+                self.predictor.place(
+                    &n.worker_set,
+                    &n.worker,
+                    n.dp_rank,
+                    &n.anchors,
+                    (n.at_ms, n.due_ms),
+                );
             }
         }
         let r =
