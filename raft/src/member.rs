@@ -611,6 +611,11 @@ impl crate::ClusterControl for RaftMember {
                     // Gone already (an ask repeated from a stale view): nothing to change.
                     return Ok(());
                 }
+                // A voter is kept whatever else is under way (openraft would say a change is
+                // in progress before it says the node is no learner).
+                if self.is_voter_id(id) {
+                    return Err(crate::ClusterError::VoterKept(id));
+                }
                 // One membership change that removes a learner only: openraft refuses it for a
                 // voter, so a learner promoted meanwhile is kept too.
                 let ids: std::collections::BTreeSet<u64> = [id].into();
