@@ -30,7 +30,8 @@ pub const GRACE_MS: u64 = 2_000;
 const MAX_ANCHORS: usize = 65_536;
 
 /// At most this many anchors of one prompt are remembered (its first ones): 65,536 blocks,
-/// a million tokens of 16. A gossip note carrying more is cut there.
+/// a million tokens of 16. A gossip note carrying more is refused as malformed; a placement
+/// made otherwise is cut there.
 pub const MAX_PROMPT_ANCHORS: usize = 4_096;
 
 /// At most this many workers' names per worker set (a placement naming another is not kept).

@@ -109,6 +109,8 @@ fn a_routed_prompt_counts_as_cached_until_two_seconds_after_its_first_token_was_
             .unwrap()
             .overlap_blocks
     };
+    // The README's figure: two seconds.
+    assert_eq!(GRACE_MS, 2_000);
     assert_eq!(chosen(due + GRACE_MS - 1), 256);
     assert_eq!(chosen(due + GRACE_MS), 0);
 }
